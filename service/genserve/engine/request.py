@@ -1,0 +1,77 @@
+"""A generation request as the engine tracks it (rank 0 only; never sent to the runner)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from genserve.step import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+    # Ended by the server or the client rather than by decoding:
+    ABORTED = "aborted"  # cancelled by the client, deadline exceeded, or shutdown
+    ERROR = "error"  # the runner failed while this request was in the batch
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV blocks
+    RUNNING = "running"  # holds KV blocks, scheduled every step
+    PREEMPTED = "preempted"  # blocks were taken back; waits to be recomputed
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingCriteria:
+    """Token-level limits checked by the scheduler; stop *strings* are checked by the
+    engine's output processor, which sees text."""
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """Mutable state of one request.  Identity equality: one object per request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Extra keys that make otherwise equal token blocks different cache entries (adapter id, ...).
+    cache_salt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    # Positions whose KV is in this request's blocks (computed or taken from the prefix cache).
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at the first admission.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

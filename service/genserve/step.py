@@ -1,0 +1,145 @@
+"""The contract between the scheduler (rank 0, pure Python) and the model runner.
+
+The scheduler describes one engine step as a :class:`SchedulerOutput`; the runner executes it
+and answers with a :class:`RunnerOutput`.  The runner never sees a request object: everything
+it needs travels in these messages, which is also what is broadcast to tensor-parallel shard
+workers.  This module imports nothing from the project (and no torch) so that both sides, and
+their tests, can depend on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is chosen.  Defaults mean "off"; ``temperature == 0`` is greedy.
+
+    Validation happens before a request reaches the engine; these values are trusted here.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filtering
+    top_p: float = 1.0  # 1.0: no nucleus filtering
+    typical_p: float = 1.0  # 1.0: no typical filtering
+    repetition_penalty: float = 1.0  # 1.0: none (HF/TGI semantics, over prompt + output)
+    frequency_penalty: float = 0.0  # 0.0: none (TGI semantics, over prompt + output)
+    seed: int = 0  # always set for sampled requests (the engine draws one when absent)
+    num_top_tokens: int = 0  # alternatives to return per sampled position
+    prompt_logprobs: bool = False  # compute logprobs of the prompt tokens too
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """Sent once when a request is (re)admitted: after preemption it is sent again.
+
+    ``all_token_ids`` is the prompt followed by every token generated so far; the runner
+    seeds its penalty state from it and, for prompt logprobs, reads targets from it.
+    """
+
+    req_id: str
+    all_token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens of one request whose KV the runner computes this step.
+
+    ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``.  The KV of
+    positions below ``start_pos`` is already in the blocks of ``block_ids`` (computed earlier or
+    taken from the prefix cache).  ``block_ids`` is the request's whole block table, long enough
+    for every position computed this step.  When ``sample`` is true the chunk reaches the end of
+    the known sequence and the runner samples one new token for it.
+    """
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One engine step.  The runner applies ``finished_req_ids`` first (dropping per-request
+    state of finished, aborted and preempted requests), then registers ``new_requests``, then
+    computes ``chunks`` in one forward pass.  Decode chunks (one token) and prefill chunks may
+    be mixed freely."""
+
+    step_id: int
+    chunks: tuple[ScheduledChunk, ...]
+    new_requests: tuple[NewRequestData, ...] = ()
+    finished_req_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """The token sampled for one chunk with ``sample=True``, with its logprob under the
+    unmodified (pre-temperature, pre-penalty) distribution and the top alternatives."""
+
+    req_id: str
+    token_id: int
+    logprob: float
+    top_tokens: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens at positions ``first_pos .. first_pos + len(logprobs) - 1``,
+    each conditioned on the tokens before it.  Position 0 never has one."""
+
+    req_id: str
+    first_pos: int
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    step_id: int
+    sampled: tuple[SampledToken, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape of the paged KV cache the runner allocated (reported to the scheduler)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    """What the engine drives.  Implemented by the model runner (and by test doubles)."""
+
+    def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run one step.  Blocking; the engine calls it from one worker thread at a time."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release devices, stop shard workers.  Idempotent."""
+        ...
