@@ -1,0 +1,267 @@
+"""The ``genserve`` launcher: flags → config → model runner, engine and gRPC server, wired.
+
+The gRPC port opens first, with health NOT_SERVING, so that probes see "loading" rather
+than "connection refused" while the model loads and warms up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from genserve.config import VERSION, Config, load_config, runtime_environment
+from genserve.engine.async_engine import AsyncEngine
+from genserve.engine.scheduler import Scheduler
+from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
+from genserve.limits import LimitsError, ServingLimits, derive_limits
+from genserve.logging import configure_logging
+from genserve.server.app import GrpcApp
+from genserve.server.servicer import Serving, TextGenerationServicer
+from genserve.server.validation import Limits
+from genserve.tokenizer import Tokenizer
+from genserve.v1 import generate_pb2 as pb
+
+log = structlog.get_logger("genserve")
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """Everything built from the model before the engine starts."""
+
+    runner: Any  # genserve.worker.model_runner.ModelRunner (a Runner)
+    tokenizer: Tokenizer
+    limits: ServingLimits
+    info: pb.InfoResponse
+
+
+def _load(config: Config) -> Loaded:
+    """Blocking: resolve and load the model, size the KV cache, warm up.  Runs in a thread."""
+    import torch
+
+    from genserve.model.loader import resolve_model
+    from genserve.parallel import ParallelContext
+    from genserve.worker.model_runner import ModelRunner
+
+    resolved = resolve_model(
+        config.model_id,
+        revision=config.revision,
+        hub_cache=config.huggingface_hub_cache,
+        cache_dir=config.genserve_cache / "models",
+        trust_remote_code=config.trust_remote_code,
+    )
+    on_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
+    dtype_name = config.dtype or ("bfloat16" if on_cuda else "float32")
+    if config.num_shard not in (None, 1) or config.sharded:
+        raise LimitsError("tensor-parallel sharding (--num-shard > 1) is not implemented yet")
+    runner = ModelRunner(
+        resolved,
+        dtype=getattr(torch, dtype_name),
+        device=device,
+        parallel=ParallelContext.single(),
+    )
+    tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
+    hf_config = json.loads((resolved.local_dir / "config.json").read_text())
+    fraction = config.cuda_memory_fraction if on_cuda else config.cpu_memory_fraction
+    bytes_per_block = runner.kv_cache_bytes_per_block(config.block_size)
+    memory_num_blocks = runner.available_kv_memory_bytes(fraction) // bytes_per_block
+    limits = derive_limits(
+        config, hf_config.get("max_position_embeddings"), int(memory_num_blocks), on_cuda
+    )
+    log.info(
+        "kv_cache_sized",
+        num_blocks=limits.num_kv_blocks,
+        block_size=limits.block_size,
+        max_batch_total_tokens=limits.max_batch_total_tokens,
+        bytes_per_block=bytes_per_block,
+        from_memory=config.max_batch_total_tokens is None,
+        memory_fraction=fraction,
+    )
+    runner.initialize_kv_cache(limits.num_kv_blocks, limits.block_size)
+    runner.warmup()
+    info = pb.InfoResponse(
+        model_id=resolved.model_id,
+        model_sha=resolved.revision or "",
+        model_dtype=dtype_name,
+        model_device_type=device.type,
+        num_shard=1,
+        block_size=limits.block_size,
+        num_kv_blocks=limits.num_kv_blocks,
+        max_concurrent_requests=config.max_concurrent_requests,
+        max_best_of=config.max_best_of,
+        max_stop_sequences=config.max_stop_sequences,
+        max_top_n_tokens=config.max_top_n_tokens,
+        max_input_tokens=limits.max_input_tokens,
+        max_total_tokens=limits.max_total_tokens,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+        max_batch_total_tokens=limits.max_batch_total_tokens,
+        max_client_batch_size=config.max_client_batch_size,
+        version=VERSION,
+    )
+    return Loaded(runner=runner, tokenizer=tokenizer, limits=limits, info=info)
+
+
+def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=limits.num_kv_blocks,
+            block_size=limits.block_size,
+            max_batch_prefill_tokens=limits.max_batch_prefill_tokens,
+            chunked_prefill_enabled=not config.disable_chunked_prefill,
+            chunked_prefill_size=limits.chunked_prefill_size,
+            max_num_running=config.max_batch_size,
+            policy=SchedulePolicy(config.schedule_policy),
+            enable_prefix_caching=not config.disable_prefix_caching,
+            waiting_served_ratio=config.waiting_served_ratio,
+            max_waiting_tokens=config.max_waiting_tokens,
+        )
+    )
+
+
+async def _load_in_thread(config: Config) -> Loaded:
+    """Load in a daemon thread: a signal during loading must not wait for it to finish."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Loaded] = loop.create_future()
+
+    def work() -> None:
+        try:
+            loaded = _load(config)
+        except BaseException as exc:  # handed to the event loop, which reports it
+            loop.call_soon_threadsafe(_set_exception, future, exc)
+        else:
+            loop.call_soon_threadsafe(_set_result, future, loaded)
+
+    threading.Thread(target=work, name="genserve-load", daemon=True).start()
+    return await future
+
+
+def _set_result(future: asyncio.Future[Loaded], value: Loaded) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Loaded], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+class Service:
+    """One genserve server: the gRPC port, the model loading behind it, the engine.
+
+    ``start`` opens the port at once (health NOT_SERVING); ``wait_ready`` returns when the
+    model is loaded and health says SERVING; ``stop`` drains and shuts everything down."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.servicer = TextGenerationServicer()
+        self.app = GrpcApp(self.servicer)
+        self.port = 0
+        self.engine: AsyncEngine | None = None
+        self.loaded: Loaded | None = None
+        self._loading: asyncio.Future[Loaded] | None = None
+
+    async def start(self) -> int:
+        self.port = await self.app.start(self.config.hostname, self.config.port)
+        log.info("listening", address=f"{self.config.hostname}:{self.port}", health="NOT_SERVING")
+        self._loading = asyncio.ensure_future(_load_in_thread(self.config))
+        return self.port
+
+    async def wait_ready(self) -> None:
+        """Raises what loading raised (LimitsError, FileNotFoundError, ...)."""
+        assert self._loading is not None, "start() first"
+        loaded = await self._loading
+        config = self.config
+        engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
+        engine.start()
+        self.servicer.attach(
+            Serving(
+                engine=engine,
+                tokenizer=loaded.tokenizer,
+                limits=Limits(
+                    max_best_of=config.max_best_of,
+                    max_stop_sequences=config.max_stop_sequences,
+                    max_top_n_tokens=config.max_top_n_tokens,
+                    max_input_tokens=loaded.limits.max_input_tokens,
+                    max_total_tokens=loaded.limits.max_total_tokens,
+                    max_client_batch_size=config.max_client_batch_size,
+                ),
+                info=loaded.info,
+                max_concurrent_requests=config.max_concurrent_requests,
+            )
+        )
+        self.engine, self.loaded = engine, loaded
+        await self.app.set_serving(True)
+        log.info(
+            "serving",
+            model_id=loaded.info.model_id,
+            dtype=loaded.info.model_dtype,
+            max_input_tokens=loaded.limits.max_input_tokens,
+            max_total_tokens=loaded.limits.max_total_tokens,
+            max_batch_total_tokens=loaded.limits.max_batch_total_tokens,
+        )
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING, refuse new calls, give in-flight ones the shutdown timeout,
+        abort the rest, stop the runner and the port."""
+        log.info("shutdown_started", in_flight=self.servicer.num_in_flight)
+        await self.app.set_serving(False)
+        if self._loading is not None and not self._loading.done():
+            self._loading.cancel()
+        if self.engine is not None:
+            self.engine.stop_accepting()
+            await self.engine.shutdown(self.config.shutdown_timeout)
+        await self.app.stop(1.0)
+        log.info("shutdown_complete")
+
+
+async def serve(config: Config) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    service = Service(config)
+    await service.start()
+    ready = asyncio.ensure_future(service.wait_ready())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        log.info("shutdown_during_load")
+        ready.cancel()
+        await service.stop()
+        return 0
+    try:
+        ready.result()
+    except (LimitsError, FileNotFoundError, ValueError) as exc:
+        log.error("startup_failed", error=str(exc))
+        await service.stop()
+        return 2
+    except Exception:
+        log.exception("startup_failed")
+        await service.stop()
+        return 1
+    await stopping
+    await service.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = load_config(argv)
+    configure_logging(config.json_output)
+    if config.env:
+        log.info("runtime_environment", **runtime_environment())
+    cache: Path = config.genserve_cache
+    log.info("starting", version=VERSION, model_id=config.model_id or "(default)", cache=str(cache))
+    sys.exit(asyncio.run(serve(config)))
+
+
+if __name__ == "__main__":
+    main()

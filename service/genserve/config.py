@@ -1,0 +1,297 @@
+"""The launcher's options: TGI's flag names and environment variables, one frozen config.
+
+This is the only module that reads the process environment.  Every option is a flag whose
+environment variable is the flag's name in upper snake case (``--max-total-tokens`` ↔
+``MAX_TOTAL_TOKENS``), as in ``text-generation-launcher``; a flag on the command line wins over
+the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+SchedulePolicy = Literal["fcfs", "lpm"]
+
+DEFAULT_PORT = 50051
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything the launcher was asked for.  ``None`` means "derive it" (from the model, the
+    memory left after loading, or the hardware) — the derived values are reported by ``Info``."""
+
+    model_id: str | None = None
+    revision: str | None = None
+    dtype: Dtype | None = None
+    trust_remote_code: bool = False
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_client_batch_size: int = 4
+    waiting_served_ratio: float = 1.2
+    max_waiting_tokens: int = 20
+    max_batch_size: int | None = None
+    chunked_prefill_size: int | None = None
+    disable_chunked_prefill: bool = False
+    schedule_policy: SchedulePolicy = "fcfs"
+    disable_prefix_caching: bool = False
+    block_size: int = 16
+    cuda_memory_fraction: float = 1.0
+    cpu_memory_fraction: float = 0.5
+    hostname: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    huggingface_hub_cache: Path | None = None
+    genserve_cache: Path = Path.home() / ".cache" / "genserve"
+    num_shard: int | None = None
+    sharded: bool | None = None
+    master_addr: str = "localhost"
+    master_port: int = 29500
+    shutdown_timeout: float = 30.0
+    json_output: bool = False
+    log_requests: bool = False
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "genserve"
+    prometheus_port: int | None = 9000
+    env: bool = False
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Flag:
+    dest: str
+    names: tuple[str, ...]
+    help: str
+    parse: Callable[[str], Any] | None = None  # None: a switch (store_true)
+    env: tuple[str, ...] = ()
+    choices: tuple[str, ...] | None = None
+
+
+def _flag(
+    dest: str,
+    help: str,
+    parse: Callable[[str], Any] | None = str,
+    *,
+    aliases: Sequence[str] = (),
+    env: Sequence[str] = (),
+    choices: Sequence[str] | None = None,
+) -> _Flag:
+    names = ("--" + dest.replace("_", "-"), *aliases)
+    return _Flag(
+        dest=dest,
+        names=names,
+        help=help,
+        parse=parse,
+        env=tuple(env) or (dest.upper(),),
+        choices=tuple(choices) if choices else None,
+    )
+
+
+_SWITCH = None
+
+FLAGS: tuple[_Flag, ...] = (
+    _flag(
+        "model_id",
+        "Local save_pretrained directory, .gguf file, or hub id in the local HF cache. "
+        "Default: the embedded SmolLM2-135M-Instruct.",
+    ),
+    _flag("revision", "Hub revision (branch, tag or commit) of --model-id."),
+    _flag("dtype", "Weights and compute dtype.", choices=("float32", "bfloat16", "float16")),
+    _flag(
+        "trust_remote_code", "Allow model code from the hub (unused: native models only).", _SWITCH
+    ),
+    _flag(
+        "max_concurrent_requests", "Requests in flight before RESOURCE_EXHAUSTED.", _positive_int
+    ),
+    _flag("max_best_of", "Largest best_of a client may ask for.", _positive_int),
+    _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),
+    _flag("max_top_n_tokens", "Largest top_n_tokens per request.", int),
+    _flag(
+        "max_input_tokens",
+        "Longest prompt in tokens. Default: min(max_position_embeddings - 1, 4095).",
+        _positive_int,
+        aliases=("--max-input-length",),
+        env=("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"),
+    ),
+    _flag(
+        "max_total_tokens",
+        "Prompt + generated tokens per request. Default: min(max_position_embeddings, 4096).",
+        _positive_int,
+    ),
+    _flag(
+        "max_batch_prefill_tokens",
+        "Prompt tokens computed in one step. Default: max_input_tokens + 50.",
+        _positive_int,
+    ),
+    _flag(
+        "max_batch_total_tokens",
+        "KV-cache capacity in tokens across the batch. Default: derived from free memory.",
+        _positive_int,
+    ),
+    _flag("max_client_batch_size", "Most inputs in one Generate call.", _positive_int),
+    _flag(
+        "waiting_served_ratio",
+        "With chunked prefill disabled: waiting/running ratio that triggers a prefill batch.",
+        float,
+    ),
+    _flag(
+        "max_waiting_tokens",
+        "With chunked prefill disabled: decode steps before waiting requests are forced in.",
+        int,
+    ),
+    _flag("max_batch_size", "Most requests in the running batch.", _positive_int),
+    _flag(
+        "chunked_prefill_size",
+        "Most prompt tokens of one request per step. Default: max_batch_prefill_tokens.",
+        _positive_int,
+    ),
+    _flag("disable_chunked_prefill", "Prefill whole prompts in one step (TGI's policy).", _SWITCH),
+    _flag("schedule_policy", "Order of the waiting queue.", choices=("fcfs", "lpm")),
+    _flag("disable_prefix_caching", "Do not reuse KV blocks across requests.", _SWITCH),
+    _flag("block_size", "Tokens per KV-cache block.", _positive_int),
+    _flag("cuda_memory_fraction", "Share of GPU memory genserve may use.", _fraction),
+    _flag(
+        "cpu_memory_fraction",
+        "On CPU: share of the memory available after loading used for the KV cache.",
+        _fraction,
+    ),
+    _flag("hostname", "Address to listen on.", aliases=()),
+    _flag("port", "gRPC port.", int, aliases=("-p",)),
+    _flag(
+        "huggingface_hub_cache",
+        "Hugging Face hub cache to resolve hub ids from.",
+        Path,
+        env=("HUGGINGFACE_HUB_CACHE", "HF_HUB_CACHE"),
+    ),
+    _flag(
+        "genserve_cache",
+        "Where converted models (GGUF → safetensors) are cached.",
+        Path,
+    ),
+    _flag("num_shard", "Tensor-parallel shards.", _positive_int),
+    _flag("sharded", "Shard the model (true: every visible GPU by default).", _bool),
+    _flag("master_addr", "torch.distributed rendezvous address.", str),
+    _flag("master_port", "torch.distributed rendezvous port.", int),
+    _flag("shutdown_timeout", "Seconds in-flight requests get to finish on SIGTERM.", float),
+    _flag("json_output", "One JSON object per log line.", _SWITCH),
+    _flag("log_requests", "Log prompts and outputs (off: they never reach the logs).", _SWITCH),
+    _flag("otlp_endpoint", "OTLP/gRPC collector URL, e.g. http://collector:4317.", str),
+    _flag("otlp_service_name", "service.name of exported spans.", str),
+    _flag("prometheus_port", "Port of the Prometheus /metrics endpoint (0: off).", int),
+    _flag("env", "Log the runtime environment at start-up.", _SWITCH, aliases=("-e",)),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="genserve",
+        description="genserve: gRPC text-generation server. Every flag can also be given as "
+        "an environment variable (upper snake case, as TGI).",
+    )
+    defaults = Config()
+    for flag in FLAGS:
+        default = getattr(defaults, flag.dest)
+        env_text = ", ".join(flag.env)
+        help_text = f"{flag.help} [env: {env_text}]"
+        if flag.parse is None:
+            parser.add_argument(*flag.names, dest=flag.dest, action="store_true", help=help_text)
+            continue
+        if default is not None and not isinstance(default, bool):
+            help_text += f" [default: {default}]"
+        parser.add_argument(
+            *flag.names,
+            dest=flag.dest,
+            type=flag.parse,
+            choices=flag.choices,
+            default=None,
+            help=help_text,
+        )
+    parser.add_argument("-V", "--version", action="version", version=f"genserve {VERSION}")
+    return parser
+
+
+def _from_env(flag: _Flag, environ: Mapping[str, str]) -> Any:
+    for name in flag.env:
+        raw = environ.get(name)
+        if raw is None or raw == "":
+            continue
+        if flag.parse is None:
+            return _bool(raw)
+        value = flag.parse(raw)
+        if flag.choices and value not in flag.choices:
+            raise SystemExit(f"genserve: {name}={raw!r} is not one of {', '.join(flag.choices)}")
+        return value
+    return None
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Config:
+    """Parse flags, falling back to environment variables, then to the defaults."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    for flag in FLAGS:
+        given = getattr(args, flag.dest)
+        if flag.parse is None:
+            given = True if given else None
+        if given is None:
+            try:
+                given = _from_env(flag, environ)
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise SystemExit(
+                    f"genserve: bad environment value for {flag.env[0]}: {exc}"
+                ) from None
+        if given is not None:
+            values[flag.dest] = given
+    known = {f.name for f in fields(Config)}
+    return Config(**{k: v for k, v in values.items() if k in known})
+
+
+def runtime_environment() -> dict[str, str]:
+    """What ``--env`` logs: enough to reproduce a bug report."""
+    import platform
+
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": str(os.cpu_count()),
+        "genserve": VERSION,
+    }
+    for var in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HUB_OFFLINE"):
+        if var in os.environ:
+            info[var] = os.environ[var]
+    return info

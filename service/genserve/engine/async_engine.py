@@ -1,0 +1,359 @@
+"""The asyncio facade over the scheduler and a Runner: one engine loop, many request streams.
+
+The loop runs in the event-loop thread except for ``Runner.execute_model``, which runs in a
+single worker thread so that gRPC I/O keeps flowing while the model computes (torch releases
+the GIL inside its kernels).  Scheduler state is only touched from the event-loop thread, so
+aborts and new arrivals need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import structlog
+
+from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
+from genserve.engine.request import FinishReason, Request
+from genserve.engine.scheduler import EngineCoreOutput, Scheduler
+from genserve.step import PromptLogprobs, Runner, RunnerOutput, SchedulerOutput
+from genserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = structlog.get_logger(__name__)
+
+# How long the loop sleeps when requests wait but none can be scheduled (blocks held by a
+# step in flight are released by the next update); short, so arrivals are not delayed.
+_IDLE_POLL_S = 0.005
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot take requests: still loading, shutting down, or a shard died."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Per-request output state, owned by the event-loop thread."""
+
+    request: GenerationRequest
+    detokenizer: IncrementalDetokenizer
+    queue: asyncio.Queue[TokenOutput] = field(default_factory=asyncio.Queue)
+    texts: list[str] = field(default_factory=list)
+    num_generated: int = 0
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)
+    finished: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepObservation:
+    """What one engine step did, for metrics and traces."""
+
+    step: SchedulerOutput
+    duration_s: float
+    num_finished: int
+
+
+class AsyncEngine:
+    """Drives a :class:`Scheduler` and a :class:`Runner`; serves token streams per request."""
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: Tokenizer) -> None:
+        self._scheduler = scheduler
+        self._runner = runner
+        self._tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genserve-step")
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._accepting = False
+        self._dead_reason: str | None = None
+        self._idle = asyncio.Event()  # set whenever the last stream ends
+        self.step_observers: list[Callable[[StepObservation], None]] = []
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the engine loop and accept requests.  Call from the running event loop."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(
+                self._run(), name="genserve-engine-loop"
+            )
+        self._accepting = True
+
+    @property
+    def is_ready(self) -> bool:
+        """True when a request sent now would be generated."""
+        return (
+            self._accepting
+            and self._dead_reason is None
+            and self._loop_task is not None
+            and not self._loop_task.done()
+        )
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def mark_dead(self, reason: str) -> None:
+        """A part the engine depends on (a shard worker) is gone: fail every request now.
+
+        Safe to call from any thread."""
+        try:
+            loop = self._loop_task.get_loop() if self._loop_task else None
+        except RuntimeError:
+            loop = None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._die, reason)
+        else:
+            self._die(reason)
+
+    def _die(self, reason: str) -> None:
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        self._accepting = False
+        log.error("engine_dead", reason=reason)
+        self._fail_all(FinishReason.ERROR, reason)
+        self._wake.set()
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop accepting, let in-flight requests finish for up to ``grace_s``, abort the rest,
+        stop the loop and the runner."""
+        self._accepting = False
+        if self._streams and self._dead_reason is None:
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), max(0.0, grace_s))
+        if self._streams:
+            log.warning("shutdown_aborting_requests", num_requests=len(self._streams))
+            self._fail_all(FinishReason.ABORTED, "server is shutting down")
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loop_task
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._runner.shutdown)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------------- requests
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenOutput]:
+        """Yield the request's tokens as they are generated; the last output has ``final``.
+
+        Closing the iterator early (client gone, deadline) aborts the request: it leaves the
+        batch at the next step and its KV blocks return to the pool."""
+        if not self.is_ready:
+            raise EngineUnavailableError(self._dead_reason or "the engine is not serving")
+        if req.req_id in self._streams:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        stream = _Stream(
+            request=req,
+            detokenizer=self._tokenizer.detokenizer(req.prompt_token_ids, req.stop),
+        )
+        self._streams[req.req_id] = stream
+        self._scheduler.add_request(
+            Request(
+                req_id=req.req_id,
+                prompt_token_ids=list(req.prompt_token_ids),
+                sampling=req.sampling,
+                stopping=req.stopping,
+            )
+        )
+        self._wake.set()
+        try:
+            while True:
+                out = await stream.queue.get()
+                yield out
+                if out.final is not None:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(req.req_id)
+
+    def abort(self, req_id: str) -> None:
+        """End a request now (cancellation, deadline); a no-op for unknown/finished ids."""
+        stream = self._pop_stream(req_id)
+        if stream is None:
+            return
+        stream.finished = True
+        self._scheduler.finish_requests([req_id], FinishReason.ABORTED)
+        log.info("request_aborted", req_id=req_id, generated_tokens=stream.num_generated)
+
+    def _pop_stream(self, req_id: str) -> _Stream | None:
+        stream = self._streams.pop(req_id, None)
+        if not self._streams:
+            self._idle.set()
+        return stream
+
+    # ----------------------------------------------------------------- the loop
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._dead_reason is None:
+            if not self._scheduler.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            step = self._scheduler.schedule()
+            if step.is_empty and not step.finished_req_ids:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), _IDLE_POLL_S)
+                continue
+            started = time.perf_counter()
+            try:
+                result = await loop.run_in_executor(
+                    self._executor, self._runner.execute_model, step
+                )
+            except Exception as exc:  # the runner failed: fail this step's requests
+                self._on_step_failure(step, exc)
+                continue
+            outputs = self._scheduler.update_from_output(step, result)
+            num_finished = self._process_outputs(outputs, result)
+            observation = StepObservation(
+                step=step, duration_s=time.perf_counter() - started, num_finished=num_finished
+            )
+            for observer in self.step_observers:
+                observer(observation)
+
+    def _on_step_failure(self, step: SchedulerOutput, exc: Exception) -> None:
+        is_alive = getattr(self._runner, "is_alive", None)
+        if callable(is_alive) and not is_alive():
+            self._die(f"model runner died: {exc}")
+            return
+        log.exception("step_failed", step_id=step.step_id, num_requests=len(step.chunks))
+        failed = [c.req_id for c in step.chunks]
+        self._scheduler.finish_requests(failed, FinishReason.ERROR)
+        for req_id in failed:
+            self._end_stream(req_id, FinishReason.ERROR, error=f"generation failed: {exc}")
+
+    def _fail_all(self, reason: FinishReason, message: str) -> None:
+        ids = list(self._streams)
+        self._scheduler.finish_requests(ids, reason)
+        for req_id in ids:
+            self._end_stream(req_id, reason, error=message)
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput], result: RunnerOutput) -> int:
+        del result  # everything needed travels in the scheduler's outputs
+        num_finished = 0
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is None:  # aborted while its step was running
+                continue
+            if out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(stream, out.prompt_logprobs)
+            if out.new_token is None:
+                if out.finish_reason is not None:
+                    self._end_stream(out.req_id, out.finish_reason, cached=out.num_cached_tokens)
+                    num_finished += 1
+                continue
+            if self._emit_token(stream, out):
+                num_finished += 1
+        return num_finished
+
+    def _emit_token(self, stream: _Stream, out: EngineCoreOutput) -> bool:
+        assert out.new_token is not None
+        sampled = out.new_token
+        detok = stream.detokenizer
+        finish = out.finish_reason
+        text = detok.add(sampled.token_id)
+        if detok.stopped_by is not None:
+            if finish is None:
+                self._scheduler.finish_requests([out.req_id], FinishReason.STOP_SEQUENCE)
+            finish = FinishReason.STOP_SEQUENCE
+        elif finish is not None:
+            text += detok.flush()
+        tok = self._tokenizer
+        token = TokenInfo(
+            token_id=sampled.token_id,
+            text=text,
+            logprob=sampled.logprob,
+            special=sampled.token_id in tok.special_ids,
+        )
+        top = tuple(
+            TokenInfo(
+                token_id=t.token_id,
+                text=tok.token_text(t.token_id),
+                logprob=t.logprob,
+                special=t.token_id in tok.special_ids,
+            )
+            for t in sampled.top_tokens
+        )
+        index = stream.num_generated
+        stream.num_generated += 1
+        stream.texts.append(text)
+        if stream.first_token_time is None:
+            stream.first_token_time = time.monotonic()
+        final = None
+        if finish is not None:
+            final = self._final_info(stream, finish, out.num_cached_tokens, out.num_preemptions)
+            stream.finished = True
+            self._pop_stream(out.req_id)
+        stream.queue.put_nowait(TokenOutput(index=index, token=token, top_tokens=top, final=final))
+        return final is not None
+
+    def _end_stream(
+        self,
+        req_id: str,
+        reason: FinishReason,
+        *,
+        error: str | None = None,
+        cached: int = 0,
+    ) -> None:
+        stream = self._pop_stream(req_id)
+        if stream is None:
+            return
+        stream.finished = True
+        final = self._final_info(stream, reason, cached, 0, error=error)
+        stream.queue.put_nowait(TokenOutput(index=stream.num_generated, token=None, final=final))
+
+    def _final_info(
+        self,
+        stream: _Stream,
+        reason: FinishReason,
+        num_cached_tokens: int,
+        num_preemptions: int,
+        *,
+        error: str | None = None,
+    ) -> FinalInfo:
+        req = stream.request
+        prefill: tuple[TokenInfo, ...] = ()
+        if req.sampling.prompt_logprobs:
+            tok = self._tokenizer
+            prefill = tuple(
+                TokenInfo(
+                    token_id=tid,
+                    text=tok.token_text(tid),
+                    logprob=stream.prompt_logprobs.get(pos),
+                    special=tid in tok.special_ids,
+                )
+                for pos, tid in enumerate(req.prompt_token_ids)
+            )
+        return FinalInfo(
+            finish_reason=reason,
+            generated_text="".join(stream.texts),
+            num_generated_tokens=stream.num_generated,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_cached_tokens=num_cached_tokens,
+            num_preemptions=num_preemptions,
+            prefill=prefill,
+            error=error,
+        )
+
+    @staticmethod
+    def _add_prompt_logprobs(stream: _Stream, chunk: PromptLogprobs) -> None:
+        # Recomputed chunks (after preemption) send positions again: same values, keep one.
+        for offset, entry in enumerate(chunk.logprobs):
+            stream.prompt_logprobs[chunk.first_pos + offset] = entry.logprob

@@ -1,0 +1,55 @@
+"""What the engine receives per request and what it streams back to the servicer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genserve.engine.request import FinishReason, StoppingCriteria
+from genserve.step import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated request, ready for the engine (tokenized, limits checked, seed drawn)."""
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    stop: tuple[str, ...] = ()
+    seed: int | None = None  # reported back in details; None for greedy requests
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    token_id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FinalInfo:
+    """Sent with the last token of a request."""
+
+    finish_reason: FinishReason
+    generated_text: str
+    num_generated_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    prefill: tuple[TokenInfo, ...] = ()  # when prompt logprobs were asked for
+    error: str | None = None  # set when finish_reason is ERROR or ABORTED
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    """One generated token (``token`` may be None only on an ended-without-token message).
+
+    ``token.text`` is the text this token made final; the texts of all messages of a request
+    concatenate to exactly ``final.generated_text``."""
+
+    index: int
+    token: TokenInfo | None
+    top_tokens: tuple[TokenInfo, ...] = ()
+    final: FinalInfo | None = None

@@ -1,0 +1,99 @@
+"""Deriving the limits the launcher did not set, as TGI does, and checking they fit together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from genserve.config import Config
+
+
+class LimitsError(ValueError):
+    """The configured limits cannot work together; the message says which flag to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLimits:
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    chunked_prefill_size: int
+    block_size: int
+    num_kv_blocks: int
+
+    @property
+    def max_batch_total_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+def token_limits(config: Config, max_position_embeddings: int | None) -> tuple[int, int]:
+    """(max_input_tokens, max_total_tokens): TGI's defaults are min(max_pos, 4096) total and
+    one less for the input."""
+    model_max = max_position_embeddings or 4096
+    total = config.max_total_tokens
+    if total is None:
+        total = min(model_max, 4096)
+        if config.max_input_tokens is not None:
+            total = max(total, config.max_input_tokens + 1)
+    inputs = config.max_input_tokens if config.max_input_tokens is not None else total - 1
+    if inputs >= total:
+        raise LimitsError(f"--max-input-tokens ({inputs}) must be < --max-total-tokens ({total})")
+    if max_position_embeddings is not None and total > max_position_embeddings:
+        raise LimitsError(
+            f"--max-total-tokens ({total}) exceeds the model's max_position_embeddings "
+            f"({max_position_embeddings})"
+        )
+    return inputs, total
+
+
+def derive_limits(
+    config: Config,
+    max_position_embeddings: int | None,
+    memory_num_blocks: int,
+    on_cuda: bool,
+) -> ServingLimits:
+    """``memory_num_blocks``: how many KV blocks fit the memory budget; used when
+    --max-batch-total-tokens is not given."""
+    max_input, max_total = token_limits(config, max_position_embeddings)
+    block_size = config.block_size
+    if config.max_batch_total_tokens is not None:
+        num_blocks = -(-config.max_batch_total_tokens // block_size)
+    else:
+        # More KV than every allowed request at full length is memory nobody can use.
+        useful = config.max_concurrent_requests * max_total
+        num_blocks = min(memory_num_blocks, -(-useful // block_size))
+    capacity = num_blocks * block_size
+    if capacity < max_total:
+        if config.max_total_tokens is None and config.max_input_tokens is None:
+            # Nothing was asked explicitly: shrink the per-request limits to what fits.
+            max_total = capacity
+            max_input = max_total - 1
+        else:
+            raise LimitsError(
+                f"the KV cache holds {capacity} tokens (--max-batch-total-tokens / free "
+                f"memory) but one request may need --max-total-tokens={max_total}: lower "
+                "--max-total-tokens or raise --max-batch-total-tokens"
+            )
+    if max_input < 1:
+        raise LimitsError(f"the KV cache ({capacity} tokens) is too small to serve anything")
+    prefill = config.max_batch_prefill_tokens
+    if prefill is None:
+        prefill = max_input + 50
+    if config.disable_chunked_prefill and prefill < max_input:
+        raise LimitsError(
+            f"without chunked prefill a whole prompt is computed in one step: "
+            f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({max_input})"
+        )
+    chunk = config.chunked_prefill_size
+    if chunk is None:
+        # On a CPU a long chunk stalls every running stream for its whole duration: keep
+        # chunks short so decodes keep flowing (GPUs amortise far larger chunks).
+        chunk = prefill if on_cuda else min(prefill, 256)
+    chunk = min(chunk, prefill)
+    return ServingLimits(
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_batch_prefill_tokens=prefill,
+        chunked_prefill_size=chunk,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+    )

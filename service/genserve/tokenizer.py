@@ -1,0 +1,142 @@
+"""Tokenization and exact incremental detokenization (multi-byte UTF-8, stop strings)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.decoders import DecodeStream
+
+# Tokens of prompt context given to a new decode stream: enough for any merge or
+# byte sequence to settle, so the first generated piece decodes as it would mid-text.
+_CONTEXT_TOKENS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpan:
+    token_id: int
+    text: str
+    start: int  # character offsets into the input text, [start, stop)
+    stop: int
+
+
+class Tokenizer:
+    """The model's fast tokenizer plus what generation needs from it (EOS ids, special ids)."""
+
+    def __init__(self, model_dir: Path, trust_remote_code: bool = False) -> None:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        backend = getattr(hf, "backend_tokenizer", None)
+        if not isinstance(backend, FastTokenizer):
+            raise ValueError(f"{model_dir}: genserve needs a fast (tokenizers) tokenizer")
+        self._hf: Any = hf
+        self._tok: FastTokenizer = backend
+        self.special_ids: frozenset[int] = frozenset(int(i) for i in hf.all_special_ids)
+        self.eos_token_ids: frozenset[int] = _eos_ids(model_dir, hf.eos_token_id)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def backend(self) -> FastTokenizer:
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[TokenSpan]:
+        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return [
+            TokenSpan(token_id=i, text=text[start:stop], start=start, stop=stop)
+            for i, (start, stop) in zip(enc.ids, enc.offsets, strict=True)
+        ]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token on its own (for prompt tokens and top alternatives)."""
+        return str(self._tok.decode([token_id], skip_special_tokens=False))
+
+    def detokenizer(
+        self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tok, prompt_token_ids, stop)
+
+
+def _eos_ids(model_dir: Path, tokenizer_eos: int | None) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer_eos is not None:
+        ids.add(int(tokenizer_eos))
+    # generation_config.json may list several (Llama 3 chat models end turns with <|eot_id|>).
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text pieces whose concatenation is exactly the final
+    text.  A piece is released only once it is final: bytes of an unfinished UTF-8 character
+    wait for the next token, and text that could be the start of a stop string waits until it
+    is clearly not one (so a stop string spanning tokens is cut cleanly, and never streamed)."""
+
+    def __init__(
+        self, tokenizer: FastTokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]
+    ) -> None:
+        self._tok = tokenizer
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self._stop = tuple(s for s in stop if s)
+        self._pending = ""
+        self.stopped_by: str | None = None
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; returns the text that became final (may be empty).
+        After a stop string appears, ``stopped_by`` is set and the text up to it is returned."""
+        if self.stopped_by is not None:
+            return ""
+        piece = self._stream.step(self._tok, token_id)
+        if piece:
+            self._pending += piece
+        if not self._stop:
+            released, self._pending = self._pending, ""
+            return released
+        first: tuple[int, str] | None = None
+        for s in self._stop:
+            at = self._pending.find(s)
+            if at >= 0 and (first is None or at < first[0]):
+                first = (at, s)
+        if first is not None:
+            released = self._pending[: first[0]]
+            self._pending = ""
+            self.stopped_by = first[1]
+            return released
+        keep = self._longest_stop_prefix_suffix()
+        cut = len(self._pending) - keep
+        released, self._pending = self._pending[:cut], self._pending[cut:]
+        return released
+
+    def flush(self) -> str:
+        """At the end of generation: the text held back because it might have begun a stop."""
+        released, self._pending = self._pending, ""
+        return released
+
+    def _longest_stop_prefix_suffix(self) -> int:
+        pending = self._pending
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(pending)), best, -1):
+                if pending.endswith(s[:n]):
+                    best = n
+                    break
+        return best
