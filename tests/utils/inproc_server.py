@@ -1,0 +1,75 @@
+"""A real genserve server (real gRPC port, real model) running in this test process, in a
+background thread with its own event loop, so tests can also look at engine internals
+(free KV blocks) that no RPC exposes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from genserve.cli import Service
+from genserve.config import load_config
+from genserve.engine.async_engine import AsyncEngine
+
+T = TypeVar("T")
+
+
+class InProcessServer:
+    def __init__(self, args: list[str]) -> None:
+        self.config = load_config(args, environ={})
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.service: Service = self.call(self._make)
+        self.port = self.run(self.service.start())
+        self.run(self.service.wait_ready(), timeout=600)
+
+    def _make(self) -> Service:
+        return Service(self.config)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def engine(self) -> AsyncEngine:
+        assert self.service.engine is not None
+        return self.service.engine
+
+    def run(self, coro: Any, timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the server's event loop thread (where engine state lives)."""
+
+        async def wrapper() -> T:
+            return fn()
+
+        return self.run(wrapper())  # type: ignore[no-any-return]
+
+    def num_free_blocks(self) -> int:
+        return self.call(lambda: self.engine.scheduler.stats().num_free_blocks)
+
+    def num_total_blocks(self) -> int:
+        return self.call(lambda: self.engine.scheduler.stats().num_total_blocks)
+
+    def stop(self) -> None:
+        try:
+            self.run(self.service.stop(), timeout=120)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+@contextmanager
+def inproc_server(model_dir: Path, *extra: str) -> Iterator[InProcessServer]:
+    args = ["--model-id", str(model_dir), "--hostname", "127.0.0.1", "--port", "0", *extra]
+    server = InProcessServer(args)
+    try:
+        yield server
+    finally:
+        server.stop()
