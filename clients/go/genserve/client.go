@@ -1,0 +1,117 @@
+// Package genserve is a thin Go client for the genserve gRPC text-generation server.
+//
+// It wraps the generated stubs in github.com/genserve/genserve/clients/go/genservev1 and adds
+// nothing the server already does: requests and responses are the protobuf messages, and
+// failures are gRPC status errors, so status.Code(err) tells INVALID_ARGUMENT (bad input),
+// RESOURCE_EXHAUSTED (overload), UNAVAILABLE (not ready or shutting down) and so on apart.
+package genserve
+
+import (
+	"context"
+	"errors"
+	"io"
+	"iter"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	genservev1 "github.com/genserve/genserve/clients/go/genservev1"
+)
+
+// Client calls one genserve server.  It is safe for concurrent use.
+type Client struct {
+	conn *grpc.ClientConn // nil when the caller owns the connection (New)
+	svc  genservev1.TextGenerationServiceClient
+}
+
+// Dial connects to target (host:port, or any gRPC target URI).  Without options it uses a
+// plaintext connection, as genserve serves by default; pass grpc.WithTransportCredentials for
+// TLS.  The connection is established lazily, on the first call.
+func Dial(target string, opts ...grpc.DialOption) (*Client, error) {
+	if len(opts) == 0 {
+		opts = []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	}
+	conn, err := grpc.NewClient(target, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{conn: conn, svc: genservev1.NewTextGenerationServiceClient(conn)}, nil
+}
+
+// New wraps a connection the caller owns; Close then leaves it open.
+func New(conn grpc.ClientConnInterface) *Client {
+	return &Client{svc: genservev1.NewTextGenerationServiceClient(conn)}
+}
+
+// Close closes the connection Dial opened.
+func (c *Client) Close() error {
+	if c.conn == nil {
+		return nil
+	}
+	return c.conn.Close()
+}
+
+// Generate completes each input with the same parameters (nil means the server's defaults)
+// and returns one result per input, in input order.
+func (c *Client) Generate(
+	ctx context.Context, inputs []string, params *genservev1.GenerateParameters,
+) ([]*genservev1.GenerateResult, error) {
+	resp, err := c.svc.Generate(ctx, &genservev1.GenerateRequest{Inputs: inputs, Parameters: params})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetResults(), nil
+}
+
+// GenerateStream completes one input and yields one message per generated token; the last one
+// also carries GeneratedText and Details.  A failure is yielded once, as (nil, err), and ends
+// the sequence.  Breaking out of the loop cancels the call, which frees the request's place on
+// the server.
+func (c *Client) GenerateStream(
+	ctx context.Context, input string, params *genservev1.GenerateParameters,
+) iter.Seq2[*genservev1.GenerateStreamResponse, error] {
+	return func(yield func(*genservev1.GenerateStreamResponse, error) bool) {
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		stream, err := c.svc.GenerateStream(
+			ctx, &genservev1.GenerateStreamRequest{Inputs: input, Parameters: params})
+		if err != nil {
+			yield(nil, err)
+			return
+		}
+		for {
+			msg, err := stream.Recv()
+			if errors.Is(err, io.EOF) {
+				return
+			}
+			if err != nil {
+				yield(nil, err)
+				return
+			}
+			if !yield(msg, nil) {
+				return
+			}
+		}
+	}
+}
+
+// Health returns nil when the server can generate, and an UNAVAILABLE status error otherwise.
+func (c *Client) Health(ctx context.Context) error {
+	_, err := c.svc.Health(ctx, &genservev1.HealthRequest{})
+	return err
+}
+
+// Info describes the loaded model and every limit the server enforces.
+func (c *Client) Info(ctx context.Context) (*genservev1.InfoResponse, error) {
+	return c.svc.Info(ctx, &genservev1.InfoRequest{})
+}
+
+// Tokenize splits text into the model's tokens, with the tokenizer's special tokens (such as
+// BOS) added as generation adds them.
+func (c *Client) Tokenize(ctx context.Context, text string) ([]*genservev1.SimpleToken, error) {
+	resp, err := c.svc.Tokenize(ctx, &genservev1.TokenizeRequest{Inputs: text})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetTokens(), nil
+}
