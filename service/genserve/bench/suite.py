@@ -1,0 +1,339 @@
+"""One benchmark invocation end to end: (launch,) warm up, load levels, prefix scenario,
+(stop,) baselines, report.  The only module that sequences the others."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import platform
+import secrets
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from tqdm import tqdm
+
+from genserve.bench import report
+from genserve.bench.grpc_load import (
+    check_loopback,
+    fetch_info,
+    run_level,
+    run_sequential,
+    server_token_counter,
+)
+from genserve.bench.launch import LaunchedServer
+from genserve.bench.prompts import Prompt, TokenCounter, make_prefix_scenario, make_prompts
+from genserve.bench.records import RunResult
+from genserve.bench.stats import summarise
+
+if TYPE_CHECKING:
+    from genserve.bench.cli import BenchConfig
+
+# Streams per HTTP/2 connection: servers commonly cap concurrent streams at 100.
+_STREAMS_PER_CHANNEL = 64
+
+
+def resolve_concurrency(
+    token: str, info: dict[str, Any], mean_prompt_tokens: float, max_new_tokens: int
+) -> int:
+    """An integer token as is; ``kv<F>x`` as F times the number of requests of mean size
+    (prompt + ``max_new_tokens``) whose blocks fit in the server's KV cache (from ``Info``)."""
+    if token.isdigit():
+        return int(token)
+    factor = float(token[2:-1])
+    num_blocks = int(info.get("num_kv_blocks", 0))
+    block_size = int(info.get("block_size", 0))
+    if num_blocks <= 0 or block_size <= 0:
+        raise RuntimeError(f"{token}: the server's Info reports no num_kv_blocks/block_size")
+    blocks_per_request = math.ceil((mean_prompt_tokens + max_new_tokens) / block_size)
+    capacity = max(1, num_blocks // blocks_per_request)
+    return max(1, round(factor * capacity))
+
+
+def _hf_num_prompts(batch_size: int, min_prompts: int) -> int:
+    return math.ceil(max(batch_size, min_prompts) / batch_size) * batch_size
+
+
+def _record_rows(run: RunResult) -> list[dict[str, Any]]:
+    """Per-request rows for the JSON (token times left out)."""
+    return [
+        {
+            "prompt_id": r.prompt_id,
+            "input_length": r.input_length,
+            "num_generated_tokens": r.num_generated_tokens,
+            "finish_reason": r.finish_reason,
+            "cached_tokens": r.cached_tokens,
+            "ttft_ms": None if r.ttft is None else r.ttft * 1000,
+            "e2e_ms": r.e2e * 1000,
+            "error": r.error,
+        }
+        for r in run.records
+    ]
+
+
+async def _load_levels(
+    config: BenchConfig, prompts: Sequence[Prompt], concurrencies: Sequence[int]
+) -> list[RunResult]:
+    num_channels = math.ceil(max(concurrencies) / _STREAMS_PER_CHANNEL)
+    channels = [grpc.aio.insecure_channel(config.address) for _ in range(num_channels)]
+    try:
+        if config.warmup_requests > 0:
+            await run_level(
+                channels[0],
+                prompts,
+                concurrency=min(2, config.warmup_requests),
+                num_requests=config.warmup_requests,
+                max_duration_s=config.max_duration_s,
+                request_timeout_s=config.request_timeout_s,
+                name="warmup",
+            )
+        results = []
+        for concurrency in concurrencies:
+            num_requests = max(config.num_prompts, concurrency)
+            with tqdm(
+                total=num_requests,
+                desc=f"genserve c={concurrency}",
+                unit="req",
+                disable=not config.progress,
+            ) as bar:
+                # Split the streams over the channels so no connection exceeds its cap.
+                shares = [
+                    concurrency // num_channels + (i < concurrency % num_channels)
+                    for i in range(num_channels)
+                ]
+                parts = await asyncio.gather(
+                    *(
+                        run_level(
+                            channel,
+                            prompts,
+                            concurrency=share,
+                            num_requests=max(1, round(num_requests * share / concurrency)),
+                            max_duration_s=config.max_duration_s,
+                            request_timeout_s=config.request_timeout_s,
+                            on_done=lambda _record: bar.update(1),
+                        )
+                        for channel, share in zip(channels, shares, strict=True)
+                        if share > 0
+                    )
+                )
+            records = tuple(r for part in parts for r in part.records)
+            wall = max(r.end for r in records) - min(r.start for r in records)
+            results.append(
+                RunResult(
+                    name=f"genserve_c{concurrency}",
+                    system="genserve",
+                    concurrency=concurrency,
+                    records=records,
+                    wall_s=wall,
+                    notes=tuple(n for part in parts for n in part.notes),
+                )
+            )
+        return results
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+async def _prefix_phases(
+    config: BenchConfig, count_tokens: TokenCounter, salt: str
+) -> tuple[RunResult, RunResult]:
+    scenario = make_prefix_scenario(
+        config.prefix_requests,
+        config.prefix_max_new_tokens,
+        config.seed,
+        salt,
+        system_prompt_tokens=config.prefix_tokens,
+        count_tokens=count_tokens,
+    )
+    timeout = config.request_timeout_s
+    async with grpc.aio.insecure_channel(config.address) as channel:
+        cold = await run_sequential(channel, scenario.cold_prompts, timeout, "prefix_cold")
+        await run_sequential(channel, (scenario.warm_primer,), timeout, "prefix_primer")
+        warm = await run_sequential(channel, scenario.warm_prompts, timeout, "prefix_warm")
+    return cold, warm
+
+
+def _baseline_model_dir(config: BenchConfig, info: dict[str, Any]) -> Path:
+    """The weights the baseline loads: ``--model-id`` when it is a directory."""
+    if config.model_id is not None and Path(config.model_id).is_dir():
+        return Path(config.model_id)
+    raise RuntimeError(
+        "the HF baseline needs --model-id pointing at a save_pretrained directory "
+        f"(server reports model_id={info.get('model_id')!r})"
+    )
+
+
+def _run_baselines(
+    config: BenchConfig, prompts: Sequence[Prompt], info: dict[str, Any]
+) -> list[RunResult]:
+    from genserve.bench import hf_baseline
+
+    model_dir = _baseline_model_dir(config, info)
+    model, tokenizer = hf_baseline.load_model(model_dir, config.dtype, config.threads)
+    # One short unmeasured call: the first generate() pays one-time setup costs.
+    hf_baseline.run_padded_generate(
+        model, tokenizer, [Prompt(-1, prompts[0].text, 0, 4)], batch_size=1
+    )
+    results = []
+    for batch_size in config.hf_batch_sizes:
+        num = _hf_num_prompts(batch_size, config.hf_min_prompts)
+        with tqdm(
+            total=num, desc=f"HF generate() b={batch_size}", unit="req", disable=not config.progress
+        ) as bar:
+            results.append(
+                hf_baseline.run_padded_generate(
+                    model, tokenizer, prompts[:num], batch_size, on_done=bar.update
+                )
+            )
+    if config.hf_generate_batch and hf_baseline.has_generate_batch(model):
+        num = max(config.hf_batch_sizes)
+        if config.progress:
+            print(f"HF generate_batch() on {num} prompts ...", flush=True)
+        results.append(hf_baseline.run_generate_batch(model, tokenizer, prompts[:num]))
+    return results
+
+
+def _environment(config: BenchConfig) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "threads": config.threads,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    if config.hf_baseline:
+        import torch
+        import transformers
+
+        env["torch"] = torch.__version__
+        env["transformers"] = transformers.__version__
+    return env
+
+
+def run_suite(config: BenchConfig) -> dict[str, Any]:
+    """Run everything ``config`` asks for, print the tables, write ``results.json`` and
+    ``bench.png`` under ``config.out`` and return the results dict."""
+    host, port = check_loopback(config.address)
+    server = None
+    if config.launch:
+        server = LaunchedServer(
+            list(config.server_args), host, port, config.threads, config.out / "server.log"
+        )
+        print(f"launching: {' '.join(server.command)}", flush=True)
+        server.start()
+    try:
+        if server is not None:
+            asyncio.run(server.wait_healthy(config.launch_timeout_s))
+        info = asyncio.run(fetch_info(config.address))
+        count_tokens, token_channel = server_token_counter(config.address)
+        salt = secrets.token_hex(4)
+        try:
+            prompts, concurrencies = _prompt_set(config, count_tokens, info)
+            genserve_runs: list[RunResult] = []
+            if config.scenario in ("load", "all"):
+                genserve_runs = asyncio.run(_load_levels(config, prompts, concurrencies))
+            prefix_runs = None
+            if config.scenario in ("prefix", "all"):
+                prefix_runs = asyncio.run(_prefix_phases(config, count_tokens, salt))
+        finally:
+            token_channel.close()
+    finally:
+        if server is not None:
+            # Stopped before the baselines so the two never compete for the cores.
+            server.stop()
+    baseline_runs = _run_baselines(config, prompts, info) if config.hf_baseline else []
+    return _report(config, info, salt, genserve_runs, prefix_runs, baseline_runs)
+
+
+def _prompt_set(
+    config: BenchConfig, count_tokens: TokenCounter, info: dict[str, Any]
+) -> tuple[list[Prompt], list[int]]:
+    """The prompts every run draws from (enough for the largest one) and the levels."""
+    probe = make_prompts(
+        8, config.prompt_len_mean, config.max_new_tokens, config.seed, config.prompt_len_std
+    )
+    mean_tokens = sum(p.num_target_tokens for p in probe) / len(probe)
+    concurrencies = [
+        resolve_concurrency(token, info, mean_tokens, config.max_new_tokens)
+        for token in config.concurrency
+    ]
+    needed = [max(config.num_prompts, c) for c in concurrencies]
+    if config.hf_baseline:
+        needed += [_hf_num_prompts(b, config.hf_min_prompts) for b in config.hf_batch_sizes]
+    prompts = make_prompts(
+        max(needed),
+        config.prompt_len_mean,
+        config.max_new_tokens,
+        config.seed,
+        config.prompt_len_std,
+        count_tokens=count_tokens,
+    )
+    return prompts, concurrencies
+
+
+def _report(
+    config: BenchConfig,
+    info: dict[str, Any],
+    salt: str,
+    genserve_runs: Sequence[RunResult],
+    prefix_runs: tuple[RunResult, RunResult] | None,
+    baseline_runs: Sequence[RunResult],
+) -> dict[str, Any]:
+    genserve = [summarise(run) for run in genserve_runs]
+    baselines = [summarise(run) for run in baseline_runs]
+    prefix = None
+    prefix_rows: list[dict[str, Any]] = []
+    if prefix_runs is not None:
+        cold, warm = (summarise(run) for run in prefix_runs)
+        prefix = report.prefix_summary(cold, warm) | {"salt": salt, "cold": cold, "warm": warm}
+        prefix_rows = [row for run in prefix_runs for row in _record_rows(run)]
+    ratios = report.compute_ratios(genserve, baselines)
+    targets = report.check_targets(genserve, baselines, prefix)
+    results: dict[str, Any] = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars_of(config).items()},
+        "server_info": info,
+        "environment": _environment(config),
+        "genserve": genserve,
+        "baselines": baselines,
+        "ratios": ratios,
+        "prefix": prefix,
+        "targets": targets,
+        "requests": {run.name: _record_rows(run) for run in [*genserve_runs, *baseline_runs]}
+        | ({"prefix": prefix_rows} if prefix_rows else {}),
+    }
+    print()
+    print(report.format_table([*genserve, *baselines]))
+    if ratios:
+        print("\nratios (genserve / baseline):\n" + report.format_ratios(ratios))
+    if prefix is not None:
+        print(
+            f"\nprefix scenario ({prefix['mean_input_length']:.0f}-token prompts): cold TTFT p50 "
+            f"{prefix['cold_ttft_p50_ms']:.0f} ms, warm {prefix['warm_ttft_p50_ms']:.0f} ms "
+            f"(warm/cold {prefix['warm_over_cold']:.2f}, "
+            f"{prefix['warm_cached_tokens']} prompt tokens from the cache)"
+        )
+    if targets:
+        print("\ntargets:\n" + report.format_targets(targets))
+    notes = [f"{s['name']}: {n}" for s in [*genserve, *baselines] for n in s["notes"]]
+    if notes:
+        print("\nnotes:\n" + "\n".join(notes))
+    json_path = config.out / "results.json"
+    report.write_json(json_path, results)
+    written = [json_path]
+    if genserve:
+        png_path = config.out / "bench.png"
+        report.plot(png_path, genserve, baselines)
+        written.append(png_path)
+    print("\nwrote " + ", ".join(map(str, written)))
+    return results
+
+
+def vars_of(config: BenchConfig) -> dict[str, Any]:
+    """``config`` as a dict (slots dataclasses have no ``__dict__``)."""
+    from dataclasses import asdict
+
+    return asdict(config)

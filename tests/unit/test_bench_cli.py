@@ -1,0 +1,76 @@
+"""genserve-bench argument handling and the loopback rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from genserve.bench.cli import parse_args
+from genserve.bench.grpc_load import check_loopback
+from genserve.bench.launch import server_command
+from genserve.bench.suite import resolve_concurrency
+
+
+def test_defaults_and_server_args_after_double_dash() -> None:
+    config = parse_args(
+        ["--concurrency", "1,8,kv4x", "--out", "x", "--launch", "--", "--dtype", "bfloat16"]
+    )
+    assert config.concurrency == ("1", "8", "kv4x")
+    assert config.out == Path("x")
+    assert config.server_args == ("--dtype", "bfloat16")
+    assert config.address == "127.0.0.1:50051"
+    assert config.hf_batch_sizes == (1, 32)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--address", "10.0.0.2:50051"],
+        ["--address", "example.com:80"],
+        ["--concurrency", "0"],
+        ["--concurrency", "kvx"],
+        ["--hf-batch-sizes", "1,a"],
+        ["--", "--dtype", "float32"],  # server args without --launch
+    ],
+)
+def test_rejected_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("address", "host"),
+    [("127.0.0.1:1", "127.0.0.1"), ("localhost:50051", "localhost"), ("[::1]:9", "::1")],
+)
+def test_loopback_addresses(address: str, host: str) -> None:
+    assert check_loopback(address)[0] == host
+
+
+def test_non_loopback_is_refused() -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        check_loopback("192.168.1.1:50051")
+    with pytest.raises(ValueError, match="host:port"):
+        check_loopback("127.0.0.1")
+
+
+def test_kv_concurrency_from_server_info() -> None:
+    info = {"num_kv_blocks": 100, "block_size": 16}
+    # (40 + 128) / 16 -> 11 blocks per request -> 9 requests fit -> 4x is 36.
+    assert resolve_concurrency("kv4x", info, 40.0, 128) == 36
+    assert resolve_concurrency("8", info, 40.0, 128) == 8
+    with pytest.raises(RuntimeError):
+        resolve_concurrency("kv4x", {"num_kv_blocks": 0, "block_size": 16}, 40.0, 128)
+
+
+def test_launch_command_adds_only_missing_flags() -> None:
+    command = server_command(["--port", "6000", "--dtype", "bfloat16"], "127.0.0.1", 6000)
+    assert command[-6:] == [
+        "--dtype",
+        "bfloat16",
+        "--hostname",
+        "127.0.0.1",
+        "--prometheus-port",
+        "0",
+    ]
+    assert command.count("--port") == 1
