@@ -99,5 +99,6 @@ def test_generate_batch_baseline(loaded: tuple[Any, Any]) -> None:
         assert record.error is None
         assert record.prompt_id == prompt.prompt_id
         assert 1 <= record.num_generated_tokens <= 5
+        assert len(record.token_times) == record.num_generated_tokens
         assert record.ttft is not None and record.ttft > 0
     assert run.wall_s > 0

@@ -51,6 +51,7 @@ def test_ratios_pair_matching_batch_sizes() -> None:
     assert ratios["genserve_c1", "hf_generate_b1", "decode_tok_s_per_stream"] == pytest.approx(2.8)
     assert ratios["genserve_c32", "hf_generate_batch_n32", "throughput_tok_s"] == 7.0
     assert ratios["genserve_c1", "hf_generate_b1", "throughput_tok_s"] == pytest.approx(70 / 24)
+    assert len(ratios) == 4  # no cross-load pairs such as 1 stream vs generate_batch on 32
 
 
 def test_targets_judged_with_the_right_direction() -> None:
@@ -86,3 +87,12 @@ def test_table_has_one_row_per_run() -> None:
     lines = table.splitlines()
     assert len(lines) == 2 + 5 + 1
     assert lines[2].split()[:3] == ["genserve_c1", "1", "1"]
+
+
+def test_kv_overload_level_judged_against_the_peak() -> None:
+    overload = _summary("genserve_c144", "genserve", 144, 560.0, 4.0, 5000.0) | {"kv_factor": 4.0}
+    targets = {t["target"]: t for t in report.check_targets([*GENSERVE, overload], [], None)}
+    kv = targets["throughput at 144 streams (4x KV capacity) / peak"]
+    assert kv["value"] == pytest.approx(0.8) and kv["pass"]
+    # The TTFT target stays at 32 streams, not at the overload level.
+    assert "TTFT p50 at 32 streams (ms)" in targets

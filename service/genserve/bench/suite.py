@@ -156,22 +156,32 @@ async def _prefix_phases(
     return cold, warm
 
 
-def _baseline_model_dir(config: BenchConfig, info: dict[str, Any]) -> Path:
-    """The weights the baseline loads: ``--model-id`` when it is a directory."""
+def _baseline_model_dir(config: BenchConfig) -> Path:
+    """The weights the baseline loads: ``--model-id`` when it is a directory; otherwise what
+    genserve itself resolves from the same arguments (server args after ``--``, then
+    ``--model-id``, then the environment) — for the embedded default model that is the
+    converted safetensors cache the server loads."""
     if config.model_id is not None and Path(config.model_id).is_dir():
         return Path(config.model_id)
-    raise RuntimeError(
-        "the HF baseline needs --model-id pointing at a save_pretrained directory "
-        f"(server reports model_id={info.get('model_id')!r})"
+    from genserve.config import load_config
+    from genserve.model.loader import resolve_model
+
+    extra = ["--model-id", config.model_id] if config.model_id is not None else []
+    server_config = load_config([*config.server_args, *extra])
+    resolved = resolve_model(
+        server_config.model_id,
+        revision=server_config.revision,
+        hub_cache=server_config.huggingface_hub_cache,
+        cache_dir=server_config.genserve_cache / "models",
+        trust_remote_code=server_config.trust_remote_code,
     )
+    return Path(resolved.local_dir)
 
 
-def _run_baselines(
-    config: BenchConfig, prompts: Sequence[Prompt], info: dict[str, Any]
-) -> list[RunResult]:
+def _run_baselines(config: BenchConfig, prompts: Sequence[Prompt]) -> list[RunResult]:
     from genserve.bench import hf_baseline
 
-    model_dir = _baseline_model_dir(config, info)
+    model_dir = _baseline_model_dir(config)
     model, tokenizer = hf_baseline.load_model(model_dir, config.dtype, config.threads)
     # One short unmeasured call: the first generate() pays one-time setup costs.
     hf_baseline.run_padded_generate(
@@ -245,7 +255,7 @@ def run_suite(config: BenchConfig) -> dict[str, Any]:
         if server is not None:
             # Stopped before the baselines so the two never compete for the cores.
             server.stop()
-    baseline_runs = _run_baselines(config, prompts, info) if config.hf_baseline else []
+    baseline_runs = _run_baselines(config, prompts) if config.hf_baseline else []
     return _report(config, info, salt, genserve_runs, prefix_runs, baseline_runs)
 
 
@@ -284,6 +294,8 @@ def _report(
     baseline_runs: Sequence[RunResult],
 ) -> dict[str, Any]:
     genserve = [summarise(run) for run in genserve_runs]
+    for token, summary in zip(config.concurrency, genserve, strict=False):
+        summary["kv_factor"] = None if token.isdigit() else float(token[2:-1])
     baselines = [summarise(run) for run in baseline_runs]
     prefix = None
     prefix_rows: list[dict[str, Any]] = []
@@ -319,6 +331,11 @@ def _report(
     if targets:
         print("\ntargets:\n" + report.format_targets(targets))
     notes = [f"{s['name']}: {n}" for s in [*genserve, *baselines] for n in s["notes"]]
+    if baselines and info.get("model_dtype") != config.dtype:
+        notes.append(
+            f"server dtype {info.get('model_dtype')!r} differs from baseline dtype "
+            f"{config.dtype!r}: the comparison is not like for like"
+        )
     if notes:
         print("\nnotes:\n" + "\n".join(notes))
     json_path = config.out / "results.json"
