@@ -1,0 +1,36 @@
+"""Thin Python client for genserve: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+Requests and responses are the generated protobuf messages of ``genserve.v1``; failures raise
+:class:`GenserveError` subclasses carrying the gRPC status code and message."""
+
+from genserve.client.aio import AsyncClient
+from genserve.client.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    GenserveError,
+    InvalidArgumentError,
+    OverloadedError,
+    UnavailableError,
+    UnimplementedError,
+    error_from_rpc,
+)
+from genserve.client.params import GenerateParams, build_parameters
+from genserve.client.retry import NO_RETRY, RetryPolicy
+from genserve.client.sync import Client
+
+__all__ = [
+    "NO_RETRY",
+    "AsyncClient",
+    "CancelledError",
+    "Client",
+    "DeadlineExceededError",
+    "GenerateParams",
+    "GenserveError",
+    "InvalidArgumentError",
+    "OverloadedError",
+    "RetryPolicy",
+    "UnavailableError",
+    "UnimplementedError",
+    "build_parameters",
+    "error_from_rpc",
+]

@@ -1,0 +1,52 @@
+"""What the sync and asyncio clients share: channel options, deadlines, request building."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from genserve.client.params import build_parameters
+from genserve.v1 import generate_pb2 as pb
+
+DEFAULT_TARGET = "localhost:50051"
+# genserve accepts 64 MiB messages (long prompts, many top_n alternatives); match it.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+)
+Metadata = Sequence[tuple[str, str]]
+
+
+class Deadline:
+    """The absolute end of a call (across its retries); None means no timeout."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self._end = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def remaining_s(self) -> float | None:
+        return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+
+def generate_request(
+    inputs: str | Sequence[str], parameters: Any | None, params: Mapping[str, Any]
+) -> Any:
+    """A ``pb.GenerateRequest``; a single string becomes a batch of one."""
+    batch = [inputs] if isinstance(inputs, str) else list(inputs)
+    return pb.GenerateRequest(inputs=batch, parameters=build_parameters(parameters, params))
+
+
+def stream_request(inputs: str, parameters: Any | None, params: Mapping[str, Any]) -> Any:
+    """A ``pb.GenerateStreamRequest``."""
+    if not isinstance(inputs, str):
+        raise TypeError("generate_stream takes one prompt (a str)")
+    return pb.GenerateStreamRequest(inputs=inputs, parameters=build_parameters(parameters, params))
+
+
+def tokenize_request(text: str, add_special_tokens: bool | None) -> Any:
+    """A ``pb.TokenizeRequest``; None leaves add_special_tokens to the server (true)."""
+    req = pb.TokenizeRequest(inputs=text)
+    if add_special_tokens is not None:
+        req.add_special_tokens = add_special_tokens
+    return req

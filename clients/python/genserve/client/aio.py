@@ -1,0 +1,200 @@
+"""The asyncio client (grpc.aio)."""
+
+# ``timeout`` parameters are gRPC deadlines, sent to the server so it stops work the caller no
+# longer waits for; asyncio.timeout (what ASYNC109 suggests) would only stop the waiting.
+# ruff: noqa: ASYNC109
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, overload
+
+import grpc
+import grpc.aio
+
+from genserve.client._common import (
+    CHANNEL_OPTIONS,
+    DEFAULT_TARGET,
+    Deadline,
+    Metadata,
+    generate_request,
+    stream_request,
+    tokenize_request,
+)
+from genserve.client.errors import UnavailableError, error_from_rpc, status_of
+from genserve.client.retry import RetryPolicy
+from genserve.v1 import generate_pb2 as pb
+from genserve.v1 import generate_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from typing import Self, Unpack
+
+    from genserve.client.params import GenerateParams
+
+
+class AsyncClient:
+    """asyncio client for one genserve server; the same API as :class:`genserve.client.Client`
+    with ``await`` and ``async for``.  Create it inside the event loop that uses it; use it as
+    an async context manager or ``await close()``."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel: grpc.aio.Channel | None = None,
+        metadata: Metadata = (),
+    ) -> None:
+        self._owns_channel = channel is None
+        if channel is None:
+            channel = (
+                grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+                if credentials is not None
+                else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            )
+        self._channel = channel
+        self._stub = pb_grpc.TextGenerationServiceStub(channel)
+        self._timeout = timeout
+        self._retry = retry if retry is not None else RetryPolicy()
+        self._metadata = tuple(metadata)
+
+    async def close(self) -> None:
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @overload
+    async def generate(
+        self,
+        inputs: str,
+        *,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
+    ) -> Any: ...
+
+    @overload
+    async def generate(
+        self,
+        inputs: Sequence[str],
+        *,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
+    ) -> list[Any]: ...
+
+    async def generate(
+        self,
+        inputs: str | Sequence[str],
+        *,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
+    ) -> Any:
+        """See :meth:`genserve.client.Client.generate`."""
+        request = generate_request(inputs, parameters, params)
+        response = await self._unary(self._stub.Generate, request, timeout)
+        results = list(response.results)
+        return results[0] if isinstance(inputs, str) else results
+
+    def generate_stream(
+        self,
+        inputs: str,
+        *,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
+    ) -> AsyncIterator[Any]:
+        """An async iterator of ``pb.GenerateStreamResponse``, one per token (see
+        :meth:`genserve.client.Client.generate_stream`).  Leaving the loop early cancels the
+        call when the iterator is closed (at once with ``contextlib.aclosing``, otherwise when
+        asyncio finalizes it)."""
+        request = stream_request(inputs, parameters, params)
+        return self._stream(request, timeout)
+
+    async def health(self, *, timeout: float | None = None) -> None:
+        """Return when the server can generate; raise UnavailableError otherwise (no retry)."""
+        try:
+            await self._stub.Health(pb.HealthRequest(), timeout=self._timeout_for(timeout))
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from err
+
+    async def wait_ready(self, timeout: float = 60.0, poll_s: float = 0.25) -> None:
+        """Poll :meth:`health` until the server can generate; UnavailableError after
+        ``timeout`` seconds."""
+        deadline = Deadline(timeout)
+        while True:
+            try:
+                await self.health(timeout=max(poll_s, 1.0))
+                return
+            except UnavailableError:
+                remaining = deadline.remaining_s()
+                if remaining is not None and remaining <= poll_s:
+                    raise
+            await asyncio.sleep(poll_s)
+
+    async def info(self, *, timeout: float | None = None) -> Any:
+        """The model and every limit the server enforces (``pb.InfoResponse``)."""
+        return await self._unary(self._stub.Info, pb.InfoRequest(), timeout)
+
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        """The tokens of ``text`` (``pb.SimpleToken``: id, text, [start, stop) char span)."""
+        request = tokenize_request(text, add_special_tokens)
+        return list((await self._unary(self._stub.Tokenize, request, timeout)).tokens)
+
+    def _timeout_for(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout
+
+    async def _unary(
+        self, method: Callable[..., Awaitable[Any]], request: Any, timeout: float | None
+    ) -> Any:
+        deadline = Deadline(self._timeout_for(timeout))
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await method(
+                    request, timeout=deadline.remaining_s(), metadata=self._metadata
+                )
+            except grpc.RpcError as err:
+                code, _ = status_of(err)
+                delay = self._retry.backoff_s(attempt)
+                if not self._retry.should_retry(code, attempt, delay, deadline.remaining_s()):
+                    raise error_from_rpc(err) from err
+            await asyncio.sleep(delay)
+
+    async def _stream(self, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+        deadline = Deadline(self._timeout_for(timeout))
+        attempt = 0
+        while True:
+            attempt += 1
+            call = self._stub.GenerateStream(
+                request, timeout=deadline.remaining_s(), metadata=self._metadata
+            )
+            started = False
+            try:
+                async for msg in call:
+                    started = True
+                    yield msg
+                return
+            except grpc.RpcError as err:
+                code, _ = status_of(err)
+                delay = self._retry.backoff_s(attempt)
+                if started or not self._retry.should_retry(
+                    code, attempt, delay, deadline.remaining_s()
+                ):
+                    raise error_from_rpc(err) from err
+            finally:
+                # Frees the server's slot when the caller stops early; a no-op once done.
+                call.cancel()
+            await asyncio.sleep(delay)

@@ -1,0 +1,63 @@
+"""Typed exceptions: every failed call raises a :class:`GenserveError` subclass that carries the
+gRPC status code and the server's message, so callers can ``except OverloadedError`` instead of
+comparing status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class GenserveError(Exception):
+    """A call to genserve failed.  ``code`` is the gRPC status, ``message`` the server's text."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InvalidArgumentError(GenserveError):
+    """INVALID_ARGUMENT: the request broke a limit or rule; the message says which."""
+
+
+class OverloadedError(GenserveError):
+    """RESOURCE_EXHAUSTED: the server is at max_concurrent_requests; try again later."""
+
+
+class UnavailableError(GenserveError):
+    """UNAVAILABLE: the server is loading, shutting down, or cannot be reached."""
+
+
+class DeadlineExceededError(GenserveError):
+    """DEADLINE_EXCEEDED: the call's timeout passed before it finished."""
+
+
+class CancelledError(GenserveError):
+    """CANCELLED: the call was cancelled."""
+
+
+class UnimplementedError(GenserveError):
+    """UNIMPLEMENTED: the server does not (yet) support what was asked, e.g. best_of."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[GenserveError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+}
+
+
+def status_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """The status code and message of a failed call (sync or asyncio)."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else None
+    return code, details or ""
+
+
+def error_from_rpc(err: grpc.RpcError) -> GenserveError:
+    """The typed exception for a failed call; unknown codes give a plain GenserveError."""
+    code, message = status_of(err)
+    return _BY_CODE.get(code, GenserveError)(code, message)

@@ -1,0 +1,55 @@
+"""Building ``GenerateParameters`` from TGI-style keyword arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
+
+from genserve.v1 import generate_pb2 as pb
+
+
+class GenerateParams(TypedDict, total=False):
+    """The keyword arguments of generate()/generate_stream(): TGI's parameter names.  Leaving one
+    out (or passing None) keeps the server's default."""
+
+    max_new_tokens: int | None
+    do_sample: bool | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    typical_p: float | None
+    repetition_penalty: float | None
+    frequency_penalty: float | None
+    seed: int | None
+    stop: Sequence[str] | None
+    truncate: int | None
+    return_full_text: bool | None
+    details: bool | None
+    decoder_input_details: bool | None
+    top_n_tokens: int | None
+    best_of: int | None
+    watermark: bool | None
+
+
+_FIELDS = frozenset(GenerateParams.__annotations__)
+
+
+def build_parameters(base: Any | None, overrides: Mapping[str, Any]) -> Any:
+    """A new ``pb.GenerateParameters``: a copy of ``base`` (if given) with every non-None
+    keyword of ``overrides`` set.  Raises TypeError for a name that is not a parameter."""
+    unknown = set(overrides) - _FIELDS
+    if unknown:
+        raise TypeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+    msg = pb.GenerateParameters()
+    if base is not None:
+        msg.CopyFrom(base)
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if name == "stop":
+            if isinstance(value, str):
+                raise TypeError("stop must be a sequence of strings, not one string")
+            msg.stop[:] = list(value)
+        else:
+            setattr(msg, name, value)
+    return msg

@@ -1,0 +1,145 @@
+"""A real ``genserve`` server process for tests: the console script on a free port, its logs in a
+file, started and stopped the way an operator would (signals).
+
+    with start_server(model_dir, "--max-concurrent-requests", "4") as server:
+        channel = grpc.insecure_channel(server.address)
+        ...
+        server.stop(signal.SIGTERM)   # optional; leaving the block stops it too
+
+``GENSERVE_BIN`` overrides the executable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def genserve_command() -> list[str]:
+    """How to run the launcher: $GENSERVE_BIN, else the console script next to this Python."""
+    if os.environ.get("GENSERVE_BIN"):
+        return [os.environ["GENSERVE_BIN"]]
+    script = Path(sys.executable).with_name("genserve")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "genserve.cli"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (the server binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerExited(RuntimeError):
+    """The server process ended before it was expected to; the message holds its log tail."""
+
+
+class LiveServer:
+    """A running ``genserve`` process.  ``address`` is host:port for gRPC clients."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.log_path = log_path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health_status(self, service: str = "", timeout_s: float = 2.0) -> int | None:
+        """grpc.health.v1 status for ``service``, or None when the port does not answer."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                request = health_pb2.HealthCheckRequest(service=service)
+                reply = stub.Check(request, timeout=timeout_s)
+            except grpc.RpcError:
+                return None
+            return int(reply.status)
+
+    def wait_for(self, want_serving: bool, timeout_s: float = 300.0) -> None:
+        """Until health answers SERVING (want_serving) or answers at all (not want_serving:
+        the port is open and the model is loading).  ServerExited if the process ends first,
+        TimeoutError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerExited(f"genserve exited with {self.proc.returncode}:\n{self._tail()}")
+            status = self.health_status(timeout_s=1.0)
+            if status is not None and (status == SERVING or not want_serving):
+                return
+            time.sleep(0.05 if not want_serving else 0.2)
+        raise TimeoutError(f"genserve not {'serving' if want_serving else 'up'}:\n{self._tail()}")
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        """Send ``sig`` (if still running) and wait for the exit code; SIGKILL after
+        ``timeout_s``.  Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+    def _tail(self, num_lines: int = 40) -> str:
+        return "\n".join(self.logs().splitlines()[-num_lines:])
+
+
+@contextmanager
+def start_server(
+    model_dir: Path | str,
+    *extra_args: str,
+    env: Mapping[str, str] | None = None,
+    wait_serving: bool = True,
+    timeout_s: float = 300.0,
+) -> Iterator[LiveServer]:
+    """Start ``genserve --model-id MODEL_DIR --hostname 127.0.0.1 --port FREE EXTRA_ARGS...``
+    and yield it once health says SERVING (or, with ``wait_serving=False``, once the port
+    answers health at all, i.e. while the model may still be loading).  ``env`` is added to
+    this process's environment.  On exit the server gets SIGTERM (then SIGKILL)."""
+    port = free_port()
+    fd, log_name = tempfile.mkstemp(prefix="genserve-", suffix=".log")
+    log_path = Path(log_name)
+    cmd = [
+        *genserve_command(),
+        "--model-id",
+        str(model_dir),
+        "--hostname",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
+    proc_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with os.fdopen(fd, "wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=proc_env
+        )
+    server = LiveServer(proc, port, log_path)
+    try:
+        server.wait_for(want_serving=wait_serving, timeout_s=timeout_s)
+        yield server
+    except BaseException:
+        # pytest shows a failing test's stderr: the server's side of the story.
+        print(f"--- genserve log ({log_path}) ---\n{server.logs()}", file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+        log_path.unlink(missing_ok=True)
