@@ -1,0 +1,467 @@
+"""Continuous batching by token budget, with preemption and prefix reuse.  Pure Python.
+
+Every request carries ``num_computed_tokens``: the positions whose KV sits in its blocks.  A
+step gives each scheduled request a chunk ``all_token_ids[num_computed : num_computed + n]``;
+when the chunk reaches the end of the known sequence the runner samples the next token.  So
+prefill, chunked prefill, decode and recomputation after preemption are the same operation,
+and mixed prefill + decode steps need no special case.  After a token is sampled,
+``num_computed_tokens == num_tokens - 1`` (the new token's KV is computed next step).
+
+Step construction (:meth:`Scheduler.schedule`):
+
+1. Running requests, oldest first: decodes (one token each, not budgeted) and prompt chunks
+   (under ``max_batch_prefill_tokens`` per step and ``max_chunk_tokens`` per request).  When
+   a block is missing the newest running request is preempted (blocks freed, recomputed
+   later, back to the front of the queue) until the allocation succeeds; a request that is
+   itself the newest preempts itself and waits.
+2. Waiting requests, in policy order (fcfs, or lpm: longest cached prefix first), while the
+   prefill budget, ``max_num_running`` and free blocks allow, keeping free the blocks the
+   running requests are expected to grow into (``growth_reserve_ratio``) so that admissions
+   are seldom undone by preemption.  The queue head blocks the rest (no overtaking), and
+   nothing is admitted in a step that had to preempt.  With chunked
+   prefill disabled, a prompt is prefilled whole, and TGI's rule decides whether a new
+   prefill batch may join a running one (``waiting_served_ratio``, ``max_waiting_tokens``).
+
+Threading: one owner.  ``finish_requests`` may be called while the runner executes a step
+(the engine serialises calls onto its loop); ``schedule`` must not be called again before
+that step's ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from genserve.engine.request import FinishReason, Request, RequestStatus
+from genserve.engine.scheduler_config import SchedulerConfig
+from genserve.engine.scheduler_output import EngineCoreOutput, SchedulerStats
+from genserve.engine.scheduler_policy import AdmissionPolicy
+from genserve.kv_cache.manager import KVCacheManager
+from genserve.step import (
+    NewRequestData,
+    PromptLogprobs,
+    RunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+
+__all__ = ["EngineCoreOutput", "Scheduler", "SchedulerConfig", "SchedulerStats"]
+
+
+@dataclass(slots=True)
+class _Admission:
+    req: Request
+    num_new_tokens: int
+    num_cached_tokens: int
+
+
+class Scheduler:
+    """Owns the request queues and the KV-cache manager; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager | None = None) -> None:
+        self.config = config
+        self.kv = kv_cache or KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        if (self.kv.num_blocks, self.kv.block_size) != (config.num_blocks, config.block_size):
+            raise ValueError("kv_cache geometry differs from the scheduler config")
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # oldest arrival first
+        self._arrival_seq: dict[str, int] = {}
+        self._next_arrival_seq = 0
+        self._step_id = 0
+        self._runner_known: set[str] = set()  # requests the runner holds state for
+        self._finished_for_runner: list[str] = []
+        # Next prompt position whose logprob the engine has not received (recomputation
+        # after preemption produces them again).
+        self._next_prompt_logprob_pos: dict[str, int] = {}
+        self._policy = AdmissionPolicy(config)
+        self._num_preemptions = 0
+        self._last_step = (0, 0, 0)
+
+    # ---- queries --------------------------------------------------------------------------
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        """``prompt + max_new_tokens`` may not exceed this (the whole KV capacity);
+        :meth:`add_request` rejects larger requests, the engine should validate first."""
+        return self.kv.max_num_tokens
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return self._requests.get(req_id)
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv.stats()
+        return SchedulerStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_used_blocks=kv.num_used_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            kv_usage=kv.usage,
+            num_preemptions=self._num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            last_step_num_reqs=self._last_step[0],
+            last_step_num_tokens=self._last_step[1],
+            last_step_num_prefill_tokens=self._last_step[2],
+            growth_reserve_ratio=self._policy.growth_ratio,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` if queues, request states and KV ownership disagree
+        (tests, debugging).  Valid between steps."""
+        self.kv.check_invariants()
+        running = {r.req_id for r in self._running}
+        waiting = {r.req_id for r in self._waiting}
+        if len(running) != len(self._running) or len(waiting) != len(self._waiting):
+            raise RuntimeError("a request is queued twice")
+        if running & waiting or (running | waiting) != set(self._requests):
+            raise RuntimeError("queues and the request table disagree")
+        if running != self._runner_known:
+            raise RuntimeError("the runner's request set differs from the running set")
+        seqs = [self._arrival_seq[r.req_id] for r in self._running]
+        if seqs != sorted(seqs):
+            raise RuntimeError("running requests are not in arrival order")
+        for req in self._running:
+            held = self.kv.num_owned_blocks(req.req_id) * self.kv.block_size
+            if req.status is not RequestStatus.RUNNING or held < req.num_computed_tokens:
+                raise RuntimeError(
+                    f"{req.req_id}: running with {held} slots, {req.num_computed_tokens} computed"
+                )
+            if not 0 <= req.num_computed_tokens < req.num_tokens:
+                raise RuntimeError(f"{req.req_id}: num_computed_tokens out of range")
+        for req in self._waiting:
+            if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise RuntimeError(f"{req.req_id}: waiting with status {req.status}")
+            if req.num_computed_tokens or self.kv.num_owned_blocks(req.req_id):
+                raise RuntimeError(f"{req.req_id}: waiting but holds KV")
+
+    # ---- requests in and out --------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request (status WAITING, nothing computed).  It is considered from the
+        next :meth:`schedule` on.  Raises ``ValueError`` for an id already in use, an empty
+        prompt, ``max_new_tokens < 1``, or a request larger than the KV capacity."""
+        if req.req_id in self._requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        if not req.prompt_token_ids:
+            raise ValueError(f"request {req.req_id!r} has an empty prompt")
+        if req.stopping.max_new_tokens < 1:
+            raise ValueError(f"request {req.req_id!r}: max_new_tokens must be at least 1")
+        total = req.num_prompt_tokens + req.stopping.max_new_tokens
+        if total > self.max_tokens_per_request:
+            raise ValueError(
+                f"request {req.req_id!r} needs up to {total} tokens of KV cache "
+                f"(prompt {req.num_prompt_tokens} + max_new_tokens "
+                f"{req.stopping.max_new_tokens}) but the cache holds "
+                f"{self.max_tokens_per_request}"
+            )
+        if (
+            req.status is not RequestStatus.WAITING
+            or req.num_computed_tokens
+            or req.output_token_ids
+        ):
+            raise ValueError(f"request {req.req_id!r} is not fresh")
+        self._requests[req.req_id] = req
+        self._arrival_seq[req.req_id] = self._next_arrival_seq
+        self._next_arrival_seq += 1
+        self._next_prompt_logprob_pos[req.req_id] = 1  # position 0 never has a logprob
+        self._waiting.append(req)
+
+    def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
+        """End requests now (stop string, cancellation, deadline, shutdown, runner error),
+        wherever they are; their blocks return to the pool at once.  Unknown or already
+        finished ids are ignored.  A request in the step being executed gets no output from
+        that step."""
+        for req_id in req_ids:
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self._running.remove(req)
+            else:
+                self._waiting.remove(req)
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Mark finished and release everything; the caller took it out of its queue."""
+        self._policy.on_finish(req, reason)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self._requests[req.req_id]
+        del self._arrival_seq[req.req_id]
+        del self._next_prompt_logprob_pos[req.req_id]
+        self._forget_in_runner(req.req_id)
+
+    def _forget_in_runner(self, req_id: str) -> None:
+        if req_id in self._runner_known:
+            self._runner_known.remove(req_id)
+            self._finished_for_runner.append(req_id)
+
+    def _preempt(self, req: Request) -> None:
+        """Take ``req``'s blocks back; it is recomputed when readmitted.  The caller removed
+        it from the running list."""
+        # Its full blocks stay hashed on the free list: unless evicted meanwhile, the
+        # recomputation is mostly a prefix-cache hit.
+        self.kv.free(req, keep_block_hashes=True)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.appendleft(req)
+        self._forget_in_runner(req.req_id)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the module docstring).  The result may have no chunks
+        (nothing runnable); then it also carries no ``finished_req_ids``: those wait for the
+        next step with chunks, so an engine may skip running empty steps."""
+        self._step_id += 1
+        chunks: list[ScheduledChunk] = []
+        new_requests: list[NewRequestData] = []
+        budget = self.config.max_batch_prefill_tokens
+        had_running = bool(self._running)
+
+        preempted = False
+        i = 0
+        while i < len(self._running):
+            req = self._running[i]
+            num_new = self._num_tokens_to_schedule(req, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                preempted = True
+                victim = self._running.pop()  # newest arrival
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: it was the newest, nothing follows
+            if num_new > 1:
+                budget -= num_new
+            chunks.append(self._chunk(req, num_new))
+            i += 1
+
+        admitted = False
+        if not preempted and self._waiting:
+            num_admitted_tokens = self._admit(budget, chunks, new_requests)
+            admitted = num_admitted_tokens > 0
+            budget -= num_admitted_tokens
+        self._policy.on_step(had_running, admitted)
+
+        finished: tuple[str, ...] = ()
+        if chunks:
+            finished = tuple(self._finished_for_runner)
+            self._finished_for_runner.clear()
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        num_prefill = self.config.max_batch_prefill_tokens - budget
+        self._last_step = (len(chunks), num_tokens, num_prefill)
+        return SchedulerOutput(
+            step_id=self._step_id,
+            chunks=tuple(chunks),
+            new_requests=tuple(new_requests),
+            finished_req_ids=finished,
+        )
+
+    def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
+        """Tokens a running request gets this step: its decode token, or a prompt chunk
+        within the budget (0 if the budget is spent)."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining <= 1:
+            return remaining
+        if not self.config.chunked_prefill_enabled:
+            return remaining if remaining <= budget else 0
+        return min(remaining, self.config.max_chunk_tokens, budget)
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        end = start + num_new
+        return ScheduledChunk(
+            req_id=req.req_id,
+            token_ids=_token_slice(req, start, end),
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.req_id),
+            sample=end == req.num_tokens,
+        )
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def _admit(
+        self, budget: int, chunks: list[ScheduledChunk], new_requests: list[NewRequestData]
+    ) -> int:
+        """Admit waiting requests into this step; returns the tokens scheduled for them."""
+        cfg = self.config
+        min_batch = self._policy.min_new_batch(len(self._running))
+        if min_batch is not None and len(self._waiting) < min_batch:
+            return 0
+        self._waiting = self._policy.order_waiting(self._waiting, self.kv)
+        slots = len(self._waiting)
+        if cfg.max_num_running is not None:
+            slots = min(slots, cfg.max_num_running - len(self._running))
+        # KV headroom for the growth of the running (and just admitted) requests.
+        reserve_tokens = sum(self._policy.growth_estimate(r) for r in self._running)
+        admissions: list[_Admission] = []
+        for req in self._waiting:
+            if len(admissions) >= slots or budget <= 0:
+                break
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - num_cached
+            if cfg.chunked_prefill_enabled:
+                num_new = min(remaining, cfg.max_chunk_tokens, budget)
+            else:
+                # Whole prompts.  One oversized prompt may still go alone in a step, or a
+                # recomputation longer than the budget could never be readmitted.
+                num_new = remaining
+                if num_new > budget and budget < cfg.max_batch_prefill_tokens:
+                    break
+            busy = bool(self._running) or bool(admissions)
+            reserve = self.kv.num_blocks_for(math.ceil(reserve_tokens)) if busy else 0
+            if self.kv.allocate_slots(req, num_new, computed_blocks, reserve) is None:
+                break
+            admissions.append(_Admission(req, num_new, num_cached))
+            budget -= num_new
+            reserve_tokens += self._policy.growth_estimate(req)
+        if min_batch is not None and len(admissions) < min_batch:
+            for adm in admissions:  # TGI: too small a batch is not worth pausing the others
+                self.kv.free(adm.req, keep_block_hashes=True)
+            return 0
+        for adm in admissions:
+            self._start_running(adm, chunks, new_requests)
+        return sum(adm.num_new_tokens for adm in admissions)
+
+    def _start_running(
+        self, adm: _Admission, chunks: list[ScheduledChunk], new_requests: list[NewRequestData]
+    ) -> None:
+        req = adm.req
+        self._waiting.remove(req)
+        if req.status is RequestStatus.WAITING:  # first admission, not a resumption
+            req.num_cached_tokens = adm.num_cached_tokens
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = adm.num_cached_tokens
+        seq = self._arrival_seq[req.req_id]
+        # Keep running sorted by arrival: preemption takes from the end.
+        pos = len(self._running)
+        while pos > 0 and self._arrival_seq[self._running[pos - 1].req_id] > seq:
+            pos -= 1
+        self._running.insert(pos, req)
+        all_token_ids = tuple(req.all_token_ids)
+        new_requests.append(
+            NewRequestData(
+                req_id=req.req_id,
+                all_token_ids=all_token_ids,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=req.num_output_tokens,
+                sampling=req.sampling,
+            )
+        )
+        self._runner_known.add(req.req_id)
+        chunks.append(self._chunk(req, adm.num_new_tokens))
+
+    # ---- results --------------------------------------------------------------------------
+
+    def update_from_output(
+        self, step: SchedulerOutput, result: RunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply the runner's results of ``step``: advance ``num_computed_tokens``, append
+        sampled tokens, cache newly full blocks, and finish requests on EOS
+        (``stopping.eos_token_ids`` unless ``ignore_eos``) or ``max_new_tokens`` (length is
+        checked first, as TGI does), freeing their blocks.  Requests finished while the step
+        ran are skipped.  Raises ``RuntimeError`` before changing anything if the result does
+        not match the step (the engine then ends the step's requests with ERROR)."""
+        if result.step_id != step.step_id:
+            raise RuntimeError(f"result of step {result.step_id} given for step {step.step_id}")
+        sampled = {s.req_id: s for s in result.sampled}
+        prompt_logprobs = {p.req_id: p for p in result.prompt_logprobs}
+        live: list[tuple[ScheduledChunk, Request]] = []
+        for chunk in step.chunks:
+            req = self._requests.get(chunk.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished (e.g. aborted) while the step ran
+            if req.num_computed_tokens != chunk.start_pos:
+                raise RuntimeError(f"{chunk.req_id}: step {step.step_id} is stale")
+            if chunk.sample and chunk.req_id not in sampled:
+                raise RuntimeError(
+                    f"{chunk.req_id}: runner returned no token for step {step.step_id}"
+                )
+            live.append((chunk, req))
+
+        outputs: list[EngineCoreOutput] = []
+        for chunk, req in live:
+            req.num_computed_tokens += len(chunk.token_ids)
+            token = sampled[req.req_id] if chunk.sample else None
+            reason: FinishReason | None = None
+            if token is not None:
+                req.output_token_ids.append(token.token_id)
+                reason = _stop_reason(req, token.token_id)
+            logprobs = self._new_prompt_logprobs(req, prompt_logprobs.get(req.req_id))
+            self.kv.cache_blocks(req)
+            num_preemptions = req.num_preemptions
+            if reason is not None:
+                self._running.remove(req)
+                self._finish(req, reason)
+            if token is not None or logprobs is not None or reason is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id=req.req_id,
+                        new_token=token,
+                        prompt_logprobs=logprobs,
+                        finish_reason=reason,
+                        num_cached_tokens=req.num_cached_tokens,
+                        num_output_tokens=req.num_output_tokens,
+                        num_preemptions=num_preemptions,
+                    )
+                )
+        return outputs
+
+    def _new_prompt_logprobs(
+        self, req: Request, logprobs: PromptLogprobs | None
+    ) -> PromptLogprobs | None:
+        """Drop positions already delivered (a recomputation produces them again)."""
+        if logprobs is None:
+            return None
+        first_new = self._next_prompt_logprob_pos[req.req_id]
+        end = logprobs.first_pos + len(logprobs.logprobs)
+        if end <= first_new:
+            return None
+        self._next_prompt_logprob_pos[req.req_id] = end
+        if logprobs.first_pos >= first_new:
+            return logprobs
+        skip = first_new - logprobs.first_pos
+        return PromptLogprobs(req.req_id, first_new, logprobs.logprobs[skip:])
+
+
+def _stop_reason(req: Request, token_id: int) -> FinishReason | None:
+    stopping = req.stopping
+    if req.num_output_tokens >= stopping.max_new_tokens:
+        return FinishReason.LENGTH
+    if not stopping.ignore_eos and token_id in stopping.eos_token_ids:
+        return FinishReason.EOS_TOKEN
+    return None
+
+
+def _token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
+    """``req.all_token_ids[start:end]`` without concatenating the whole sequence."""
+    num_prompt = req.num_prompt_tokens
+    if start >= num_prompt:
+        return tuple(req.output_token_ids[start - num_prompt : end - num_prompt])
+    if end <= num_prompt:
+        return tuple(req.prompt_token_ids[start:end])
+    return tuple(req.prompt_token_ids[start:]) + tuple(req.output_token_ids[: end - num_prompt])

@@ -1,0 +1,89 @@
+"""Scheduler knobs (TGI / SGLang flag names in the comments).  Pure Python; no torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class SchedulePolicy(enum.Enum):
+    """Order in which waiting requests are admitted (``--schedule-policy``)."""
+
+    FCFS = "fcfs"  # arrival order (preempted requests first: they arrived earlier)
+    LPM = "lpm"  # longest cached prefix first (SGLang); FCFS when the queue is long
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Everything the scheduler needs; validated on construction.
+
+    KV capacity is ``num_blocks * block_size`` tokens (:attr:`max_batch_total_tokens`); the
+    launcher derives ``num_blocks`` from ``--max-batch-total-tokens`` or from free memory.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    # --max-batch-prefill-tokens: prompt (and recompute) tokens of all requests in one step.
+    # Decode tokens (one per running request) are not counted.
+    max_batch_prefill_tokens: int = 4096
+    # --disable-chunked-prefill turns this off: whole prompts, TGI's admission policy.
+    chunked_prefill_enabled: bool = True
+    # --chunked-prefill-size: prompt tokens of one request per step (None: the step's budget).
+    chunked_prefill_size: int | None = None
+    # --max-batch-size: running requests at most (None: limited by the KV cache only).
+    max_num_running: int | None = None
+    # --schedule-policy
+    policy: SchedulePolicy = SchedulePolicy.FCFS
+    # SGLang falls back from lpm to fcfs above 128 waiting requests: sorting a long queue by
+    # prefix match costs more than it saves.
+    lpm_max_queue_len: int = 128
+    # --disable-prefix-caching turns this off.
+    enable_prefix_caching: bool = True
+    # --waiting-served-ratio / --max-waiting-tokens: TGI's admission policy, used only when
+    # chunked prefill is disabled (see genserve.engine.scheduler_policy).
+    waiting_served_ratio: float = 1.2
+    max_waiting_tokens: int = 20
+    # Admission headroom (SGLang's "new token ratio").  A request joins a non-empty batch
+    # only if the blocks left free afterwards cover this fraction of the tokens the running
+    # requests may still generate (at most ``growth_reserve_max_tokens`` each), so that
+    # admissions do not have to be undone by preemption a few steps later.  None learns the
+    # fraction online: the running mean of generated / max_new_tokens over requests that
+    # ended on their own (starting at 0.5).  0 admits greedily and leaves everything to
+    # preemption.
+    growth_reserve_ratio: float | None = None
+    growth_reserve_max_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        positive = {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "max_batch_prefill_tokens": self.max_batch_prefill_tokens,
+            "max_waiting_tokens": self.max_waiting_tokens,
+        }
+        if self.chunked_prefill_size is not None:
+            positive["chunked_prefill_size"] = self.chunked_prefill_size
+        if self.max_num_running is not None:
+            positive["max_num_running"] = self.max_num_running
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.waiting_served_ratio < 0:
+            raise ValueError(f"waiting_served_ratio must be >= 0, got {self.waiting_served_ratio}")
+        ratio = self.growth_reserve_ratio
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"growth_reserve_ratio must be in [0, 1], got {ratio}")
+        if self.growth_reserve_max_tokens <= 0:
+            raise ValueError("growth_reserve_max_tokens must be positive")
+
+    @property
+    def max_batch_total_tokens(self) -> int:
+        """KV capacity in tokens (TGI's ``--max-batch-total-tokens``)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """Prompt tokens one request may get in one step."""
+        if not self.chunked_prefill_enabled:
+            return self.max_batch_prefill_tokens
+        size = self.chunked_prefill_size or self.max_batch_prefill_tokens
+        return min(size, self.max_batch_prefill_tokens)

@@ -1,0 +1,241 @@
+"""Test double for the model runner, used by the scheduler tests (no torch).
+
+:class:`PagedFakeRunner` keeps a real paged "KV cache": for each computed position it writes
+into the block slot a value that, like real KV, depends on the whole prefix up to that
+position (a rolling hash).  When it samples, it reads the entire sequence back through the
+block table and checks it against its own record of the request; so a wrong block table, a
+bad prefix-cache hit, a shared block overwritten by another request or a lost position fails
+loudly.  The sampled token is a deterministic function of the sequence, as greedy decoding is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from genserve.engine.request import FinishReason, Request, StoppingCriteria
+from genserve.engine.scheduler import Scheduler
+from genserve.engine.scheduler_config import SchedulerConfig
+from genserve.step import (
+    PromptLogprobs,
+    RunnerOutput,
+    SampledToken,
+    SamplingParams,
+    SchedulerOutput,
+    TokenLogprob,
+)
+
+VOCAB_SIZE = 50
+
+
+def roll(prev: int, token_id: int) -> int:
+    """The fake 'KV' of a position: depends on every token up to it."""
+    digest = hashlib.blake2b(f"{prev}:{token_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def next_token(rolled: int) -> int:
+    return rolled % VOCAB_SIZE
+
+
+class PagedFakeRunner:
+    """Implements the Runner protocol; raises AssertionError on any contract violation."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.seqs: dict[str, list[int]] = {}  # the runner's record of each request's tokens
+        self.rolled: dict[str, list[int]] = {}  # rolling KV values of the known tokens
+        self.num_prompt: dict[str, int] = {}
+        self.want_prompt_logprobs: dict[str, bool] = {}
+        self.num_steps = 0
+        self.num_tokens = 0
+
+    def _rolled_upto(self, req_id: str, end: int) -> list[int]:
+        seq, rolled = self.seqs[req_id], self.rolled[req_id]
+        while len(rolled) < end:
+            prev = rolled[-1] if rolled else 0
+            rolled.append(roll(prev, seq[len(rolled)]))
+        return rolled
+
+    def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
+        assert step.chunks, "an empty step reached the runner"
+        self.num_steps += 1
+        self.num_tokens += step.num_tokens
+        for req_id in step.finished_req_ids:
+            assert req_id in self.seqs, f"finished {req_id} unknown to the runner"
+            del self.seqs[req_id], self.rolled[req_id]
+            del self.num_prompt[req_id], self.want_prompt_logprobs[req_id]
+        for new in step.new_requests:
+            assert new.req_id not in self.seqs, f"{new.req_id} registered twice"
+            assert len(new.all_token_ids) == new.num_prompt_tokens + new.num_output_tokens
+            self.seqs[new.req_id] = list(new.all_token_ids)
+            self.rolled[new.req_id] = []
+            self.num_prompt[new.req_id] = new.num_prompt_tokens
+            self.want_prompt_logprobs[new.req_id] = new.sampling.prompt_logprobs
+        bs = self.block_size
+        seen: set[str] = set()
+        # Write every chunk's KV first, then read: as a forward pass does, layer by layer.
+        for chunk in step.chunks:
+            assert chunk.req_id not in seen, f"{chunk.req_id} twice in one step"
+            seen.add(chunk.req_id)
+            seq = self.seqs[chunk.req_id]
+            end = chunk.start_pos + len(chunk.token_ids)
+            assert list(chunk.token_ids) == seq[chunk.start_pos : end]
+            assert chunk.sample == (end == len(seq))
+            assert len(chunk.block_ids) * bs >= end, "block table too short"
+            rolled = self._rolled_upto(chunk.req_id, end)
+            for pos in range(chunk.start_pos, end):
+                self.slots[chunk.block_ids[pos // bs]][pos % bs] = rolled[pos]
+        sampled: list[SampledToken] = []
+        prompt_logprobs: list[PromptLogprobs] = []
+        for chunk in step.chunks:
+            end = chunk.start_pos + len(chunk.token_ids)
+            rolled = self._rolled_upto(chunk.req_id, end)
+            kv = [self.slots[chunk.block_ids[p // bs]][p % bs] for p in range(end)]
+            assert kv == rolled[:end], f"{chunk.req_id}: KV read back wrong at step {step.step_id}"
+            num_prompt = self.num_prompt[chunk.req_id]
+            if self.want_prompt_logprobs[chunk.req_id]:
+                first, last = max(chunk.start_pos, 1), min(end, num_prompt)
+                if first < last:
+                    seq = self.seqs[chunk.req_id]
+                    entries = tuple(TokenLogprob(seq[p], -float(p)) for p in range(first, last))
+                    prompt_logprobs.append(PromptLogprobs(chunk.req_id, first, entries))
+            if chunk.sample:
+                token_id = next_token(rolled[end - 1])
+                self.seqs[chunk.req_id].append(token_id)
+                sampled.append(SampledToken(chunk.req_id, token_id, -1.0))
+        return RunnerOutput(step.step_id, tuple(sampled), tuple(prompt_logprobs))
+
+    def shutdown(self) -> None:
+        self.seqs.clear()
+
+
+def is_stop_token(token_id: int) -> bool:
+    """Stands in for a stop string, which the engine detects after a token is returned."""
+    return token_id == 7
+
+
+def reference_output(
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_token_ids: frozenset[int],
+    ignore_eos: bool,
+    use_stop: bool,
+) -> tuple[list[int], FinishReason]:
+    """The tokens and finish reason a request gets with no memory pressure at all."""
+    rolled = 0
+    for token_id in prompt:
+        rolled = roll(rolled, token_id)
+    out: list[int] = []
+    while True:
+        token_id = next_token(rolled)
+        out.append(token_id)
+        if len(out) >= max_new_tokens:
+            return out, FinishReason.LENGTH
+        if not ignore_eos and token_id in eos_token_ids:
+            return out, FinishReason.EOS_TOKEN
+        if use_stop and is_stop_token(token_id):
+            return out, FinishReason.STOP_SEQUENCE
+        rolled = roll(rolled, token_id)
+
+
+class Harness:
+    """Drives a Scheduler with a PagedFakeRunner the way the engine does, recording each
+    request's tokens and its (single) end, and checking invariants after every step."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.sched = Scheduler(config)
+        self.runner = PagedFakeRunner(config.num_blocks, config.block_size)
+        self.reqs: dict[str, Request] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.ends: dict[str, FinishReason] = {}
+        self.use_stop: set[str] = set()
+        self.steps: list[SchedulerOutput] = []
+        self.prompt_logprob_pos: dict[str, list[int]] = {}
+
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_new_tokens: int = 8,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        ignore_eos: bool = False,
+        use_stop: bool = False,
+        cache_salt: str | None = None,
+        prompt_logprobs: bool = False,
+    ) -> Request:
+        req = Request(
+            req_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling=SamplingParams(prompt_logprobs=prompt_logprobs),
+            stopping=StoppingCriteria(max_new_tokens, eos_token_ids, ignore_eos),
+            cache_salt=cache_salt,
+        )
+        self.sched.add_request(req)
+        self.reqs[req_id] = req
+        self.tokens[req_id] = []
+        self.prompt_logprob_pos[req_id] = []
+        if use_stop:
+            self.use_stop.add(req_id)
+        return req
+
+    def _end(self, req_id: str, reason: FinishReason) -> None:
+        assert req_id not in self.ends, f"{req_id} ended twice"
+        self.ends[req_id] = reason
+
+    def abort(self, req_id: str, reason: FinishReason = FinishReason.ABORTED) -> None:
+        if req_id in self.reqs and req_id not in self.ends:
+            self.sched.finish_requests([req_id], reason)
+            self._end(req_id, reason)
+
+    def step(self, abort_during: tuple[str, ...] = ()) -> SchedulerOutput:
+        out = self.sched.schedule()
+        self.steps.append(out)
+        bs = self.sched.kv.block_size
+        for chunk in out.chunks:
+            # Blocks written this step belong to this request alone and are not in the
+            # prefix cache: a shared or cached block is never written.
+            end = chunk.start_pos + len(chunk.token_ids)
+            for block_id in chunk.block_ids[chunk.start_pos // bs : (end - 1) // bs + 1]:
+                block = self.sched.kv.pool.blocks[block_id]
+                assert block.ref_cnt == 1 and block.block_hash is None, (chunk, block)
+        if out.chunks:
+            result = self.runner.execute_model(out)
+        else:
+            assert not out.finished_req_ids and not out.new_requests
+            result = RunnerOutput(out.step_id)
+        for req_id in abort_during:  # cancelled while the runner was busy
+            self.abort(req_id)
+        for output in self.sched.update_from_output(out, result):
+            assert output.req_id not in self.ends, f"output for ended {output.req_id}"
+            if output.prompt_logprobs is not None:
+                plp = output.prompt_logprobs
+                positions = range(plp.first_pos, plp.first_pos + len(plp.logprobs))
+                self.prompt_logprob_pos[output.req_id].extend(positions)
+            if output.new_token is not None:
+                self.tokens[output.req_id].append(output.new_token.token_id)
+                assert output.num_output_tokens == len(self.tokens[output.req_id])
+            if output.finish_reason is not None:
+                self._end(output.req_id, output.finish_reason)
+            elif (
+                output.req_id in self.use_stop
+                and output.new_token is not None
+                and is_stop_token(output.new_token.token_id)
+            ):
+                self.abort(output.req_id, FinishReason.STOP_SEQUENCE)
+        self.sched.check_invariants()
+        return out
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until every request ended; returns the number of steps."""
+        for n in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                return n
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def assert_all_blocks_free(self) -> None:
+        kv = self.sched.kv
+        assert kv.num_free_blocks == kv.num_blocks
+        assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
