@@ -52,7 +52,8 @@ class InProcessServer:
         return self.run(wrapper())  # type: ignore[no-any-return]
 
     def num_free_blocks(self) -> int:
-        return self.call(lambda: self.engine.scheduler.stats().num_free_blocks)
+        stats = self.call(self.engine.scheduler.stats)
+        return stats.num_total_blocks - stats.num_used_blocks
 
     def num_total_blocks(self) -> int:
         return self.call(lambda: self.engine.scheduler.stats().num_total_blocks)
