@@ -109,12 +109,14 @@ def start_server(
     env: Mapping[str, str] | None = None,
     wait_serving: bool = True,
     timeout_s: float = 300.0,
+    port: int | None = None,
 ) -> Iterator[LiveServer]:
     """Start ``genserve --model-id MODEL_DIR --hostname 127.0.0.1 --port FREE EXTRA_ARGS...``
     and yield it once health says SERVING (or, with ``wait_serving=False``, once the port
     answers health at all, i.e. while the model may still be loading).  ``env`` is added to
-    this process's environment.  On exit the server gets SIGTERM (then SIGKILL)."""
-    port = free_port()
+    this process's environment; ``port`` defaults to a free one.  On exit the server gets
+    SIGTERM (then SIGKILL)."""
+    port = free_port() if port is None else port
     fd, log_name = tempfile.mkstemp(prefix="genserve-", suffix=".log")
     log_path = Path(log_name)
     cmd = [

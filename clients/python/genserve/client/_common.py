@@ -15,6 +15,10 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    # gRPC's reconnect backoff grows to 120 s by default, so a server that comes back (or
+    # finishes starting) would go unnoticed for minutes while retries fail fast; cap it at the
+    # retry policy's default max_backoff_s.
+    ("grpc.max_reconnect_backoff_ms", 5000),
 )
 Metadata = Sequence[tuple[str, str]]
 

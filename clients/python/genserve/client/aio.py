@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 import grpc
@@ -112,8 +112,8 @@ class AsyncClient:
         parameters: Any | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
-    ) -> AsyncIterator[Any]:
-        """An async iterator of ``pb.GenerateStreamResponse``, one per token (see
+    ) -> AsyncGenerator[Any, None]:
+        """An async generator of ``pb.GenerateStreamResponse``, one per token (see
         :meth:`genserve.client.Client.generate_stream`).  Leaving the loop early cancels the
         call when the iterator is closed (at once with ``contextlib.aclosing``, otherwise when
         asyncio finalizes it)."""
@@ -173,7 +173,7 @@ class AsyncClient:
                     raise error_from_rpc(err) from err
             await asyncio.sleep(delay)
 
-    async def _stream(self, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+    async def _stream(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
         deadline = Deadline(self._timeout_for(timeout))
         attempt = 0
         while True:
