@@ -1,19 +1,51 @@
 """structlog set-up: a human-readable console by default, one JSON object per line with
 ``--json-output``.  Standard-library loggers (grpc, transformers) go through the same
-renderer so a log collector sees one format."""
+renderer so a log collector sees one format.
+
+Request context comes from context variables, so no call site has to pass it: the servicer
+binds ``req_id`` for the task serving a request (:func:`bind_request_id`), and when the
+request is traced, every line also carries the current span's ``trace_id`` and ``span_id``
+(W3C hex, the ids a trace backend shows).  Prompts and generated text are only ever logged
+when the operator asked for it (``--log-requests``); that decision lives with the caller."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
+from opentelemetry import trace
+
+
+def add_trace_context(
+    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog processor: ``trace_id``/``span_id`` of the current span, if it is valid.
+
+    Without tracing the current span is OpenTelemetry's invalid no-op span, so this adds
+    nothing and costs one context-variable read."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event_dict.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event_dict
+
+
+def bind_request_id(req_id: str) -> None:
+    """Every later log line of the current asyncio task carries ``req_id``.
+
+    Deliberately not undone: each gRPC call (and each sequence of a multi-input call) runs in
+    a task of its own whose context ends with it, and resetting a context-variable token from
+    an async generator finalised elsewhere would fail."""
+    structlog.contextvars.bind_contextvars(req_id=req_id)
 
 
 def configure_logging(json_output: bool, level: int = logging.INFO) -> None:
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        add_trace_context,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
