@@ -1,0 +1,337 @@
+"""Paged attention: the KV cache is a pool of fixed-size blocks; each sequence reads its K/V
+through its block table.
+
+A step's flat token batch is ordered **decodes first** (sequences with one new token), then
+prefill chunks.  The runner describes the sequences once per step (:class:`SeqSpec`); a
+backend turns that into metadata tensors shared by every layer.  Each layer then
+
+1. writes the step's new K/V into the cache with one ``index_copy_`` per tensor through the
+   slot mapping (slot = ``block_id * block_size + offset``), and
+2. attends: all decodes in one batched op, prefill chunks one call each.
+
+Two backends:
+
+- :class:`TorchPagedAttention` (CPU, or CUDA without flash-attn): cache per layer
+  ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` (K and V stacked, head-major, so
+  that gathering a batch's blocks yields ``[heads, seqs, context, head_dim]`` with no
+  transpose copy); ``F.scaled_dot_product_attention`` does the math.
+- :class:`FlashPagedAttention` (CUDA with ``flash_attn`` and block size a multiple of 256,
+  which its paged kernels require): cache per layer ``[2, num_blocks, block_size,
+  num_kv_heads, head_dim]`` and one ``flash_attn_varlen_func`` call with ``block_table`` for
+  the whole batch (causal masks are bottom-right aligned there, which is what chunked prefill
+  needs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpec:
+    """One sequence of the step: ``num_tokens`` new tokens at positions ``start_pos ..``,
+    its KV living in ``block_ids`` (at least ``ceil((start_pos + num_tokens) / block_size)``
+    entries)."""
+
+    num_tokens: int
+    start_pos: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+class AttentionMetadata(Protocol):
+    """Per-step attention inputs, built once and used by every layer."""
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new ``k``, ``v`` (``[num_tokens, num_kv_heads, head_dim]``)."""
+        ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """``q``: ``[num_tokens, num_heads, head_dim]`` → ``[num_tokens, num_heads *
+        head_dim]``; ``k``/``v`` are this step's new keys/values (already in the cache)."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]: ...
+
+    def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
+        """``seqs[:num_decodes]`` have one token each; the flat batch follows ``seqs``."""
+        ...
+
+
+def slot_mapping(seqs: list[SeqSpec], num_decodes: int, block_size: int) -> np.ndarray:
+    """Cache slot of every token of the flat batch, ``[num_tokens]`` int64."""
+    slots: list[int] = []
+    for seq in seqs[:num_decodes]:
+        p = seq.start_pos
+        slots.append(seq.block_ids[p // block_size] * block_size + p % block_size)
+    parts = [np.asarray(slots, dtype=np.int64)]
+    for seq in seqs[num_decodes:]:
+        pos = np.arange(seq.start_pos, seq.context_len, dtype=np.int64)
+        blocks = np.asarray(seq.block_ids, dtype=np.int64)[pos // block_size]
+        parts.append(blocks * block_size + pos % block_size)
+    return np.concatenate(parts)
+
+
+def _block_table(seqs: list[SeqSpec], block_size: int) -> tuple[np.ndarray, int]:
+    """``[num_seqs, max_blocks]`` of the blocks covering each context (padded with block 0,
+    always masked out) and ``max_blocks``."""
+    needed = [-(-s.context_len // block_size) for s in seqs]
+    max_blocks = max(needed, default=0)
+    table = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+    for i, (seq, n) in enumerate(zip(seqs, needed, strict=True)):
+        table[i, :n] = seq.block_ids[:n]
+    return table, max_blocks
+
+
+@dataclass(slots=True)
+class _Prefill:
+    token_start: int
+    num_tokens: int
+    start_pos: int
+    block_ids: torch.Tensor  # [num_blocks_needed]
+    # Masks by sliding window (None: full causal); built on first use.
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """``[num_tokens, context_len]`` bool (True: attend), or None for "plain causal from
+        position 0", which SDPA's ``is_causal`` handles without a mask."""
+        if window not in self.masks:
+            if self.start_pos == 0 and window is None:
+                self.masks[window] = None
+            else:
+                q_pos = torch.arange(
+                    self.start_pos, self.start_pos + self.num_tokens, device=device
+                )
+                k_pos = torch.arange(self.start_pos + self.num_tokens, device=device)
+                allowed = k_pos[None, :] <= q_pos[:, None]
+                if window is not None:
+                    allowed &= k_pos[None, :] > q_pos[:, None] - window
+                self.masks[window] = allowed
+        return self.masks[window]
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    slots: torch.Tensor  # [num_tokens] int64
+    num_decodes: int
+    decode_blocks: torch.Tensor  # [num_decodes * max_blocks] int64 (flattened block table)
+    decode_max_blocks: int
+    decode_positions: torch.Tensor  # [num_decodes] int64, position of each decode token
+    prefills: list[_Prefill]
+    device: torch.device
+    dtype: torch.dtype | None = None
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # kv_cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [T, kv_heads, hd]
+        two, heads, num_blocks, block_size, head_dim = kv_cache.shape
+        flat = kv_cache.view(two, heads, num_blocks * block_size, head_dim)
+        flat[0].index_copy_(1, self.slots, k.transpose(0, 1))
+        flat[1].index_copy_(1, self.slots, v.transpose(0, 1))
+
+    def _decode_mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[1, num_decodes, 1, max_blocks * block_size]``: 0 where the
+        gathered slot is inside the context (and window), -inf elsewhere."""
+        mask = self._decode_masks.get(window)
+        if mask is None:
+            k_pos = torch.arange(self.decode_max_blocks * block_size, device=self.device)
+            q_pos = self.decode_positions[:, None]
+            allowed = k_pos[None, :] <= q_pos
+            if window is not None:
+                allowed &= k_pos[None, :] > q_pos - window
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+            mask.masked_fill_(~allowed, float("-inf"))
+            mask = mask[None, :, None, :]
+            self._decode_masks[window] = mask
+        return mask
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        _, num_kv_heads, _, block_size, _ = kv_cache.shape
+        group = num_heads // num_kv_heads
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        d = self.num_decodes
+        if d:
+            # Gather every decode's blocks: [2, kv_heads, d * max_blocks, block_size, hd].
+            ctx = kv_cache.index_select(2, self.decode_blocks)
+            ctx = ctx.view(2, num_kv_heads, d, self.decode_max_blocks * block_size, head_dim)
+            # Fold the query heads of a KV group into the query-length axis:
+            # [d, heads, hd] -> [kv_heads, d, group, hd]; one SDPA over (kv_head, seq) pairs.
+            q_dec = q[:d].view(d, num_kv_heads, group, head_dim).transpose(0, 1)
+            mask = self._decode_mask(window, block_size, q.dtype)
+            o = F.scaled_dot_product_attention(q_dec, ctx[0], ctx[1], attn_mask=mask, scale=scale)
+            out[:d] = o.transpose(0, 1).reshape(d, num_heads * head_dim)
+        for p in self.prefills:
+            s, n = p.token_start, p.num_tokens
+            q_p = q[s : s + n].transpose(0, 1)[None]  # [1, heads, n, hd]
+            prefill_mask = p.mask(window, self.device)
+            if prefill_mask is None:  # whole prompt from position 0: attend to the fresh K/V
+                k_p = k[s : s + n].transpose(0, 1)[None]
+                v_p = v[s : s + n].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(
+                    q_p, k_p, v_p, is_causal=True, scale=scale, enable_gqa=group > 1
+                )
+            else:  # earlier positions are in the cache: read the context through the blocks
+                ctx_len = p.start_pos + n
+                ctx = kv_cache.index_select(2, p.block_ids)
+                ctx = ctx.view(2, num_kv_heads, -1, head_dim)[:, :, :ctx_len]
+                o = F.scaled_dot_product_attention(
+                    q_p, ctx[0][None], ctx[1][None], attn_mask=prefill_mask, scale=scale,
+                    enable_gqa=group > 1,
+                )  # fmt: skip
+            out[s : s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+        return out
+
+
+class TorchPagedAttention:
+    """Portable backend built on ``F.scaled_dot_product_attention``."""
+
+    name = "torch-sdpa"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
+        dev = self.device
+        table, max_blocks = _block_table(seqs[:num_decodes], block_size)
+        decode_positions = np.fromiter(
+            (s.start_pos for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes
+        )
+        prefills = []
+        token_start = num_decodes
+        for seq in seqs[num_decodes:]:
+            needed = -(-seq.context_len // block_size)
+            blocks = torch.tensor(seq.block_ids[:needed], dtype=torch.int64, device=dev)
+            prefills.append(_Prefill(token_start, seq.num_tokens, seq.start_pos, blocks))
+            token_start += seq.num_tokens
+        return TorchAttentionMetadata(
+            slots=torch.from_numpy(slot_mapping(seqs, num_decodes, block_size)).to(dev),
+            num_decodes=num_decodes,
+            decode_blocks=torch.from_numpy(table.reshape(-1)).to(dev),
+            decode_max_blocks=max_blocks,
+            decode_positions=torch.from_numpy(decode_positions).to(dev),
+            prefills=prefills,
+            device=dev,
+        )
+
+
+@dataclass(slots=True)
+class FlashAttentionMetadata:
+    slots: torch.Tensor  # [num_tokens] int64
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, cumulative context lengths
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
+        two, num_blocks, block_size, heads, head_dim = kv_cache.shape
+        flat = kv_cache.view(two, num_blocks * block_size, heads, head_dim)
+        flat[0].index_copy_(0, self.slots, k)
+        flat[1].index_copy_(0, self.slots, v)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+
+        num_tokens, num_heads, head_dim = q.shape
+        out = flash_attn_varlen_func(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+            # HF's sliding window keeps keys with q_pos - k_pos < window.
+            window_size=(window - 1, 0) if window is not None else (-1, -1),
+            block_table=self.block_table,
+        )
+        return out.reshape(num_tokens, num_heads * head_dim)  # type: ignore[no-any-return]
+
+
+class FlashPagedAttention:
+    """CUDA backend on flash-attn's paged varlen kernel (one call per layer per step)."""
+
+    name = "flash-attn"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
+        dev = self.device
+        q_lens = np.asarray([s.num_tokens for s in seqs], dtype=np.int32)
+        k_lens = np.asarray([s.context_len for s in seqs], dtype=np.int32)
+        cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+        table, _ = _block_table(seqs, block_size)
+        return FlashAttentionMetadata(
+            slots=torch.from_numpy(slot_mapping(seqs, num_decodes, block_size)).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu_q).to(dev),
+            cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
+            max_seqlen_q=int(q_lens.max(initial=0)),
+            max_seqlen_k=int(k_lens.max(initial=0)),
+            block_table=torch.from_numpy(table.astype(np.int32)).to(dev),
+        )
+
+
+def select_backend(device: torch.device, block_size: int) -> AttentionBackend:
+    """flash-attn when it can run (CUDA, importable, block size it supports), else torch."""
+    if (
+        device.type == "cuda"
+        and block_size % 256 == 0
+        and importlib.util.find_spec("flash_attn") is not None
+    ):
+        return FlashPagedAttention(device)
+    return TorchPagedAttention(device)

@@ -1,0 +1,303 @@
+"""Building blocks of the Llama family, written for a flat token batch and tensor parallelism.
+
+Every activation is ``[num_tokens, features]``: the sequences of a step are concatenated, never
+padded.  Linear layers follow the Megatron split:
+
+- :class:`ColumnParallelLinear` (and its fused forms :class:`MergedColumnParallelLinear`,
+  :class:`QKVParallelLinear`) keep a slice of the *output* features; no communication.
+- :class:`RowParallelLinear` keeps a slice of the *input* features and all-reduces its output.
+- :class:`VocabParallelEmbedding` / :class:`ParallelLMHead` split the vocabulary.
+
+Each layer loads its own shard from a :class:`~genserve.model.weights.WeightSource`, reading
+only its rows or columns.  At world size 1 the shards are the whole tensors and the
+collectives are no-ops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from genserve.model.config import RopeConfig, UnsupportedModelError
+from genserve.model.weights import WeightSource
+from genserve.parallel import ParallelContext
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _copy_in(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32 and cast back before the weight, as transformers
+    does, so float32 and half-precision results match the reference bit for bit in layout."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        xf = x.float()
+        variance = xf.pow(2).mean(-1, keepdim=True)
+        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def load(self, weights: WeightSource, name: str) -> None:
+        _copy_in(self.weight, weights.get(name), name)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32) as transformers computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.params["factor"]
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope.params)
+    raise UnsupportedModelError(
+        f"rope type {rope.rope_type!r} is not supported (default, linear, llama3 are)"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, float] | object) -> torch.Tensor:
+    assert isinstance(params, dict)
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, "rotate half" convention (Llama/Mistral/Qwen2 in HF)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
+        super().__init__()
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim).to(device), persistent=False)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[num_tokens, 1, head_dim]``, computed once per step and
+        shared by every layer."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x``: ``[num_tokens, num_heads, head_dim]``; ``cos``/``sin``: ``[num_tokens, 1,
+    head_dim]``.  Q and K heads can be rotated in one call by concatenating them."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x Wᵀ + b`` keeping rows ``[start, stop)`` of ``W`` (output features) per rank.
+
+    ``out_sizes`` lists the logical matrices fused into this one (e.g. gate and up); each is
+    split separately so that a rank's output is ``[its gate slice | its up slice]``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: Sequence[int],
+        bias: bool,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.ranges = [ctx.shard(size, "output features") for size in out_sizes]
+        local = sum(stop - start for start, stop in self.ranges)
+        self.weight = _empty(local, in_features, dtype=dtype, device=device)
+        self.bias = _empty(local, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [num_tokens, local_out]
+
+    def load(self, weights: WeightSource, prefixes: Sequence[str]) -> None:
+        """``prefixes[i]`` names the ``i``-th fused matrix (``…gate_proj``, ``…up_proj``)."""
+        self._load_rows(weights, [(p, [r]) for p, r in zip(prefixes, self.ranges, strict=True)])
+
+    def _load_rows(
+        self, weights: WeightSource, parts: Sequence[tuple[str, Sequence[tuple[int, int]]]]
+    ) -> None:
+        for suffix, param in (("weight", self.weight), ("bias", self.bias)):
+            if param is None:
+                continue
+            pieces = [
+                weights.get_slice(f"{prefix}.{suffix}", 0, start, stop)
+                for prefix, ranges in parts
+                for start, stop in ranges
+            ]
+            _copy_in(param, torch.cat(pieces, dim=0), f"{parts[0][0]}.{suffix}")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Fused gate/up projection: one matmul instead of two (less per-layer overhead)."""
+
+
+def local_kv_heads(num_heads: int, num_kv_heads: int, ctx: ParallelContext) -> tuple[int, ...]:
+    """Global indices of the KV heads this rank stores, in local order.
+
+    The rank owns query heads ``[r*qp, (r+1)*qp)``; query head ``q`` reads KV head
+    ``q // (num_heads // num_kv_heads)``.  When the needed KV heads serve the local query
+    heads in equal consecutive groups they are stored once each (the usual case, including
+    replication when there are fewer KV heads than ranks); otherwise one KV head is stored per
+    local query head, so that local grouping is always uniform.
+    """
+    if num_heads % num_kv_heads:
+        raise UnsupportedModelError(f"{num_heads} query heads vs {num_kv_heads} KV heads")
+    start, stop = ctx.shard(num_heads, "query heads")
+    per_rank = stop - start
+    group = num_heads // num_kv_heads
+    needed = list(range(start // group, (stop - 1) // group + 1))
+    if per_rank % len(needed) == 0:
+        local_group = per_rank // len(needed)
+        if all((start + j) // group == needed[j // local_group] for j in range(per_rank)):
+            return tuple(needed)
+    return tuple((start + j) // group for j in range(per_rank))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q/K/V projection; output ``[num_tokens, (local_heads + 2*local_kv_heads) *
+    head_dim]`` laid out as ``[q | k | v]``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.ctx = ctx
+        self.head_dim = head_dim
+        q_start, q_stop = ctx.shard(num_heads, "query heads")
+        self.q_range = (q_start * head_dim, q_stop * head_dim)
+        self.kv_heads = local_kv_heads(num_heads, num_kv_heads, ctx)
+        self.num_local_heads = q_stop - q_start
+        self.num_local_kv_heads = len(self.kv_heads)
+        local = (self.num_local_heads + 2 * self.num_local_kv_heads) * head_dim
+        self.weight = _empty(local, hidden_size, dtype=dtype, device=device)
+        self.bias = _empty(local, dtype=dtype, device=device) if bias else None
+
+    def load(self, weights: WeightSource, prefixes: Sequence[str]) -> None:
+        """``prefixes`` = (q_proj, k_proj, v_proj) names without ``.weight``."""
+        q, k, v = prefixes
+        d = self.head_dim
+        kv_rows = [(h * d, (h + 1) * d) for h in self.kv_heads]
+        self._load_rows(weights, [(q, [self.q_range]), (k, kv_rows), (v, kv_rows)])
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_local W_localᵀ) + b``: keeps columns ``[start, stop)`` of ``W``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+        in_range: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.in_range = in_range or ctx.shard(in_features, "input features")
+        local_in = self.in_range[1] - self.in_range[0]
+        self.weight = _empty(out_features, local_in, dtype=dtype, device=device)
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        # The bias is added once, after the partial sums are reduced.
+        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load(self, weights: WeightSource, prefix: str) -> None:
+        start, stop = self.in_range
+        w = weights.get_slice(f"{prefix}.weight", 1, start, stop)
+        _copy_in(self.weight, w, f"{prefix}.weight")
+        if self.bias is not None:
+            _copy_in(self.bias, weights.get(f"{prefix}.bias"), f"{prefix}.bias")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks (padded to equal shares)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.start, self.stop, per_rank = ctx.padded_shard(vocab_size)
+        self.weight = _empty(per_rank, hidden_size, dtype=dtype, device=device)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids: [num_tokens] -> [num_tokens, hidden]
+        if self.ctx.world_size == 1:
+            return F.embedding(token_ids, self.weight)
+        outside = (token_ids < self.start) | (token_ids >= self.stop)
+        local = (token_ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[:, None], 0.0)
+        return self.ctx.all_reduce(out)
+
+    def load(self, weights: WeightSource, name: str) -> None:
+        rows = weights.get_slice(name, 0, self.start, self.stop)
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[: rows.shape[0]].copy_(rows)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary; each rank computes its vocabulary slice and the
+    slices are gathered, so every rank returns full ``[num_rows, vocab_size]`` logits."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_rows, hidden] -> [num_rows, vocab_size]
+        local = F.linear(hidden, self.weight)
+        if self.ctx.world_size == 1:
+            return local
+        return self.ctx.all_gather(local, dim=-1)[:, : self.vocab_size]
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding matrix (tied word embeddings)."""
+        self.weight = embedding.weight

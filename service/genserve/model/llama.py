@@ -1,0 +1,206 @@
+"""Native paged implementation of the Llama family: Llama (SmolLM2), Mistral, Qwen2.
+
+The three differ only in configuration: Qwen2 has Q/K/V biases, Mistral (and Qwen2's sliding
+layers) a sliding attention window; all share RMSNorm, rotary embeddings, grouped-query
+attention and a SiLU-gated MLP.  Weight names are those of transformers' checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from genserve.model.attention import AttentionMetadata
+from genserve.model.config import ModelConfig
+from genserve.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+)
+from genserve.model.weights import WeightSource
+from genserve.parallel import ParallelContext
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.window = config.sliding_windows[layer_idx]
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            config.qkv_bias,
+            ctx,
+            dtype,
+            device,
+        )
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        q_start, q_stop = self.qkv_proj.q_range
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            config.o_bias,
+            ctx,
+            dtype,
+            device,
+            in_range=(q_start, q_stop),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [num_tokens, (h + 2 * kvh) * d]
+        # Q and K are rotated together: one set of elementwise ops instead of two.
+        qk = apply_rotary(qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d), cos, sin)
+        q, k = qk[:, :h], qk[:, h:]  # [num_tokens, h, d], [num_tokens, kvh, d]
+        v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)
+        meta.write_kv(kv_cache, k, v)
+        out = meta.attend(q, k, v, kv_cache, self.scale, self.window)  # [num_tokens, h * d]
+        return self.o_proj(out)  # type: ignore[no-any-return]
+
+    def load(self, weights: WeightSource, prefix: str) -> None:
+        self.qkv_proj.load(weights, [f"{prefix}.{p}_proj" for p in "qkv"])
+        self.o_proj.load(weights, f"{prefix}.o_proj")
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], config.mlp_bias, ctx, dtype, device
+        )
+        self.local_size = self.gate_up_proj.weight.shape[0] // 2
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, config.mlp_bias, ctx, dtype, device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * local_intermediate]
+        gate, up = gate_up[:, : self.local_size], gate_up[:, self.local_size :]
+        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+
+    def load(self, weights: WeightSource, prefix: str) -> None:
+        self.gate_up_proj.load(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj.load(weights, f"{prefix}.down_proj")
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, ctx, dtype, device)
+        self.mlp = LlamaMLP(config, ctx, dtype, device)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+
+    def load(self, weights: WeightSource, prefix: str) -> None:
+        self.self_attn.load(weights, f"{prefix}.self_attn")
+        self.mlp.load(weights, f"{prefix}.mlp")
+        self.input_layernorm.load(weights, f"{prefix}.input_layernorm.weight")
+        self.post_attention_layernorm.load(weights, f"{prefix}.post_attention_layernorm.weight")
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` maps a flat token batch to final hidden states; ``compute_logits`` projects
+    only the rows that need logits (sampled positions, prompt-logprob positions)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, ctx, dtype, device
+        )
+        layers = [
+            LlamaDecoderLayer(config, i, ctx, dtype, device) for i in range(config.num_layers)
+        ]
+        self.layers = nn.ModuleList(layers)
+        self._layers = layers  # typed view of the same modules, for the hot loop
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.embed_tokens)
+        self.num_local_kv_heads = layers[0].self_attn.num_kv_heads
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``token_ids``, ``positions``: ``[num_tokens]`` → hidden ``[num_tokens, hidden]``
+        *before* the final norm (which ``compute_logits`` applies to the rows it needs).
+        Writes every token's K/V into ``kv_caches`` (one tensor per layer)."""
+        x: torch.Tensor = self.embed_tokens(token_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self._layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of ``forward``'s output ``[num_rows, hidden]`` → float32 ``[num_rows,
+        vocab_size]``.  The final norm is row-wise, so normalising only these rows is exact."""
+        return self.lm_head.logits(self.norm(hidden)).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: WeightSource) -> None:
+        """Load this rank's shard of every tensor, converting to the model dtype."""
+        self.embed_tokens.load(weights, "model.embed_tokens.weight")
+        for i, layer in enumerate(self._layers):
+            layer.load(weights, f"model.layers.{i}")
+        self.norm.load(weights, "model.norm.weight")
+        if not self.config.tie_word_embeddings:
+            self.lm_head.load(weights, "lm_head.weight")

@@ -1,0 +1,97 @@
+"""Tiny random-weight Llama-family models for tests (and for client tests that need a real
+server): a few layers, hidden size 64, grouped-query attention, saved with transformers'
+``save_pretrained`` (safetensors) next to the embedded default model's tokenizer, so prompts
+tokenize exactly as they would for the real model (vocabulary 49152).
+
+    python -m genserve.testing.tiny_model OUT_DIR [--arch llama|mistral|qwen2] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    # transformers' default (0.02) makes a model this small repeat one token forever (its
+    # residual stream is all embedding); 0.2 gives varied greedy continuations, so tests
+    # comparing generations actually test something.
+    "initializer_range": 0.2,
+}
+# Each architecture also exercises a feature of its own: llama ties the embeddings (as
+# SmolLM2 does), mistral has a sliding window shorter than the test prompts, qwen2 has
+# Q/K/V biases.
+_PER_ARCH: dict[str, dict[str, Any]] = {
+    "llama": {"tie_word_embeddings": True},
+    "mistral": {"tie_word_embeddings": False, "sliding_window": 32},
+    "qwen2": {"tie_word_embeddings": False, "use_sliding_window": False},
+}
+
+
+def default_tokenizer_dir() -> Path:
+    """The converted embedded default model (converted once and cached, like the server)."""
+    from genserve.config import load_config
+    from genserve.model.loader import resolve_model
+
+    config = load_config([])
+    return resolve_model(None, cache_dir=config.genserve_cache / "models").local_dir
+
+
+def make_tiny_model(
+    out_dir: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    tokenizer_dir: Path | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a random-weight ``arch`` model (float32) and a tokenizer into ``out_dir``.
+
+    ``overrides`` replace config fields (e.g. ``num_key_value_heads=3,
+    num_attention_heads=6`` for tensor-parallel tests, ``rope_parameters={...}``).
+    ``tokenizer_dir`` defaults to the embedded default model.  Returns ``out_dir``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or default_tokenizer_dir()))
+    fields = {**_COMMON, **_PER_ARCH[arch], **overrides}
+    fields.setdefault("vocab_size", len(tokenizer))
+    config = AutoConfig.for_model(
+        arch,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **fields,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(make_tiny_model(args.out_dir, args.arch, args.seed))
+
+
+if __name__ == "__main__":
+    main()

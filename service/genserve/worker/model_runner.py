@@ -1,0 +1,342 @@
+"""The model runner: executes the scheduler's steps on the native paged model.
+
+It owns the model, the KV-cache tensors and the per-request state the sampler needs
+(penalty counts, output position for seeded draws, prompt tokens for prompt logprobs),
+keyed by ``req_id``.  It implements :class:`genserve.step.Runner` and never sees a request
+object: everything arrives in :class:`~genserve.step.SchedulerOutput`.
+
+One step is one forward pass over every scheduled token, flattened (no padding): decode
+chunks first, prefill chunks after, each with its own positions and block table.  Logits are
+computed only for the rows that need them (the last token of a chunk that samples, and the
+prompt positions of requests asking for prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+
+from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
+from genserve.model.config import ModelConfig
+from genserve.model.loader import ResolvedModel
+from genserve.model.registry import build_model
+from genserve.model.weights import SafetensorsWeights
+from genserve.parallel import ParallelContext
+from genserve.step import (
+    NewRequestData,
+    PromptLogprobs,
+    RunnerOutput,
+    SampledToken,
+    SamplingParams,
+    ScheduledChunk,
+    SchedulerOutput,
+    TokenLogprob,
+)
+from genserve.worker.sampler import Sampler, SamplingRow
+
+log = structlog.get_logger("genserve.worker")
+
+# On CUDA, part of the budget stays free for activations and allocator fragmentation.
+_CUDA_ACTIVATION_RESERVE = 0.1
+
+
+@dataclass(slots=True)
+class _RequestState:
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    num_tokens: int  # prompt + output tokens known so far
+    num_output_tokens: int
+    prompt_token_ids: tuple[int, ...]  # kept only when prompt logprobs are wanted
+    token_counts: torch.Tensor | None  # [vocab] float32, only with penalties
+
+    @classmethod
+    def from_new(cls, new: NewRequestData, vocab_size: int, device: torch.device) -> _RequestState:
+        p = new.sampling
+        counts = None
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0:
+            ids = torch.tensor(new.all_token_ids, dtype=torch.int64, device=device)
+            counts = torch.bincount(ids, minlength=vocab_size)[:vocab_size].float()
+        return cls(
+            sampling=p,
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_tokens=len(new.all_token_ids),
+            num_output_tokens=new.num_output_tokens,
+            prompt_token_ids=new.all_token_ids[: new.num_prompt_tokens]
+            if p.prompt_logprobs
+            else (),
+            token_counts=counts,
+        )
+
+
+class ModelRunner:
+    """Implements :class:`genserve.step.Runner` for the Llama family.
+
+    Lifecycle: construct (loads weights) → :meth:`kv_cache_bytes_per_block` /
+    :meth:`available_kv_memory_bytes` to size the cache → :meth:`initialize_kv_cache` →
+    :meth:`warmup` → :meth:`execute_model` per step → :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        model: ResolvedModel,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.resolved = model
+        self.dtype = dtype
+        self.device = device
+        self.parallel = parallel or ParallelContext.single()
+        self.config = ModelConfig.from_pretrained(model.local_dir, trust_remote_code)
+        with torch.inference_mode():
+            self.model = build_model(self.config, self.parallel, dtype, device)
+            with SafetensorsWeights(model.local_dir) as weights:
+                self.model.load_weights(weights)
+        self.model.eval()
+        self.sampler = Sampler(device)
+        self._requests: dict[str, _RequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self.num_blocks = 0
+        self.backend: AttentionBackend | None = None
+        log.info(
+            "model_loaded",
+            model_id=model.model_id,
+            architecture=self.config.architecture,
+            dtype=str(dtype).removeprefix("torch."),
+            device=str(device),
+            rank=self.parallel.rank,
+            world_size=self.parallel.world_size,
+        )
+
+    # ----------------------------------------------------------------- KV cache sizing
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block takes on this rank: K and V, every layer, this rank's KV heads."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * elem
+        return per_token * block_size * self.config.num_layers
+
+    def available_kv_memory_bytes(self, fraction: float) -> int:
+        """Memory the KV cache may take, measured now (after the weights are loaded).
+
+        CUDA: ``total * fraction - used`` (used = everything already allocated on the
+        device, by anyone), minus 10% kept for activations.  CPU: ``fraction`` of the
+        memory the OS reports available (``MemAvailable``), activations being small next to
+        the remainder.
+        """
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * fraction - (total - free)
+            return max(0, int(budget * (1.0 - _CUDA_ACTIVATION_RESERVE)))
+        return max(0, int(_available_ram_bytes() * fraction))
+
+    @torch.inference_mode()
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate ``num_blocks`` blocks of ``block_size`` tokens for every layer.
+
+        Zero-filled: attention masks out unused slots, but 0 * NaN garbage would still
+        poison a softmax-weighted sum."""
+        self.backend = select_backend(self.device, block_size)
+        shape = self.backend.kv_cache_shape(
+            num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
+        )
+        pool = torch.zeros((self.config.num_layers, *shape), dtype=self.dtype, device=self.device)
+        self.kv_caches = list(pool.unbind(0))
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        log.info(
+            "kv_cache_allocated",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            attention_backend=self.backend.name,
+            bytes=pool.numel() * pool.element_size(),
+        )
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run a prefill step, a decode step and the sampling paths once, so the first real
+        request does not pay one-time costs; then zero the cache and forget the requests."""
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must be called before warmup()")
+        bs = self.block_size
+        n = min(2 * bs, max(1, self.num_blocks * bs // 2 - 1))  # prompt length
+        blocks_each = -(-(n + 1) // bs)  # room for the prompt and one decoded token
+        num_seqs = min(2, self.num_blocks // blocks_each)
+        prompt = tuple(range(1, n + 1))
+        reqs = [
+            NewRequestData("warmup-greedy", prompt, n, 0, SamplingParams(num_top_tokens=2)),
+            NewRequestData(
+                "warmup-sampled",
+                prompt,
+                n,
+                0,
+                SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.1, seed=1),
+            ),
+        ][:num_seqs]
+        tables = [tuple(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(num_seqs)]
+        chunks = tuple(
+            ScheduledChunk(r.req_id, prompt, 0, t, True) for r, t in zip(reqs, tables, strict=True)
+        )
+        out = self.execute_model(SchedulerOutput(-2, chunks, new_requests=tuple(reqs)))
+        decode = tuple(
+            ScheduledChunk(s.req_id, (s.token_id,), n, t, True)
+            for s, t in zip(out.sampled, tables, strict=True)
+        )
+        self.execute_model(SchedulerOutput(-1, decode))
+        self._requests.clear()
+        for cache in self.kv_caches:
+            cache.zero_()
+
+    # ------------------------------------------------------------------------- steps
+    @torch.inference_mode()
+    def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run one step as described by :class:`genserve.step.SchedulerOutput`."""
+        for req_id in step.finished_req_ids:
+            self._requests.pop(req_id, None)
+        for new in step.new_requests:
+            self._requests[new.req_id] = _RequestState.from_new(
+                new, self.config.vocab_size, self.device
+            )
+        if not step.chunks:
+            return RunnerOutput(step.step_id)
+        if self.backend is None:
+            raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+
+        # Decodes first: the attention backend batches them into one op.
+        chunks = [c for c in step.chunks if len(c.token_ids) == 1]
+        num_decodes = len(chunks)
+        chunks += [c for c in step.chunks if len(c.token_ids) != 1]
+        seqs = [SeqSpec(len(c.token_ids), c.start_pos, c.block_ids) for c in chunks]
+        meta = self.backend.build(seqs, num_decodes, self.block_size)
+        token_ids = torch.tensor(
+            list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
+            dtype=torch.int64,
+            device=self.device,
+        )
+        positions = torch.from_numpy(_positions(chunks, num_decodes)).to(self.device)
+        hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+
+        offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
+        sample_chunks = [i for i, c in enumerate(chunks) if c.sample]
+        rows = [int(offsets[i + 1]) - 1 for i in sample_chunks]
+        prompt_parts = self._prompt_logprob_parts(chunks, offsets)
+        for _, _, first_row, count, _ in prompt_parts:
+            rows.extend(range(first_row, first_row + count))
+        if not rows:
+            return RunnerOutput(step.step_id)
+        row_index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
+        if not self.parallel.is_driver:
+            return RunnerOutput(step.step_id)
+
+        num_sampled = len(sample_chunks)
+        sampled = self._sample(logits[:num_sampled], [chunks[i] for i in sample_chunks])
+        prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], prompt_parts)
+        return RunnerOutput(step.step_id, sampled, prompt_logprobs)
+
+    def _state(self, req_id: str) -> _RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            raise KeyError(f"request {req_id!r} was scheduled but never registered")
+        return state
+
+    def _sample(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk]
+    ) -> tuple[SampledToken, ...]:
+        if not chunks:
+            return ()
+        states = [self._state(c.req_id) for c in chunks]
+        rows = [
+            SamplingRow(s.sampling, s.num_output_tokens, s.num_tokens, s.token_counts)
+            for s in states
+        ]
+        out = self.sampler(logits, rows)
+        for state, token_id in zip(states, out.token_ids, strict=True):
+            state.num_output_tokens += 1
+            state.num_tokens += 1
+            if state.token_counts is not None:
+                state.token_counts[token_id] += 1
+        return tuple(
+            SampledToken(c.req_id, t, lp, top)
+            for c, t, lp, top in zip(
+                chunks, out.token_ids, out.logprobs, out.top_tokens, strict=True
+            )
+        )
+
+    def _prompt_logprob_parts(
+        self, chunks: list[ScheduledChunk], offsets: np.ndarray
+    ) -> list[tuple[str, int, int, int, tuple[int, ...]]]:
+        """For chunks of requests wanting prompt logprobs: ``(req_id, first_pos, first_row,
+        count, target_ids)``; the row at position ``p`` predicts prompt token ``p + 1``."""
+        parts = []
+        for i, c in enumerate(chunks):
+            state = self._requests.get(c.req_id)
+            if state is None or not state.sampling.prompt_logprobs:
+                continue
+            last = min(c.start_pos + len(c.token_ids), state.num_prompt_tokens - 1)
+            count = last - c.start_pos
+            if count <= 0:
+                continue
+            targets = state.prompt_token_ids[c.start_pos + 1 : last + 1]
+            parts.append((c.req_id, c.start_pos + 1, int(offsets[i]), count, targets))
+        return parts
+
+    def _prompt_logprobs(
+        self,
+        logits: torch.Tensor,
+        parts: list[tuple[str, int, int, int, tuple[int, ...]]],
+    ) -> tuple[PromptLogprobs, ...]:
+        if not parts:
+            return ()
+        targets = torch.tensor(
+            list(itertools.chain.from_iterable(p[4] for p in parts)), device=self.device
+        )
+        chosen = logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        values = chosen.tolist()
+        result = []
+        start = 0
+        for req_id, first_pos, _, count, target_ids in parts:
+            lps = values[start : start + count]
+            start += count
+            result.append(
+                PromptLogprobs(
+                    req_id,
+                    first_pos,
+                    tuple(TokenLogprob(t, lp) for t, lp in zip(target_ids, lps, strict=True)),
+                )
+            )
+        return tuple(result)
+
+    def shutdown(self) -> None:
+        """Release the KV cache and request state.  Idempotent."""
+        self.kv_caches = []
+        self._requests.clear()
+        self.backend = None
+
+
+def _positions(chunks: list[ScheduledChunk], num_decodes: int) -> np.ndarray:
+    """``[num_tokens]`` int64 positions of the flat batch."""
+    parts = [np.fromiter((c.start_pos for c in chunks[:num_decodes]), np.int64, num_decodes)]
+    parts += [
+        np.arange(c.start_pos, c.start_pos + len(c.token_ids), dtype=np.int64)
+        for c in chunks[num_decodes:]
+    ]
+    return np.concatenate(parts)
+
+
+def _available_ram_bytes() -> int:
+    try:
+        import psutil  # type: ignore[import-untyped]
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # psutil comes with accelerate, but /proc is enough on Linux
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("cannot determine available memory") from None

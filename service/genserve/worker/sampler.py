@@ -1,0 +1,186 @@
+"""Logits → next tokens for a batch of rows with heterogeneous sampling parameters.
+
+Order of operations (TGI's): repetition penalty → frequency penalty → temperature → top-k →
+top-p → typical-p → draw.  Greedy rows take the argmax after the penalties.  Every
+filter is one tensor operation over the rows that use it; rows that leave a parameter at
+its neutral value are not touched.
+
+Randomness is a pure function of ``(seed, output_index)``: each sampled row draws its
+exponential noise from a generator seeded with both, and picks ``argmax(probs / noise)`` (the
+exponential race, equivalent to drawing from ``probs``).  A seeded request therefore samples
+the same tokens whatever else is in the batch and after a preemption recomputes it.
+
+Reported logprobs (chosen token and top alternatives) are those of the unmodified model
+distribution, ``log_softmax(logits)``, before penalties and temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from genserve.step import SamplingParams, TokenLogprob
+
+_MASK64 = (1 << 64) - 1
+
+
+def row_seed(seed: int, output_index: int) -> int:
+    """A 63-bit generator seed mixing the request seed and the output position (splitmix64
+    finaliser), so consecutive positions get unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + output_index + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs about the request behind one row of logits.
+
+    ``token_counts`` (``[vocab]`` float32, occurrences over prompt + output) is required
+    only when the request uses a repetition or frequency penalty; ``num_tokens`` is the
+    prompt + output length, which normalises the frequency penalty as TGI does.
+    """
+
+    params: SamplingParams
+    output_index: int
+    num_tokens: int = 0
+    token_counts: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_tokens: list[tuple[TokenLogprob, ...]]
+
+
+def _uses_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+
+
+class Sampler:
+    """Stateless; one instance per runner."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """``logits``: float32 ``[num_rows, vocab]``, one row per entry of ``rows``."""
+        num_rows = len(rows)
+        params = [r.params for r in rows]
+        lse = torch.logsumexp(logits, dim=-1)  # [num_rows]
+
+        scores = logits
+        penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
+        if penalised:
+            scores = logits.clone()
+            scores[penalised] = self._apply_penalties(
+                logits[penalised], [rows[i] for i in penalised]
+            )
+
+        token_ids = scores.argmax(dim=-1)  # [num_rows]; kept for greedy rows
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            picked = self._sample(scores[sampled], [rows[i] for i in sampled])
+            token_ids[sampled] = picked
+
+        chosen = logits.gather(1, token_ids[:, None])[:, 0] - lse  # [num_rows]
+        top_tokens: list[tuple[TokenLogprob, ...]] = [()] * num_rows
+        max_top = max((p.num_top_tokens for p in params), default=0)
+        if max_top:
+            top_values, top_ids = logits.topk(max_top, dim=-1)  # [num_rows, max_top]
+            top_lp = (top_values - lse[:, None]).tolist()
+            top_id_list = top_ids.tolist()
+            for i, p in enumerate(params):
+                n = p.num_top_tokens
+                top_tokens[i] = tuple(
+                    TokenLogprob(t, lp)
+                    for t, lp in zip(top_id_list[i][:n], top_lp[i][:n], strict=True)
+                )
+        return SamplerOutput(token_ids.tolist(), chosen.tolist(), top_tokens)
+
+    def _apply_penalties(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        # scores: [n, vocab] (a copy); counts: [n, vocab]
+        counts = torch.stack([_counts(r) for r in rows])
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
+        seen = counts > 0
+        # HF/TGI repetition penalty: divide positive logits, multiply negative ones.
+        penalised = torch.where(scores < 0, scores * rep, scores / rep)
+        scores = torch.where(seen, penalised, scores)
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)
+        if bool((freq != 0).any()):
+            lengths = torch.tensor([max(r.num_tokens, 1) for r in rows], device=self.device)
+            scores = scores - counts / lengths[:, None] * freq[:, None]
+        return scores
+
+    def _sample(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Draw one token per row from the filtered, tempered distribution."""
+        params = [r.params for r in rows]
+        temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        scores = scores / temperature[:, None]  # [n, vocab]
+        if any(p.top_k > 0 for p in params):
+            scores = _top_k(scores, [p.top_k for p in params])
+        if any(p.top_p < 1.0 for p in params):
+            scores = _top_p(scores, [p.top_p for p in params])
+        if any(p.typical_p < 1.0 for p in params):
+            scores = _typical_p(scores, [p.typical_p for p in params])
+        probs = torch.softmax(scores, dim=-1)  # [n, vocab]
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(row_seed(row.params.seed, row.output_index))
+            noise[i].exponential_(generator=generator)
+        # A zero draw would turn a filtered token's 0 probability into 0/0 = NaN, which
+        # argmax would pick.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return probs.div_(noise).argmax(dim=-1)
+
+
+def _counts(row: SamplingRow) -> torch.Tensor:
+    if row.token_counts is None:
+        raise ValueError("a penalised row needs token_counts")
+    return row.token_counts
+
+
+def _top_k(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep scores >= the k-th largest of their row (ties kept); ``k == 0`` keeps all."""
+    vocab = scores.shape[-1]
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
+    kth = scores.topk(max(ks), dim=-1).values  # [n, max_k], descending
+    index = torch.tensor([k - 1 for k in ks], device=scores.device)[:, None]
+    threshold = kth.gather(1, index)
+    # Rows with k == 0 (or k >= vocab) would otherwise cut at the max_k-th value.
+    disabled = torch.tensor([k == 0 for k in top_k], device=scores.device)[:, None]
+    threshold = threshold.masked_fill(disabled, float("-inf"))
+    return scores.masked_fill(scores < threshold, float("-inf"))
+
+
+def _top_p(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Nucleus: drop the least likely tokens whose cumulative mass is <= 1 - top_p (HF)."""
+    sorted_scores, order = scores.sort(dim=-1)  # ascending
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    cut = 1.0 - torch.tensor(top_p, device=scores.device)[:, None]
+    remove = cumulative <= cut
+    remove[:, -1] = False  # always keep the most likely token
+    remove.masked_fill_(cut <= 0, False)  # rows with top_p == 1
+    return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+
+
+def _typical_p(scores: torch.Tensor, mass: list[float]) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.), as HF's TypicalLogitsWarper."""
+    log_probs = scores.log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropy = -(log_probs * probs).nansum(dim=-1, keepdim=True)
+    shifted = (-log_probs - entropy).abs()
+    sorted_shifted, order = shifted.sort(dim=-1)
+    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    mass_t = torch.tensor(mass, device=scores.device)[:, None]
+    last = (cumulative < mass_t).sum(dim=1).clamp(max=scores.shape[-1] - 1)
+    remove = sorted_shifted > sorted_shifted.gather(1, last[:, None])
+    remove[:, 0] = False  # always keep the most typical token
+    remove.masked_fill_(mass_t >= 1.0, False)
+    return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
