@@ -1,0 +1,54 @@
+"""Fixtures for the client tests: tiny real models, real genserve processes, the pinned tools
+(grpcurl, grpc_health_probe, buf, ...) from scripts/tools.sh."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from genserve.testing.tiny_model import make_tiny_model
+from tests.utils.live_server import LiveServer, start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Shared limits, so the Go and Java suites and these tests can rely on them.
+MAX_CLIENT_BATCH_SIZE = 3
+SERVER_ARGS = (
+    "--max-client-batch-size",
+    str(MAX_CLIENT_BATCH_SIZE),
+    "--max-concurrent-requests",
+    "8",
+    "--prometheus-port",
+    "0",
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-clients"), arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tools_bin() -> Path:
+    """.tools/bin with grpcurl, grpc_health_probe, buf and the protoc plugins (idempotent)."""
+    subprocess.run(["bash", str(ROOT / "scripts" / "tools.sh")], check=True)
+    return ROOT / ".tools" / "bin"
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path) -> Iterator[LiveServer]:
+    """One serving genserve for the read-mostly tests of every client."""
+    with start_server(tiny_model, *SERVER_ARGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def busy_server(tiny_model: Path) -> Iterator[LiveServer]:
+    """A genserve that admits one request at a time, to provoke RESOURCE_EXHAUSTED."""
+    with start_server(
+        tiny_model, "--max-concurrent-requests", "1", "--prometheus-port", "0"
+    ) as srv:
+        yield srv
