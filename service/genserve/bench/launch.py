@@ -59,12 +59,16 @@ class LaunchedServer:
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = dict(os.environ)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # log lines reach the file as they happen
         env.setdefault("OMP_NUM_THREADS", str(self._num_threads))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=env
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
             )
 
     def log_tail(self, num_lines: int = 30) -> str:
