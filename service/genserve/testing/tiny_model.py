@@ -57,8 +57,9 @@ def make_tiny_model(
 ) -> Path:
     """Write a random-weight ``arch`` model (float32) and a tokenizer into ``out_dir``.
 
-    ``overrides`` replace config fields (e.g. ``num_key_value_heads=3,
-    num_attention_heads=6`` for tensor-parallel tests, ``rope_parameters={...}``).
+    ``overrides`` replace config fields (e.g. ``num_attention_heads=6,
+    num_key_value_heads=3, hidden_size=96`` for tensor-parallel tests — transformers wants
+    the hidden size divisible by the head count —, or ``rope_parameters={...}``).
     ``tokenizer_dir`` defaults to the embedded default model.  Returns ``out_dir``.
     """
     import torch

@@ -145,7 +145,7 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(
             num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
         )
-        pool = torch.zeros((self.config.num_layers, *shape), dtype=self.dtype, device=self.device)
+        pool = _zeroed((self.config.num_layers, *shape), self.dtype, self.device)
         self.kv_caches = list(pool.unbind(0))
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -189,8 +189,10 @@ class ModelRunner:
         )
         self.execute_model(SchedulerOutput(-1, decode))
         self._requests.clear()
-        for cache in self.kv_caches:
-            cache.zero_()
+        # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
+        # every block, which would touch — and make resident — the whole cache.
+        self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
+        self.initialize_kv_cache(self.num_blocks, self.block_size)
 
     # ------------------------------------------------------------------------- steps
     @torch.inference_mode()
@@ -327,6 +329,16 @@ def _positions(chunks: list[ScheduledChunk], num_decodes: int) -> np.ndarray:
         for c in chunks[num_decodes:]
     ]
     return np.concatenate(parts)
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor.  On CPU it comes from calloc (numpy): the OS maps zero pages lazily, so a
+    cache of many GiB costs neither start-up time nor resident memory until blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
 
 
 def _available_ram_bytes() -> int:

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random-weight Llama-family models on disk.
+
+``tiny_model_factory(arch="llama", seed=0, **overrides)`` builds (once per session and per
+arguments) a model directory with ``genserve.testing.tiny_model.make_tiny_model``;
+``tiny_model_dir`` is parametrized over every architecture, so a test using it runs once per
+architecture.  The models use the embedded default model's tokenizer, which the first call
+converts and caches like the server does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TINY_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+TinyModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    from genserve.testing.tiny_model import make_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        key = json.dumps([arch, seed, overrides], sort_keys=True)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}-{seed}")
+            built[key] = make_tiny_model(out, arch, seed, **overrides)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHITECTURES)
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_factory: TinyModelFactory) -> Path:
+    """One tiny model per architecture (the test runs for each)."""
+    return tiny_model_factory(str(request.param))

@@ -1,0 +1,70 @@
+"""Building blocks: rotary frequencies against transformers, KV-head assignment across
+tensor-parallel ranks, the slot mapping of the paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from genserve.model.attention import SeqSpec, slot_mapping
+from genserve.model.config import ModelConfig, UnsupportedModelError
+from genserve.model.layers import local_kv_heads, rope_inv_freq
+from genserve.parallel import ParallelContext
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+)
+def test_rope_inv_freq_matches_transformers(rope: dict[str, float | str]) -> None:
+    hf = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=dict(rope))
+    expected, scaling = ROPE_INIT_FUNCTIONS[str(rope["rope_type"])](hf, None)
+    ours = rope_inv_freq(ModelConfig.from_hf(hf).rope, 128)
+    assert scaling == 1.0 and torch.equal(ours, expected)
+
+
+def test_unsupported_rope_type_is_reported() -> None:
+    hf = LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        rope_inv_freq(ModelConfig.from_hf(hf).rope, 64)
+
+
+def kv_heads(num_heads: int, num_kv: int, world: int) -> list[tuple[int, ...]]:
+    return [local_kv_heads(num_heads, num_kv, ParallelContext(r, world)) for r in range(world)]
+
+
+def test_kv_heads_split_evenly_when_divisible() -> None:
+    assert kv_heads(8, 4, 2) == [(0, 1), (2, 3)]
+    assert kv_heads(9, 3, 1) == [(0, 1, 2)]
+    assert kv_heads(8, 8, 4) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+def test_kv_heads_replicated_when_fewer_than_ranks() -> None:
+    assert kv_heads(8, 2, 4) == [(0,), (0,), (1,), (1,)]
+    assert kv_heads(4, 1, 2) == [(0,), (0,)]
+
+
+def test_kv_heads_not_divisible_by_ranks() -> None:
+    # 6 query heads in groups of 2 over 2 ranks: rank 0 has q0..q2 -> kv 0, 0, 1.  Stored
+    # once per query head so every local query head has its own KV head (uniform groups).
+    assert kv_heads(6, 3, 2) == [(0, 0, 1), (1, 2, 2)]
+    with pytest.raises(ValueError, match="evenly"):
+        kv_heads(9, 3, 2)
+
+
+def test_slot_mapping_follows_block_tables() -> None:
+    seqs = [SeqSpec(1, 17, (7, 3)), SeqSpec(3, 14, (9, 2))]
+    # decode at pos 17 -> block 3 offset 1; prefill 14, 15 in block 9, 16 in block 2
+    assert slot_mapping(seqs, 1, 16).tolist() == [3 * 16 + 1, 9 * 16 + 14, 9 * 16 + 15, 2 * 16]
