@@ -2,7 +2,7 @@
 # Keeps protos/ the single source of truth.  Fails when:
 #   - `buf lint` (STANDARD) finds a problem,
 #   - `buf format -d` would change a proto,
-#   - regenerating every stub (scripts/gen.sh) changes or adds a checked-in generated file,
+#   - regenerating every stub (scripts/gen.sh) changes, adds or removes a generated file,
 #   - `buf breaking` (FILE) finds an incompatible change against the previous commit on main
 #     (skipped, with a message, when there is no previous commit with protos, e.g. the very
 #     first commit or a shallow clone), and, when protos/ has uncommitted edits, against HEAD.
@@ -23,13 +23,21 @@ if ! buf format -d --exit-code; then
 fi
 
 echo "== regeneration leaves generated files unchanged"
+# Compare with the files as they are now (committed or not), so a developer who edited a proto
+# and ran scripts/gen.sh passes before committing; on a fresh clone this is the committed state.
+before="$(mktemp -d)"
+for dir in "${generated[@]}"; do
+  mkdir -p "$before/$dir" && cp -R "$dir/." "$before/$dir/"
+done
 bash scripts/gen.sh
-changes="$(git status --porcelain --untracked-files=all -- "${generated[@]}")"
-if [ -n "$changes" ]; then
-  echo "$changes" >&2
-  git --no-pager diff --stat -- "${generated[@]}" >&2
-  echo "check_protos: generated code is out of date with protos/; run scripts/gen.sh and" \
-    "commit the result" >&2
+stale=0
+for dir in "${generated[@]}"; do
+  diff -r -u -x __pycache__ "$before/$dir" "$dir" >&2 || stale=1
+done
+rm -rf "$before"
+if [ "$stale" != 0 ]; then
+  echo "check_protos: generated code is out of date with protos/ (diff above); run" \
+    "scripts/gen.sh and commit the result" >&2
   exit 1
 fi
 

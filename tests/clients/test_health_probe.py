@@ -51,15 +51,16 @@ def test_not_serving_while_loading(tools_bin: Path, tiny_model: Path) -> None:
 
 
 def test_not_serving_once_shutdown_begins(tools_bin: Path, tiny_model: Path) -> None:
-    with start_server(tiny_model, *SERVER_ARGS) as server:
+    # A long request in flight keeps the server draining (port open, health NOT_SERVING) after
+    # SIGTERM, for up to --shutdown-timeout seconds; then it is aborted and the server exits.
+    with start_server(tiny_model, *SERVER_ARGS, "--shutdown-timeout", "3") as server:
         assert probe(tools_bin, server.address) == 0
-        # A long request in flight keeps the server draining (port open) after SIGTERM.
         streaming = threading.Event()
 
         def long_request() -> None:
             with Client(server.address, timeout=120) as client:
                 try:
-                    for _ in client.generate_stream("a long story", max_new_tokens=400):
+                    for _ in client.generate_stream("a long story", max_new_tokens=3000):
                         streaming.set()
                 except GenserveError:
                     pass  # aborted by the shutdown: fine, it only had to keep the drain going
