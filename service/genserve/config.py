@@ -49,7 +49,7 @@ class Config:
     disable_prefix_caching: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
-    cpu_memory_fraction: float = 0.5
+    cpu_memory_fraction: float = 0.3
     hostname: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     huggingface_hub_cache: Path | None = None

@@ -1,0 +1,92 @@
+"""The embedded default model (SmolLM2-135M-Instruct, GGUF) served by a real `genserve`
+process: greedy tokens and logprobs match Hugging Face generate() on the same float32 weights,
+and streaming works."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from genserve.model.loader import default_gguf_path, resolve_model
+from genserve.v1 import generate_pb2 as pb
+from genserve.v1 import generate_pb2_grpc as pb_grpc
+from tests.utils.live_server import LiveServer, start_server
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def default_server() -> Iterator[LiveServer]:
+    with start_server(
+        str(default_gguf_path()), "--dtype", "float32", "--prometheus-port", "0",
+        "--max-batch-total-tokens", "16384",
+    ) as server:  # fmt: skip
+        yield server
+
+
+def test_default_model_matches_transformers(default_server: LiveServer) -> None:
+    with grpc.insecure_channel(default_server.address) as channel:
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        info = stub.Info(pb.InfoRequest())
+        assert info.model_dtype == "float32" and info.num_shard == 1
+        params = pb.GenerateParameters(max_new_tokens=MAX_NEW_TOKENS, details=True)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(
+                pool.map(
+                    lambda p: stub.Generate(
+                        pb.GenerateRequest(inputs=[p], parameters=params)
+                    ).results[0],
+                    PROMPTS,
+                )
+            )
+    model_dir = resolve_model(None).local_dir
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.inference_mode():
+        for prompt, result in zip(PROMPTS, results, strict=True):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            expected = out.sequences[0, ids.shape[1] :].tolist()
+            assert [t.id for t in result.details.tokens] == expected, prompt
+            logprobs = [
+                torch.log_softmax(step[0].float(), -1)[t].item()
+                for step, t in zip(out.logits, expected, strict=True)
+            ]
+            assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
+            assert result.generated_text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_default_model_streams(default_server: LiveServer) -> None:
+    with grpc.insecure_channel(default_server.address) as channel:
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        request = pb.GenerateStreamRequest(
+            inputs="Write a haiku about the sea.",
+            parameters=pb.GenerateParameters(
+                max_new_tokens=16, do_sample=True, temperature=0.7, seed=42
+            ),
+        )
+        first = list(stub.GenerateStream(request))
+        second = list(stub.GenerateStream(request))
+    assert first[-1].generated_text == "".join(m.token.text for m in first)
+    assert [m.token.id for m in first] == [m.token.id for m in second]
+    assert first[-1].details.seed == 42
