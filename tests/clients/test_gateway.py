@@ -107,6 +107,11 @@ def test_generate(gateway: Gateway, server: LiveServer) -> None:
     assert details["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_EOS_TOKEN")
     assert 1 <= details["generated_tokens"] <= 5
     assert len(details["tokens"]) == details["generated_tokens"]
+    # The OpenAPI spec describes exactly this JSON (proto field names).
+    definitions = openapi_spec()["definitions"]
+    assert set(reply["results"][0]) <= set(definitions["v1GenerateResult"]["properties"])
+    assert set(details) <= set(definitions["v1Details"]["properties"])  # seed: only if sampled
+    assert "max_new_tokens" in definitions["v1GenerateParameters"]["properties"]
 
 
 def test_health_info_tokenize(gateway: Gateway) -> None:
@@ -173,9 +178,14 @@ def test_unavailable_is_503(gateway_bin: Path) -> None:
         assert status == 503
 
 
+def openapi_spec() -> Any:
+    return json.loads(
+        (ROOT / "deploy" / "gateway" / "openapi" / "genserve.swagger.json").read_text()
+    )
+
+
 def test_openapi_spec_lists_every_route() -> None:
-    spec_path = ROOT / "deploy" / "gateway" / "openapi" / "genserve.swagger.json"
-    spec = json.loads(spec_path.read_text())
+    spec = openapi_spec()
     routes = {(path, method) for path, ops in spec["paths"].items() for method in ops}
     assert routes == {
         ("/v1/generate", "post"),
