@@ -60,11 +60,17 @@ def bind_call(req_id: str) -> None:
         span.set_attribute("genserve.req_id", req_id)
 
 
+# A client whose deadline passes cancels the call itself, and the server may hear of it
+# before its own copy of the deadline (set when it parsed the call's headers, a little later)
+# expires; a call cancelled this close to its deadline counts as a deadline.
+DEADLINE_SLACK_S = 0.5
+
+
 def cancel_reason(call: grpc.aio.ServicerContext | None) -> str:
-    """``deadline`` when the call's deadline has passed, else ``cancelled``."""
+    """``deadline`` when the call's deadline has (about) passed, else ``cancelled``."""
     if call is not None:
         remaining = call.time_remaining()
-        if remaining is not None and remaining <= 0:
+        if remaining is not None and remaining <= DEADLINE_SLACK_S:
             return "deadline"
     return "cancelled"
 
