@@ -23,10 +23,14 @@ from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
 from genserve.limits import LimitsError, ServingLimits, derive_limits
 from genserve.logging import configure_logging
+from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.server.app import GrpcApp
+from genserve.server.interceptors import ObservabilityInterceptor
+from genserve.server.observe import RequestObserver
 from genserve.server.servicer import Serving, TextGenerationServicer
 from genserve.server.validation import Limits
 from genserve.tokenizer import Tokenizer
+from genserve.tracing import configure_tracing
 from genserve.v1 import generate_pb2 as pb
 
 log = structlog.get_logger("genserve")
@@ -161,14 +165,28 @@ class Service:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.servicer = TextGenerationServicer()
-        self.app = GrpcApp(self.servicer)
+        # Observability: metrics unless --prometheus-port 0, traces only with --otlp-endpoint.
+        self.metrics = Metrics() if config.prometheus_port else None
+        self.tracing = configure_tracing(config.otlp_endpoint, config.otlp_service_name, VERSION)
+        tracer = self.tracing.tracer if self.tracing is not None else None
+        observer = RequestObserver(self.metrics, tracer, log_requests=config.log_requests)
+        self.servicer = TextGenerationServicer(observer)
+        self.app = GrpcApp(
+            self.servicer, interceptors=[ObservabilityInterceptor(self.metrics, tracer)]
+        )
+        self.metrics_server: MetricsServer | None = None
         self.port = 0
         self.engine: AsyncEngine | None = None
         self.loaded: Loaded | None = None
         self._loading: asyncio.Future[Loaded] | None = None
+        self._health_watch: asyncio.Future[None] | None = None
 
     async def start(self) -> int:
+        if self.metrics is not None and self.config.prometheus_port:
+            self.metrics_server = start_metrics_server(
+                self.metrics, self.config.hostname, self.config.prometheus_port
+            )
+            log.info("metrics_listening", port=self.metrics_server.port, path="/metrics")
         self.port = await self.app.start(self.config.hostname, self.config.port)
         log.info("listening", address=f"{self.config.hostname}:{self.port}", health="NOT_SERVING")
         self._loading = asyncio.ensure_future(_load_in_thread(self.config))
@@ -180,6 +198,15 @@ class Service:
         loaded = await self._loading
         config = self.config
         engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
+        engine.step_observers.append(self.servicer.observer.on_step)
+        if self.metrics is not None:
+            self.metrics.scheduler.bind(engine.scheduler.stats, asyncio.get_running_loop())
+            self.metrics.set_info(
+                model_id=loaded.info.model_id,
+                dtype=loaded.info.model_dtype,
+                device=loaded.info.model_device_type,
+                version=VERSION,
+            )
         engine.start()
         self.servicer.attach(
             Serving(
@@ -199,6 +226,7 @@ class Service:
         )
         self.engine, self.loaded = engine, loaded
         await self.app.set_serving(True)
+        self._health_watch = asyncio.ensure_future(self._follow_engine(engine))
         log.info(
             "serving",
             model_id=loaded.info.model_id,
@@ -208,17 +236,32 @@ class Service:
             max_batch_total_tokens=loaded.limits.max_batch_total_tokens,
         )
 
+    async def _follow_engine(self, engine: AsyncEngine) -> None:
+        """grpc.health follows the engine: NOT_SERVING once it can no longer generate (a
+        shard worker died), not only at shutdown.  Polls: two reads per second."""
+        while engine.is_ready:  # noqa: ASYNC110 (the engine exposes no "died" event)
+            await asyncio.sleep(0.5)
+        if engine.dead_reason is not None:
+            await self.app.set_serving(False)
+            log.error("health_not_serving", reason=engine.dead_reason)
+
     async def stop(self) -> None:
         """Health NOT_SERVING, refuse new calls, give in-flight ones the shutdown timeout,
         abort the rest, stop the runner and the port."""
         log.info("shutdown_started", in_flight=self.servicer.num_in_flight)
         await self.app.set_serving(False)
+        if self._health_watch is not None:
+            self._health_watch.cancel()
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         if self.engine is not None:
             self.engine.stop_accepting()
             await self.engine.shutdown(self.config.shutdown_timeout)
         await self.app.stop(1.0)
+        if self.tracing is not None:  # export the spans still buffered
+            await asyncio.to_thread(self.tracing.shutdown)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
         log.info("shutdown_complete")
 
 

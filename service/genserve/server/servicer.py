@@ -16,6 +16,7 @@ import structlog
 from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason
+from genserve.server.observe import RequestObserver, bind_call
 from genserve.server.validation import (
     Limits,
     UnsupportedError,
@@ -62,8 +63,11 @@ def _token_pb(t: TokenInfo) -> pb.Token:
 def _request_id(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "x-request-id" and isinstance(value, str) and value:
+            bind_call(value[:128])
             return value[:128]
-    return uuid.uuid4().hex
+    req_id = uuid.uuid4().hex
+    bind_call(req_id)  # logs and the call's span carry it
+    return req_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +85,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):
     """Registered before the model loads (so health probes get NOT_SERVING, not a refused
     connection); every RPC answers UNAVAILABLE until :meth:`attach` is called."""
 
-    def __init__(self) -> None:
+    def __init__(self, observer: RequestObserver | None = None) -> None:
         self._serving: Serving | None = None
         self._in_flight = 0
+        self.observer = observer or RequestObserver()  # metrics, spans, request log lines
 
     def attach(self, serving: Serving) -> None:
         self._serving = serving
@@ -116,7 +121,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):
     def _validate(self, req_id: str, text: str, params: pb.GenerateParameters) -> GenerationRequest:
         serving = self._require()
         try:
-            return validate(req_id, text, params, serving.tokenizer, serving.limits)
+            return self.observer.validate(
+                req_id,
+                text,
+                lambda: validate(req_id, text, params, serving.tokenizer, serving.limits),
+            )
         except ValidationError as exc:
             raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except UnsupportedError as exc:
@@ -133,12 +142,14 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def _stream(self, req: GenerationRequest) -> AsyncIterator[TokenOutput]:
         try:
-            async for out in self._require().engine.generate(req):
-                if out.final is not None:
-                    failure = self._failure_for(out.final)
-                    if failure is not None:
-                        raise failure
-                yield out
+            with self.observer.track(req) as record:
+                async for out in self._require().engine.generate(req):
+                    if out.final is not None:
+                        record.finished(out.final)
+                        failure = self._failure_for(out.final)
+                        if failure is not None:
+                            raise failure
+                    yield out
         except EngineUnavailableError as exc:
             raise _CallFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
