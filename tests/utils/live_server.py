@@ -42,6 +42,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# What genserve logs once its port is bound (cli.py's "listening" event).
+_LISTENING = "listening"
+
+
 class ServerExited(RuntimeError):
     """The server process ended before it was expected to; the message holds its log tail."""
 
@@ -59,7 +63,11 @@ class LiveServer:
         return f"127.0.0.1:{self.port}"
 
     def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """Everything the process printed so far ("" once discarded)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def health_status(self, service: str = "", timeout_s: float = 2.0) -> int | None:
         """grpc.health.v1 status for ``service``, or None when the port does not answer."""
@@ -80,6 +88,11 @@ class LiveServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerExited(f"genserve exited with {self.proc.returncode}:\n{self._tail()}")
+            # Until the log says this process listens, an answer could come from another
+            # process that holds the port (ours then fails to bind and exits).
+            if _LISTENING not in self.logs():
+                time.sleep(0.05)
+                continue
             status = self.health_status(timeout_s=1.0)
             if status is not None and (status == SERVING or not want_serving):
                 return
@@ -98,6 +111,11 @@ class LiveServer:
                 self.proc.wait()
         return int(self.proc.returncode)
 
+    def discard(self) -> None:
+        """Stop the process (SIGTERM, then SIGKILL) and delete its log."""
+        self.stop()
+        self.log_path.unlink(missing_ok=True)
+
     def _tail(self, num_lines: int = 40) -> str:
         return "\n".join(self.logs().splitlines()[-num_lines:])
 
@@ -114,11 +132,41 @@ def start_server(
     """Start ``genserve --model-id MODEL_DIR --hostname 127.0.0.1 --port FREE EXTRA_ARGS...``
     and yield it once health says SERVING (or, with ``wait_serving=False``, once the port
     answers health at all, i.e. while the model may still be loading).  ``env`` is added to
-    this process's environment; ``port`` defaults to a free one.  On exit the server gets
-    SIGTERM (then SIGKILL)."""
-    port = free_port() if port is None else port
+    this process's environment; ``port`` defaults to a free one (if another process takes it
+    before genserve binds it, up to three ports are tried).  On exit the server gets SIGTERM
+    (then SIGKILL)."""
+    for attempt in range(3):
+        server = _launch(model_dir, extra_args, env, free_port() if port is None else port)
+        try:
+            server.wait_for(want_serving=wait_serving, timeout_s=timeout_s)
+            break
+        except BaseException as exc:
+            logs = server.logs()
+            server.discard()
+            # Another process took the free port between free_port() and the bind: try
+            # another one (only when the caller left the port to us).
+            lost_race = isinstance(exc, ServerExited) and any(m in logs for m in _BIND_FAILURES)
+            if port is not None or not lost_race or attempt == 2:
+                print(f"--- genserve log ---\n{logs}", file=sys.stderr)
+                raise
+    try:
+        yield server
+    except BaseException:
+        # pytest shows a failing test's stderr: the server's side of the story.
+        print(f"--- genserve log ({server.log_path}) ---\n{server.logs()}", file=sys.stderr)
+        raise
+    finally:
+        server.discard()
+
+
+# What a genserve whose port was taken prints (grpc's own error, or server/app.py's).
+_BIND_FAILURES = ("Failed to bind to address", "cannot listen on")
+
+
+def _launch(
+    model_dir: Path | str, extra_args: tuple[str, ...], env: Mapping[str, str] | None, port: int
+) -> LiveServer:
     fd, log_name = tempfile.mkstemp(prefix="genserve-", suffix=".log")
-    log_path = Path(log_name)
     cmd = [
         *genserve_command(),
         "--model-id",
@@ -134,14 +182,4 @@ def start_server(
         proc = subprocess.Popen(
             cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=proc_env
         )
-    server = LiveServer(proc, port, log_path)
-    try:
-        server.wait_for(want_serving=wait_serving, timeout_s=timeout_s)
-        yield server
-    except BaseException:
-        # pytest shows a failing test's stderr: the server's side of the story.
-        print(f"--- genserve log ({log_path}) ---\n{server.logs()}", file=sys.stderr)
-        raise
-    finally:
-        server.stop()
-        log_path.unlink(missing_ok=True)
+    return LiveServer(proc, port, Path(log_name))

@@ -60,7 +60,7 @@ func runWithServer(m *testing.M) int {
 	bin := envOr("GENSERVE_BIN", filepath.Join(root, ".venv", "bin", "genserve"))
 	cmd := exec.Command(bin, "--model-id", model, "--hostname", "127.0.0.1",
 		"--port", strconv.Itoa(port), "--max-client-batch-size", "3",
-		"--max-concurrent-requests", "8")
+		"--max-concurrent-requests", "8", "--prometheus-port", "0")
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	if err := cmd.Start(); err != nil {
 		fmt.Fprintf(os.Stderr, "starting %s: %v\n", bin, err)

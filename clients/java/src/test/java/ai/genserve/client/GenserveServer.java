@@ -44,8 +44,9 @@ final class GenserveServer implements AutoCloseable {
     try (ServerSocket socket = new ServerSocket(0)) {
       port = socket.getLocalPort();
     }
+    // --prometheus-port 0: no metrics port, so parallel test servers cannot collide on it.
     List<String> cmd = new ArrayList<>(List.of(bin, "--model-id", model, "--hostname", "127.0.0.1",
-        "--port", Integer.toString(port)));
+        "--port", Integer.toString(port), "--prometheus-port", "0"));
     cmd.addAll(List.of(extraArgs));
     Path log = Files.createTempFile("genserve-java-", ".log");
     Process process = new ProcessBuilder(cmd).redirectErrorStream(true)
