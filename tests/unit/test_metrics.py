@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from scheduler_fakes import Harness
+from scheduler_fakes import Harness  # type: ignore[import-not-found]  # pytest puts tests/unit on sys.path
 
 from genserve.engine.request import Request, StoppingCriteria
 from genserve.engine.scheduler import Scheduler, SchedulerStats

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Span, Tracer
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from scheduler_fakes import Harness
+from scheduler_fakes import Harness  # type: ignore[import-not-found]  # pytest puts tests/unit on sys.path
 
 from genserve.engine.async_engine import StepObservation
 from genserve.engine.outputs import FinalInfo, GenerationRequest
