@@ -186,7 +186,7 @@ class Service:
             self.metrics_server = start_metrics_server(
                 self.metrics, self.config.hostname, self.config.prometheus_port
             )
-            log.info("metrics_listening", port=self.metrics_server.port, path="/metrics")
+            log.info("metrics_endpoint_started", port=self.metrics_server.port, path="/metrics")
         self.port = await self.app.start(self.config.hostname, self.config.port)
         log.info("listening", address=f"{self.config.hostname}:{self.port}", health="NOT_SERVING")
         self._loading = asyncio.ensure_future(_load_in_thread(self.config))
