@@ -44,7 +44,7 @@ for name in "${go_tools[@]}"; do [ -x "$bin/$name" ] || missing=1; done
 if ! current go "$want" || [ "$missing" = 1 ]; then
   log "go install tool (scripts/tools/go.mod) -> .tools/bin"
   # -mod=readonly: the committed go.sum is the checksum authority for these modules.
-  (cd "$root/scripts/tools" && GOBIN="$bin" GOFLAGS=-mod=readonly go install tool)
+  (cd "$root/scripts/tools" && GOBIN="$bin" GOFLAGS="${GOFLAGS:-} -mod=readonly" go install tool)
   # The module builds `grpc-health-probe`; the name everyone types is grpc_health_probe.
   ln -sf grpc-health-probe "$bin/grpc_health_probe"
   record go "$want"
