@@ -42,7 +42,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# What genserve logs once its port is bound (cli.py's "listening" event).
+# What genserve logs once its gRPC port is bound (cli.py's "listening" event, with the address).
 _LISTENING = "listening"
 
 
@@ -90,7 +90,7 @@ class LiveServer:
                 raise ServerExited(f"genserve exited with {self.proc.returncode}:\n{self._tail()}")
             # Until the log says this process listens, an answer could come from another
             # process that holds the port (ours then fails to bind and exits).
-            if _LISTENING not in self.logs():
+            if not self._logged_listening():
                 time.sleep(0.05)
                 continue
             status = self.health_status(timeout_s=1.0)
@@ -110,6 +110,11 @@ class LiveServer:
                 self.proc.kill()
                 self.proc.wait()
         return int(self.proc.returncode)
+
+    def _logged_listening(self) -> bool:
+        """Whether the log has cli.py's "listening" event with this server's gRPC address."""
+        address = self.address
+        return any(_LISTENING in line and address in line for line in self.logs().splitlines())
 
     def discard(self) -> None:
         """Stop the process (SIGTERM, then SIGKILL) and delete its log."""
