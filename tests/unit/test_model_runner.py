@@ -318,8 +318,10 @@ def test_top_tokens_and_step_contract(tiny_model_factory: TinyModelFactory) -> N
         runner.execute_model(SchedulerOutput(3, (ScheduledChunk("t", (1,), 20, (5, 9), True),)))
 
 
-def test_kv_cache_sizing(tiny_model_factory: TinyModelFactory) -> None:
+def test_kv_cache_sizing_and_clean_warmup(tiny_model_factory: TinyModelFactory) -> None:
     runner = make_runner(tiny_model_factory("llama"))
+    assert len(runner.kv_caches) == 2
+    assert all(not cache.any() for cache in runner.kv_caches)  # warmup left no trace
     # 2 layers x (K + V) x 2 KV heads x head_dim 16 x 4 bytes per token.
     assert runner.kv_cache_bytes_per_block(16) == 2 * 2 * 2 * 16 * 4 * 16
     assert 0 < runner.available_kv_memory_bytes(0.5) < runner.available_kv_memory_bytes(1.0)

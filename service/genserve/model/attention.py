@@ -15,8 +15,8 @@ Two backends:
   ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` (K and V stacked, head-major, so
   that gathering a batch's blocks yields ``[heads, seqs, context, head_dim]`` with no
   transpose copy); ``F.scaled_dot_product_attention`` does the math.
-- :class:`FlashPagedAttention` (CUDA with ``flash_attn`` and block size a multiple of 256,
-  which its paged kernels require): cache per layer ``[2, num_blocks, block_size,
+- :class:`FlashPagedAttention` (CUDA with ``flash_attn``, float16/bfloat16, and block size a
+  multiple of 256, which its paged kernels require): cache per layer ``[2, num_blocks, block_size,
   num_kv_heads, head_dim]`` and one ``flash_attn_varlen_func`` call with ``block_table`` for
   the whole batch (causal masks are bottom-right aligned there, which is what chunked prefill
   needs).
@@ -71,6 +71,7 @@ class AttentionMetadata(Protocol):
 
 class AttentionBackend(Protocol):
     name: str
+    block_dim: int  # the dimension of a layer's cache tensor that indexes blocks
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -180,8 +181,10 @@ class TorchAttentionMetadata:
         num_tokens, num_heads, head_dim = q.shape
         _, num_kv_heads, _, block_size, _ = kv_cache.shape
         group = num_heads // num_kv_heads
-        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         d = self.num_decodes
+        out = None
+        if self.prefills:
+            out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if d:
             # Gather every decode's blocks: [2, kv_heads, d * max_blocks, block_size, hd].
             ctx = kv_cache.index_select(2, self.decode_blocks)
@@ -191,7 +194,10 @@ class TorchAttentionMetadata:
             q_dec = q[:d].view(d, num_kv_heads, group, head_dim).transpose(0, 1)
             mask = self._decode_mask(window, block_size, q.dtype)
             o = F.scaled_dot_product_attention(q_dec, ctx[0], ctx[1], attn_mask=mask, scale=scale)
+            if out is None:  # decode-only step: no output buffer to assemble
+                return o.transpose(0, 1).reshape(d, num_heads * head_dim)
             out[:d] = o.transpose(0, 1).reshape(d, num_heads * head_dim)
+        assert out is not None
         for p in self.prefills:
             s, n = p.token_start, p.num_tokens
             q_p = q[s : s + n].transpose(0, 1)[None]  # [1, heads, n, hd]
@@ -218,6 +224,7 @@ class TorchPagedAttention:
     """Portable backend built on ``F.scaled_dot_product_attention``."""
 
     name = "torch-sdpa"
+    block_dim = 2
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -300,6 +307,7 @@ class FlashPagedAttention:
     """CUDA backend on flash-attn's paged varlen kernel (one call per layer per step)."""
 
     name = "flash-attn"
+    block_dim = 1
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -326,10 +334,12 @@ class FlashPagedAttention:
         )
 
 
-def select_backend(device: torch.device, block_size: int) -> AttentionBackend:
-    """flash-attn when it can run (CUDA, importable, block size it supports), else torch."""
+def select_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> AttentionBackend:
+    """flash-attn when it can run (CUDA, importable, half precision, a block size its paged
+    kernels accept), else the torch backend."""
     if (
         device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
         and block_size % 256 == 0
         and importlib.util.find_spec("flash_attn") is not None
     ):

@@ -99,19 +99,26 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` of shape ``[num_tokens, 1, head_dim]``, computed once per step and
-        shared by every layer."""
+        """``cos`` and *signed* ``sin`` of shape ``[num_tokens, 1, head_dim]``, computed once
+        per step and shared by every layer.  The first half of ``sin`` is negated so that
+        :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = emb.sin()
+        sin[:, : freqs.shape[1]].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x``: ``[num_tokens, num_heads, head_dim]``; ``cos``/``sin``: ``[num_tokens, 1,
-    head_dim]``.  Q and K heads can be rotated in one call by concatenating them."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[num_tokens, num_heads, head_dim]``) by the position angles
+    (``cos``/``signed_sin`` from :meth:`RotaryEmbedding.cos_sin`).
+
+    Equal, bit for bit, to transformers' ``x * cos + cat(-x2, x1) * sin``: ``flip`` of the
+    halves gives ``[x2, x1]`` and the sign lives in ``signed_sin`` (negation is exact).  Q
+    and K heads can be rotated in one call by concatenating them."""
+    swapped = x.view(*x.shape[:-1], 2, -1).flip(-2).view(x.shape)  # [x2, x1]
+    rotated: torch.Tensor = (x * cos) + (swapped * signed_sin)
+    return rotated
 
 
 class ColumnParallelLinear(nn.Module):

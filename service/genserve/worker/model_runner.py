@@ -141,11 +141,11 @@ class ModelRunner:
 
         Zero-filled: attention masks out unused slots, but 0 * NaN garbage would still
         poison a softmax-weighted sum."""
-        self.backend = select_backend(self.device, block_size)
+        self.backend = select_backend(self.device, block_size, self.dtype)
         shape = self.backend.kv_cache_shape(
             num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
         )
-        pool = _zeroed((self.config.num_layers, *shape), self.dtype, self.device)
+        pool = _zeros((self.config.num_layers, *shape), self.dtype, self.device)
         self.kv_caches = list(pool.unbind(0))
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -339,6 +339,19 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(shape, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
     return torch.from_numpy(raw).view(dtype)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor.  On CPU it comes from ``calloc`` (through numpy): the kernel hands out
+    zero pages on first touch, so a many-gigabyte cache costs neither start-up time nor
+    resident memory until blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _available_ram_bytes() -> int:
