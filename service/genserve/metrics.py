@@ -388,5 +388,11 @@ class MetricsServer:
 def start_metrics_server(metrics: Metrics, hostname: str, port: int) -> MetricsServer:
     """Serve ``metrics.registry`` at ``http://hostname:port/metrics``.  Raises OSError when
     the port is taken."""
-    server, thread = start_http_server(port, addr=hostname, registry=metrics.registry)
+    try:
+        server, thread = start_http_server(port, addr=hostname, registry=metrics.registry)
+    except OSError as exc:
+        raise OSError(
+            f"cannot serve metrics on {hostname}:{port} ({exc.strerror or exc}): choose another "
+            "--prometheus-port, or 0 to turn the endpoint off"
+        ) from exc
     return MetricsServer(server, thread)

@@ -53,9 +53,15 @@ class GrpcApp:
     async def start(self, hostname: str, port: int) -> int:
         """Listen and serve; returns the bound port (useful with port 0)."""
         host = f"[{hostname}]" if ":" in hostname and not hostname.startswith("[") else hostname
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpcio raises "Failed to bind to address" on a taken port
+            bound = 0
         if bound == 0:
-            raise OSError(f"cannot listen on {hostname}:{port} (address in use or not local)")
+            raise OSError(
+                f"cannot listen on {hostname}:{port} (address in use or not local): "
+                "choose another --port"
+            )
         await self._server.start()
         await self.set_serving(False)
         return int(bound)
