@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -33,6 +34,12 @@ from genserve.tokenizer import Tokenizer
 from genserve.tracing import configure_tracing
 from genserve.v1 import generate_pb2 as pb
 
+if TYPE_CHECKING:  # torch and the model load lazily: the port opens before they import
+    import torch
+
+    from genserve.model.loader import ResolvedModel
+    from genserve.worker.model_runner import ModelRunner
+
 log = structlog.get_logger("genserve")
 
 
@@ -46,13 +53,17 @@ class Loaded:
     info: pb.InfoResponse
 
 
-def _load(config: Config) -> Loaded:
-    """Blocking: resolve and load the model, size the KV cache, warm up.  Runs in a thread."""
+def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
+    """Blocking: resolve and load the model, size the KV cache, warm up.  Runs in a thread.
+
+    With more than one shard, ranks 1..N-1 are started here; ``on_shard_failure(reason)``
+    is called (from another thread) if one of them dies, now or later."""
     import torch
 
     from genserve.model.loader import resolve_model
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
+    from genserve.worker.shard_plan import resolve_num_shard
 
     resolved = resolve_model(
         config.model_id,
@@ -64,14 +75,36 @@ def _load(config: Config) -> Loaded:
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
     dtype_name = config.dtype or ("bfloat16" if on_cuda else "float32")
-    if config.num_shard not in (None, 1) or config.sharded:
-        raise LimitsError("tensor-parallel sharding (--num-shard > 1) is not implemented yet")
-    runner = ModelRunner(
-        resolved,
-        dtype=getattr(torch, dtype_name),
-        device=device,
-        parallel=ParallelContext.single(),
-    )
+    num_gpus = torch.cuda.device_count() if on_cuda else 0
+    num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
+    runner: ModelRunner
+    if num_shard > 1:
+        from genserve.worker.sharded_runner import launch_sharded_runner
+
+        runner = launch_sharded_runner(resolved, config, num_shard, dtype_name, on_shard_failure)
+    else:
+        runner = ModelRunner(
+            resolved,
+            dtype=getattr(torch, dtype_name),
+            device=device,
+            parallel=ParallelContext.single(),
+        )
+    try:
+        return _size_and_warm_up(config, resolved, runner, dtype_name, device, num_shard)
+    except BaseException:
+        runner.shutdown()  # a sharded runner stops its workers
+        raise
+
+
+def _size_and_warm_up(
+    config: Config,
+    resolved: ResolvedModel,
+    runner: ModelRunner,  # rank 0's (a ShardedModelRunner keeps the workers in step)
+    dtype_name: str,
+    device: torch.device,
+    num_shard: int,
+) -> Loaded:
+    on_cuda = device.type == "cuda"
     tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
     hf_config = json.loads((resolved.local_dir / "config.json").read_text())
     fraction = config.cuda_memory_fraction if on_cuda else config.cpu_memory_fraction
@@ -96,7 +129,7 @@ def _load(config: Config) -> Loaded:
         model_sha=resolved.revision or "",
         model_dtype=dtype_name,
         model_device_type=device.type,
-        num_shard=1,
+        num_shard=num_shard,
         block_size=limits.block_size,
         num_kv_blocks=limits.num_kv_blocks,
         max_concurrent_requests=config.max_concurrent_requests,
@@ -130,14 +163,14 @@ def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
     )
 
 
-async def _load_in_thread(config: Config) -> Loaded:
+async def _load_in_thread(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     """Load in a daemon thread: a signal during loading must not wait for it to finish."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Loaded] = loop.create_future()
 
     def work() -> None:
         try:
-            loaded = _load(config)
+            loaded = _load(config, on_shard_failure)
         except BaseException as exc:  # handed to the event loop, which reports it
             loop.call_soon_threadsafe(_set_exception, future, exc)
         else:
@@ -180,8 +213,13 @@ class Service:
         self.loaded: Loaded | None = None
         self._loading: asyncio.Future[Loaded] | None = None
         self._health_watch: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.shard_failed = asyncio.Event()  # set once a shard process died
+        self.shard_failure: str | None = None
+        self._not_serving: asyncio.Future[None] | None = None
 
     async def start(self) -> int:
+        self._loop = asyncio.get_running_loop()
         if self.metrics is not None and self.config.prometheus_port:
             self.metrics_server = start_metrics_server(
                 self.metrics, self.config.hostname, self.config.prometheus_port
@@ -189,7 +227,7 @@ class Service:
             log.info("metrics_endpoint_started", port=self.metrics_server.port, path="/metrics")
         self.port = await self.app.start(self.config.hostname, self.config.port)
         log.info("listening", address=f"{self.config.hostname}:{self.port}", health="NOT_SERVING")
-        self._loading = asyncio.ensure_future(_load_in_thread(self.config))
+        self._loading = asyncio.ensure_future(_load_in_thread(self.config, self._on_shard_failure))
         return self.port
 
     async def wait_ready(self) -> None:
@@ -236,6 +274,22 @@ class Service:
             max_batch_total_tokens=loaded.limits.max_batch_total_tokens,
         )
 
+    def _on_shard_failure(self, reason: str) -> None:
+        """A shard process died or the group broke.  Called from any thread: fails every
+        in-flight request (UNAVAILABLE), turns health NOT_SERVING, wakes ``serve``."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._shard_failed_now, reason)
+
+    def _shard_failed_now(self, reason: str) -> None:
+        if self.shard_failure is not None:
+            return
+        self.shard_failure = reason
+        if self.engine is not None:
+            self.engine.mark_dead(reason)
+        self._not_serving = asyncio.ensure_future(self.app.set_serving(False))
+        self.shard_failed.set()
+
     async def _follow_engine(self, engine: AsyncEngine) -> None:
         """grpc.health follows the engine: NOT_SERVING once it can no longer generate (a
         shard worker died), not only at shutdown.  Polls: two reads per second."""
@@ -272,10 +326,19 @@ async def serve(config: Config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     service = Service(config)
-    await service.start()
+    try:
+        await service.start()
+    except OSError as exc:  # a port is taken: say which, no traceback
+        log.error("startup_failed", error=str(exc))
+        await service.stop()
+        return 2
     ready = asyncio.ensure_future(service.wait_ready())
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    failed = asyncio.ensure_future(service.shard_failed.wait())
+    await asyncio.wait({ready, stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if failed.done():
+        ready.cancel()
+        return await _exit_after_shard_failure(service, stopping, linger=False)
     if not ready.done():
         log.info("shutdown_during_load")
         ready.cancel()
@@ -291,9 +354,29 @@ async def serve(config: Config) -> int:
         log.exception("startup_failed")
         await service.stop()
         return 1
-    await stopping
+    await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if failed.done() and not stopping.done():
+        return await _exit_after_shard_failure(service, stopping, linger=True)
+    failed.cancel()
     await service.stop()
     return 0
+
+
+# After a shard failure the server stays up this long answering health NOT_SERVING and
+# every call UNAVAILABLE (with the reason), so probes and clients see why, then exits.
+_FAILURE_LINGER_S = 2.0
+EXIT_SHARD_FAILED = 1
+
+
+async def _exit_after_shard_failure(
+    service: Service, stopping: asyncio.Future[Any], linger: bool
+) -> int:
+    log.error("shard_failure_exit", reason=service.shard_failure, exit_code=EXIT_SHARD_FAILED)
+    if linger:
+        await asyncio.wait({stopping}, timeout=_FAILURE_LINGER_S)
+    stopping.cancel()
+    await service.stop()
+    return EXIT_SHARD_FAILED
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -303,7 +386,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info("runtime_environment", **runtime_environment())
     cache: Path = config.genserve_cache
     log.info("starting", version=VERSION, model_id=config.model_id or "(default)", cache=str(cache))
-    sys.exit(asyncio.run(serve(config)))
+    code = asyncio.run(serve(config))
+    if code == EXIT_SHARD_FAILED:
+        # A step thread may still sit in a collective with a dead peer (NCCL waits for its
+        # timeout); do not let interpreter teardown join it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
