@@ -53,6 +53,14 @@ class ParallelContext:
         per_rank = size // self.world_size
         return self.rank * per_rank, (self.rank + 1) * per_rank
 
+    def balanced_shard(self, size: int) -> tuple[int, int]:
+        """``[start, stop)`` of this rank's contiguous share of ``size`` units split as evenly
+        as possible: the first ``size % world_size`` ranks own one more (e.g. 9 attention
+        heads on 2 shards: 5 and 4)."""
+        per_rank, extra = divmod(size, self.world_size)
+        start = self.rank * per_rank + min(self.rank, extra)
+        return start, start + per_rank + (1 if self.rank < extra else 0)
+
     def padded_shard(self, size: int) -> tuple[int, int, int]:
         """``(start, stop, per_rank)`` where every rank owns ``per_rank = ceil(size / world)``
         rows, the last ones possibly fewer real rows than ``per_rank`` (vocab padding)."""

@@ -81,8 +81,10 @@ def test_info_reports_the_shards(one_and_two_shards: tuple[LiveServer, LiveServe
         # 3 KV heads, 2 shards: not divisible; each rank keeps the KV heads of its 3 query
         # heads (rank 0 heads 0-2 read KV 0,0,1; rank 1 heads 3-5 read KV 1,2,2).
         {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96},
+        # The default model's layout (SmolLM2: 9 query, 3 KV heads): query heads split 5/4.
+        {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 144},
     ],
-    ids=["1kv", "3kv"],
+    ids=["1kv", "3kv", "9q-3kv"],
 )
 def test_uneven_kv_heads_match_transformers(
     tiny_model_factory: TinyModelFactory, heads: dict[str, int]

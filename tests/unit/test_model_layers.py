@@ -60,8 +60,8 @@ def test_kv_heads_not_divisible_by_ranks() -> None:
     # 6 query heads in groups of 2 over 2 ranks: rank 0 has q0..q2 -> kv 0, 0, 1.  Stored
     # once per query head so every local query head has its own KV head (uniform groups).
     assert kv_heads(6, 3, 2) == [(0, 0, 1), (1, 2, 2)]
-    with pytest.raises(ValueError, match="evenly"):
-        kv_heads(9, 3, 2)
+    # Query heads that do not divide are spread 5/4 (ParallelContext.balanced_shard).
+    assert kv_heads(9, 3, 2) == [(0, 0, 0, 1, 1), (1, 2, 2, 2)]
 
 
 def test_slot_mapping_follows_block_tables() -> None:

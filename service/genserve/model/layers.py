@@ -172,7 +172,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 def local_kv_heads(num_heads: int, num_kv_heads: int, ctx: ParallelContext) -> tuple[int, ...]:
     """Global indices of the KV heads this rank stores, in local order.
 
-    The rank owns query heads ``[r*qp, (r+1)*qp)``; query head ``q`` reads KV head
+    The rank owns query heads ``ctx.balanced_shard(num_heads)`` (equal shares when they
+    divide, else one more on the first ranks); query head ``q`` reads KV head
     ``q // (num_heads // num_kv_heads)``.  When the needed KV heads serve the local query
     heads in equal consecutive groups they are stored once each (the usual case, including
     replication when there are fewer KV heads than ranks); otherwise one KV head is stored per
@@ -180,7 +181,12 @@ def local_kv_heads(num_heads: int, num_kv_heads: int, ctx: ParallelContext) -> t
     """
     if num_heads % num_kv_heads:
         raise UnsupportedModelError(f"{num_heads} query heads vs {num_kv_heads} KV heads")
-    start, stop = ctx.shard(num_heads, "query heads")
+    start, stop = ctx.balanced_shard(num_heads)
+    if start == stop:
+        raise UnsupportedModelError(
+            f"{num_heads} query heads cannot be split across {ctx.world_size} shards "
+            f"(use at most {num_heads})"
+        )
     per_rank = stop - start
     group = num_heads // num_kv_heads
     needed = list(range(start // group, (stop - 1) // group + 1))
@@ -209,7 +215,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         nn.Module.__init__(self)
         self.ctx = ctx
         self.head_dim = head_dim
-        q_start, q_stop = ctx.shard(num_heads, "query heads")
+        q_start, q_stop = ctx.balanced_shard(num_heads)
         self.q_range = (q_start * head_dim, q_stop * head_dim)
         self.kv_heads = local_kv_heads(num_heads, num_kv_heads, ctx)
         self.num_local_heads = q_stop - q_start

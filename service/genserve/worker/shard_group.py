@@ -106,8 +106,9 @@ def leave_shard_group() -> None:
 
 
 def agree_kv_budget(runner: ModelRunner, fraction: float, group: ShardGroup) -> int:
-    """Bytes of KV cache each rank may allocate: the smallest budget of any rank, so every
-    rank can hold the same number of blocks.  Collective: every rank calls it once, after
+    """Bytes of KV cache this rank may allocate such that every rank can hold the same
+    number of tokens: the smallest rank's capacity, counted in this rank's bytes (ranks may
+    store different numbers of KV heads).  Collective: every rank calls it once, after
     loading its weights.
 
     The ranks on CPU share one host's memory, so each takes ``1 / world_size`` of the
@@ -118,9 +119,10 @@ def agree_kv_budget(runner: ModelRunner, fraction: float, group: ShardGroup) -> 
     budget = ModelRunner.available_kv_memory_bytes(runner, fraction)
     if runner.device.type != "cuda":
         budget //= group.world_size
-    value = torch.tensor([budget], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group.control)
-    return int(value.item())
+    bytes_per_token = runner.kv_cache_bytes_per_block(1)
+    num_tokens = torch.tensor([budget // bytes_per_token], dtype=torch.int64)
+    dist.all_reduce(num_tokens, op=dist.ReduceOp.MIN, group=group.control)
+    return int(num_tokens.item()) * bytes_per_token
 
 
 class ShardChannel:
