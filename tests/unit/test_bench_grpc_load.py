@@ -42,7 +42,8 @@ def test_bench_launches_loads_and_reports(
     levels = {s["concurrency"]: s for s in results["genserve"]}
     assert sorted(levels) == [1, 3]
     for summary in levels.values():
-        assert summary["num_requests"] == 4 and summary["num_failed"] == 0
+        assert summary["num_requests"] == max(4, 2 * summary["concurrency"])
+        assert summary["num_failed"] == 0
         assert 0 < summary["mean_generated_tokens"] <= 6
         assert summary["throughput_tok_s"] > 0 and summary["ttft_ms"]["p50"] > 0
     for row in results["requests"]["genserve_c3"]:

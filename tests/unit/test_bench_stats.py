@@ -64,3 +64,16 @@ def test_summary_counts_tokens_and_latencies() -> None:
     assert summary["decode_tok_s_per_stream"] == pytest.approx(75.0)  # median of 100 and 50
     assert summary["cached_tokens"] == 32
     assert summary["finish_reasons"] == {"length": 2}
+    assert summary["num_steady"] == 0  # both started in the opening burst
+
+
+def test_steady_state_ttft_only_counts_requests_joining_a_running_batch() -> None:
+    records = (
+        _record(0, start=0.0, first=0.5, gap=0.01, num=11),  # burst; ends at 0.601
+        _record(1, start=0.0, first=0.6, gap=0.01, num=11),  # burst
+        _record(2, start=0.61, first=0.66, gap=0.01, num=3),  # joined: TTFT 50 ms
+    )
+    summary = summarise(RunResult("genserve_c2", "genserve", 2, records, wall_s=1.0))
+    assert summary["num_steady"] == 1
+    assert summary["ttft_steady_ms"]["p50"] == pytest.approx(50.0)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(500.0)

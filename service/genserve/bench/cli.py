@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--num-prompts",
         type=int,
-        default=32,
-        help="requests per concurrency level (at least the concurrency)",
+        default=64,
+        help="requests per concurrency level (at least 2 per stream, so some join a running batch)",
     )
     add("--prompt-len-mean", type=float, default=40.0, help="mean prompt length in tokens")
     add("--prompt-len-std", type=float, default=None, help="std of prompt length (mean/4)")
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-duration",
         dest="max_duration_s",
         type=float,
-        default=90.0,
+        default=60.0,
         help="seconds per level after which no new request starts",
     )
     add(

@@ -36,10 +36,17 @@ def summarise(run: RunResult) -> dict[str, Any]:
 
     ``throughput_tok_s`` counts generated tokens of successful requests over ``wall_s``;
     ``decode_tok_s_per_stream`` is the median per-request rate after the first token (what
-    one user sees while tokens stream).  Failed requests are counted, not timed.
+    one user sees while tokens stream).  ``ttft_steady_ms`` only counts requests submitted
+    after the run's first request ended (none of the opening burst; ``num_steady`` of them).
+    Failed requests are counted, not timed.
     """
     ok = [r for r in run.records if r.ok]
     ttfts = [t for r in ok if (t := r.ttft) is not None]
+    # Steady state: requests submitted after the first request of the run ended, i.e. not
+    # part of the opening burst — each joins a batch that is already running (the issue's
+    # "request arriving into a running batch of 31" at 32 streams).
+    first_end = min((r.end for r in ok), default=math.inf)
+    steady_ttfts = [t for r in ok if r.start >= first_end and (t := r.ttft) is not None]
     itls = [gap for r in ok for gap in r.inter_token_latencies]
     decode_rates = [d for r in ok if (d := r.decode_rate) is not None]
     num_tokens = sum(r.num_generated_tokens for r in ok)
@@ -62,6 +69,8 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "throughput_tok_s": num_tokens / run.wall_s if run.wall_s > 0 else math.nan,
         "decode_tok_s_per_stream": percentile(decode_rates, 50),
         "ttft_ms": _ms(ttfts, 50, 90, 99),
+        "num_steady": len(steady_ttfts),
+        "ttft_steady_ms": _ms(steady_ttfts, 50, 90, 99),
         "itl_ms": _ms(itls, 50, 99),
         "e2e_ms": _ms([r.e2e for r in ok], 50, 90, 99),
         "notes": list(run.notes),

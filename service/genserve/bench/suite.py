@@ -53,6 +53,12 @@ def resolve_concurrency(
     return max(1, round(factor * capacity))
 
 
+def requests_per_level(num_prompts: int, concurrency: int) -> int:
+    """``num_prompts``, but at least two per stream: the second round is what measures a
+    request joining a running batch rather than the opening burst."""
+    return max(num_prompts, 2 * concurrency)
+
+
 def _hf_num_prompts(batch_size: int, min_prompts: int) -> int:
     return math.ceil(max(batch_size, min_prompts) / batch_size) * batch_size
 
@@ -92,7 +98,7 @@ async def _load_levels(
             )
         results = []
         for concurrency in concurrencies:
-            num_requests = max(config.num_prompts, concurrency)
+            num_requests = requests_per_level(config.num_prompts, concurrency)
             with tqdm(
                 total=num_requests,
                 desc=f"genserve c={concurrency}",
@@ -271,7 +277,7 @@ def _prompt_set(
         resolve_concurrency(token, info, mean_tokens, config.max_new_tokens)
         for token in config.concurrency
     ]
-    needed = [max(config.num_prompts, c) for c in concurrencies]
+    needed = [requests_per_level(config.num_prompts, c) for c in concurrencies]
     if config.hf_baseline:
         needed += [_hf_num_prompts(b, config.hf_min_prompts) for b in config.hf_batch_sizes]
     prompts = make_prompts(
