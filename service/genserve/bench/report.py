@@ -149,6 +149,9 @@ def plot(path: Path, genserve: Sequence[Summary], baselines: Sequence[Summary]) 
         ("e2e_ms", "p50", "s-"),
     ):
         ax_lat.plot(conc, [s[key][pct] for s in runs], style, label=f"{key[:-3]} {pct}")
+    if any(s.get("num_steady", 0) > 0 for s in runs):
+        steady = [s.get("ttft_steady_ms", {}).get("p50", math.nan) for s in runs]
+        ax_lat.plot(conc, steady, "D--", label="ttft p50, joining a running batch")
     ax_lat.set_yscale("log")
     ax_lat.set_xlabel("concurrent streams")
     ax_lat.set_ylabel("ms")
