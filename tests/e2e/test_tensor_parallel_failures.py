@@ -5,7 +5,7 @@ processes and real signals:
   every in-flight call ends UNAVAILABLE naming the shard (none hangs), and the launcher
   exits non-zero with a log line naming the shard;
 - SIGTERM to rank 0: in-flight work is finished or cancelled within --shutdown-timeout,
-  the launcher exits 0 and no process of the server is left;
+  the launcher exits 0 and no process of the server is left (also while still loading);
 - rank 0 killed with SIGKILL (no chance to clean up): the workers still exit.
 """
 
@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.tp_utils import SERVER_ARGS, shard_args, shard_workers, start_servers, wait_gone
+from tests.utils.live_server import start_server
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Long enough that no call ends by itself during a test (the tiny model never emits EOS on
@@ -167,3 +168,15 @@ def test_workers_exit_when_rank0_is_killed(tiny_llama: Path) -> None:
         server.proc.kill()
         server.proc.wait(timeout=10)
         assert wait_gone(workers, timeout_s=10) == []
+
+
+def test_sigterm_while_loading_leaves_no_process(tiny_llama: Path) -> None:
+    args = SERVER_ARGS + shard_args(2)
+    with start_server(tiny_llama, *args, wait_serving=False) as server:
+        deadline = time.monotonic() + 60
+        while not (workers := shard_workers(server)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers, "no shard worker was started"
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        assert wait_gone([server.proc.pid, *workers], timeout_s=10) == []
