@@ -81,7 +81,7 @@ class Serving:
     max_concurrent_requests: int
 
 
-class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):
+class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
     """Registered before the model loads (so health probes get NOT_SERVING, not a refused
     connection); every RPC answers UNAVAILABLE until :meth:`attach` is called."""
 
@@ -291,9 +291,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):
     async def Info(
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoResponse:
-        if self._serving is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        return self._serving.info
+        try:
+            return self._require().info
+        except _CallFailed as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # abort() raises; this keeps the type checker informed
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
