@@ -74,6 +74,9 @@ def _record_rows(run: RunResult) -> list[dict[str, Any]]:
             "cached_tokens": r.cached_tokens,
             "ttft_ms": None if r.ttft is None else r.ttft * 1000,
             "e2e_ms": r.e2e * 1000,
+            # Stalls show here: a long pause mid-stream hides behind a fine median ITL.
+            "max_itl_ms": max(r.inter_token_latencies, default=0.0) * 1000,
+            "decode_tok_s": r.decode_rate,
             "error": r.error,
         }
         for r in run.records
