@@ -9,6 +9,7 @@ the environment.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -90,6 +91,20 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _is_ip_literal(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _bind_address(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the address is empty")
+    return text.strip()
+
+
 @dataclass(frozen=True, slots=True)
 class _Flag:
     dest: str
@@ -130,9 +145,7 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag("revision", "Hub revision (branch, tag or commit) of --model-id."),
     _flag("dtype", "Weights and compute dtype.", choices=("float32", "bfloat16", "float16")),
-    _flag(
-        "trust_remote_code", "Allow model code from the hub (unused: native models only).", _SWITCH
-    ),
+    _flag("trust_remote_code", "Allow custom tokenizer code shipped with the model.", _SWITCH),
     _flag(
         "max_concurrent_requests", "Requests in flight before RESOURCE_EXHAUSTED.", _positive_int
     ),
@@ -188,7 +201,12 @@ FLAGS: tuple[_Flag, ...] = (
         "On CPU: share of the memory available after loading used for the KV cache.",
         _fraction,
     ),
-    _flag("hostname", "Address to listen on.", aliases=()),
+    _flag(
+        "hostname",
+        "Address to listen on. HOSTNAME is honoured only when it holds an IP address: shells "
+        "and container runtimes set it to the machine's name.",
+        _bind_address,
+    ),
     _flag("port", "gRPC port.", int, aliases=("-p",)),
     _flag(
         "huggingface_hub_cache",
@@ -211,7 +229,8 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("otlp_endpoint", "OTLP/gRPC collector URL, e.g. http://collector:4317.", str),
     _flag("otlp_service_name", "service.name of exported spans.", str),
     _flag("prometheus_port", "Port of the Prometheus /metrics endpoint (0: off).", int),
-    _flag("env", "Log the runtime environment at start-up.", _SWITCH, aliases=("-e",)),
+    # No environment variable, as TGI: "ENV" means something else to POSIX shells.
+    _flag("env", "Log the runtime environment at start-up.", _SWITCH, aliases=("-e",), env=("",)),
 )
 
 
@@ -224,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = Config()
     for flag in FLAGS:
         default = getattr(defaults, flag.dest)
-        env_text = ", ".join(flag.env)
-        help_text = f"{flag.help} [env: {env_text}]"
+        env_text = ", ".join(name for name in flag.env if name)
+        help_text = f"{flag.help} [env: {env_text}]" if env_text else flag.help
         if flag.parse is None:
             parser.add_argument(*flag.names, dest=flag.dest, action="store_true", help=help_text)
             continue
@@ -245,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _from_env(flag: _Flag, environ: Mapping[str, str]) -> Any:
     for name in flag.env:
-        raw = environ.get(name)
+        raw = environ.get(name) if name else None
         if raw is None or raw == "":
+            continue
+        if name == "HOSTNAME" and not _is_ip_literal(raw):
             continue
         if flag.parse is None:
             return _bool(raw)

@@ -1,0 +1,81 @@
+"""Launcher flags and environment variables behave as TGI's."""
+
+from __future__ import annotations
+
+import pytest
+
+from genserve.config import Config, load_config
+from genserve.limits import LimitsError, derive_limits, token_limits
+
+
+def test_defaults_without_flags_or_env() -> None:
+    config = load_config([], environ={})
+    assert config == Config()
+    assert config.port == 50051 and config.max_concurrent_requests == 128
+
+
+def test_env_vars_and_flags_take_tgi_names_and_flags_win() -> None:
+    env = {"MAX_TOTAL_TOKENS": "2048", "MAX_INPUT_LENGTH": "1000", "JSON_OUTPUT": "true"}
+    config = load_config(["--max-total-tokens", "3000"], environ=env)
+    assert config.max_total_tokens == 3000  # the flag wins over the environment
+    assert config.max_input_tokens == 1000  # TGI's older name is an alias
+    assert config.json_output is True
+    assert load_config(["--max-input-length", "7"], environ={}).max_input_tokens == 7
+    assert load_config([], environ={"HUGGINGFACE_HUB_CACHE": "/c"}).huggingface_hub_cache
+    assert load_config(["-p", "1234"], environ={}).port == 1234
+
+
+def test_hostname_env_only_when_it_is_an_address() -> None:
+    # Shells and container runtimes export HOSTNAME=<machine name>; binding to it would
+    # silently stop the server from answering on localhost.
+    assert load_config([], environ={"HOSTNAME": "build-box-7"}).hostname == "0.0.0.0"
+    assert load_config([], environ={"HOSTNAME": "127.0.0.1"}).hostname == "127.0.0.1"
+    assert load_config([], environ={"HOSTNAME": "::"}).hostname == "::"
+    assert load_config(["--hostname", "localhost"], environ={}).hostname == "localhost"
+
+
+def test_env_has_no_environment_variable() -> None:
+    assert load_config([], environ={"ENV": "/etc/shrc"}).env is False
+    assert load_config(["-e"], environ={}).env is True
+
+
+def test_bad_values_fail_clearly() -> None:
+    with pytest.raises(SystemExit):
+        load_config(["--dtype", "int8"], environ={})
+    with pytest.raises(SystemExit, match="MAX_TOTAL_TOKENS"):
+        load_config([], environ={"MAX_TOTAL_TOKENS": "many"})
+    with pytest.raises(SystemExit):
+        load_config(["--max-concurrent-requests", "0"], environ={})
+
+
+def test_token_limits_follow_tgi_defaults() -> None:
+    assert token_limits(Config(), 8192) == (4095, 4096)
+    assert token_limits(Config(), 2048) == (2047, 2048)
+    assert token_limits(Config(max_input_tokens=100), 2048) == (100, 2048)
+    with pytest.raises(LimitsError, match="max-input-tokens"):
+        token_limits(Config(max_input_tokens=500, max_total_tokens=500), 2048)
+    with pytest.raises(LimitsError, match="max_position_embeddings"):
+        token_limits(Config(max_total_tokens=9000), 2048)
+
+
+def test_kv_capacity_bounds_the_request_limits() -> None:
+    limits = derive_limits(Config(max_batch_total_tokens=1000), 2048, 10**6, on_cuda=False)
+    assert limits.num_kv_blocks == 63  # ceil(1000 / 16)
+    assert limits.max_total_tokens == 1008 and limits.max_input_tokens == 1007
+    with pytest.raises(LimitsError, match="max-batch-total-tokens"):
+        derive_limits(
+            Config(max_batch_total_tokens=1000, max_total_tokens=2048), 2048, 10**6, False
+        )
+    # From memory, but never more than every request at full length could use.
+    limits = derive_limits(Config(max_concurrent_requests=2), 2048, 10**6, on_cuda=False)
+    assert limits.max_batch_total_tokens == 2 * 2048
+
+
+def test_chunk_size_and_disabled_chunking() -> None:
+    limits = derive_limits(Config(), 2048, 10**6, on_cuda=False)
+    assert limits.max_batch_prefill_tokens == 2047 + 50
+    assert limits.chunked_prefill_size <= limits.max_batch_prefill_tokens
+    with pytest.raises(LimitsError, match="max-batch-prefill-tokens"):
+        derive_limits(
+            Config(disable_chunked_prefill=True, max_batch_prefill_tokens=100), 2048, 10**6, False
+        )
