@@ -236,7 +236,7 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
 
 class Metrics:
     """Every genserve metric, in :attr:`registry`.  See the module docstring for who records
-    what; ``docs/observability.md`` maps each family to its TGI equivalent."""
+    what; README.md ("Observability") maps each family to its TGI equivalent."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
