@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -387,13 +388,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     cache: Path = config.genserve_cache
     log.info("starting", version=VERSION, model_id=config.model_id or "(default)", cache=str(cache))
     code = asyncio.run(serve(config))
-    if code == EXIT_SHARD_FAILED:
-        # A step thread may still sit in a collective with a dead peer (NCCL waits for its
-        # timeout); do not let interpreter teardown join it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    # serve() has stopped everything that needs an orderly stop.  Skip interpreter teardown:
+    # a thread may still be inside torch — the model still loading when SIGTERM came (its
+    # C++ state destroyed under it aborts the process), or a step stuck in a collective with
+    # a dead peer (NCCL waits for its timeout) — and teardown would crash or wait for it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
