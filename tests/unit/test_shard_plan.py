@@ -18,7 +18,7 @@ from genserve.worker.shard_plan import ShardingError, cpu_threads_per_shard, res
         (None, True, 4, 4),
         (3, True, 0, 3),
         (None, False, 4, 1),  # --sharded false deactivates --num-shard
-        (4, False, 4, 1),
+        (1, False, 4, 1),
         (1, None, 4, 1),
     ],
 )
@@ -35,6 +35,7 @@ def test_resolve(num_shard: int | None, sharded: bool | None, num_gpus: int, exp
         (1, True, 8, "--num-shard 1"),
         (8, None, 2, "2 are visible"),
         (0, None, 0, "at least 1"),
+        (4, False, 4, "--sharded false but --num-shard 4"),
     ],
 )
 def test_errors(num_shard: int | None, sharded: bool | None, num_gpus: int, needle: str) -> None:

@@ -12,7 +12,7 @@ class ShardingError(ValueError):
 def resolve_num_shard(num_shard: int | None, sharded: bool | None, num_gpus: int) -> int:
     """The number of shards to run.
 
-    - ``--sharded false`` deactivates ``--num-shard``: one shard.
+    - ``--sharded false``: one shard (with ``--num-shard`` above 1 it contradicts itself).
     - ``--num-shard N``: N shards (on CUDA at most the visible GPUs; on CPU any N, the
       ranks sharing the cores).
     - neither: every visible GPU (as TGI), one shard on CPU.
@@ -20,6 +20,8 @@ def resolve_num_shard(num_shard: int | None, sharded: bool | None, num_gpus: int
       two; with ``--num-shard 1`` it contradicts itself.
     """
     if sharded is False:
+        if num_shard is not None and num_shard > 1:  # as TGI: contradictory, not ignored
+            raise ShardingError(f"--sharded false but --num-shard {num_shard}: drop one of the two")
         return 1
     if num_shard is not None and num_shard < 1:
         raise ShardingError(f"--num-shard must be at least 1, got {num_shard}")
