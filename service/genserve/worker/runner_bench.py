@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _decode_run(runner, max(args.batch), args.prompt_len, 16, seed=2)
+            _decode_run(runner, max(args.batch), args.prompt_len, min(16, args.new_tokens), seed=2)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
