@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from genserve.model.attention import SeqSpec, slot_mapping
+from genserve.model.attention import SeqSpec, TorchPagedAttention, slot_mapping
 from genserve.model.config import ModelConfig, UnsupportedModelError
 from genserve.model.layers import local_kv_heads, rope_inv_freq
 from genserve.parallel import ParallelContext
@@ -68,3 +68,43 @@ def test_slot_mapping_follows_block_tables() -> None:
     seqs = [SeqSpec(1, 17, (7, 3)), SeqSpec(3, 14, (9, 2))]
     # decode at pos 17 -> block 3 offset 1; prefill 14, 15 in block 9, 16 in block 2
     assert slot_mapping(seqs, 1, 16).tolist() == [3 * 16 + 1, 9 * 16 + 14, 9 * 16 + 15, 2 * 16]
+
+
+def reference_decode_attention(
+    q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]], positions: list[int]
+) -> torch.Tensor:
+    """Float32, one sequence at a time, straight from the definition."""
+    _, kv_heads, _, _, head_dim = cache.shape
+    group = q.shape[1] // kv_heads
+    outs = []
+    for i, (table, pos) in enumerate(zip(tables, positions, strict=True)):
+        kv = cache[:, :, table].reshape(2, kv_heads, -1, head_dim)[:, :, : pos + 1].float()
+        k = kv[0].repeat_interleave(group, 0)  # [heads, ctx, hd]
+        v = kv[1].repeat_interleave(group, 0)
+        weights = torch.softmax(
+            (q[i].float()[:, None, :] @ k.transpose(1, 2))[:, 0] * head_dim**-0.5, -1
+        )
+        outs.append((weights[:, None, :] @ v)[:, 0].reshape(-1))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_decodes", [1, 9])
+def test_batched_decode_attention(dtype: torch.dtype, num_decodes: int) -> None:
+    """Both decode paths (SDPA; two matmuls for many half-precision decodes) read the right
+    blocks and mask the padding of shorter sequences."""
+    gen = torch.Generator().manual_seed(0)
+    backend = TorchPagedAttention(torch.device("cpu"))
+    cache = torch.randn(backend.kv_cache_shape(64, 16, 2, 32), generator=gen).to(dtype)
+    positions = [int(p) for p in torch.randint(0, 80, (num_decodes,), generator=gen)]
+    order = torch.randperm(64, generator=gen).tolist()
+    tables = [order[i * 6 : (i + 1) * 6] for i in range(num_decodes)]
+    seqs = [SeqSpec(1, p, tuple(t)) for p, t in zip(positions, tables, strict=True)]
+    meta = backend.build(seqs, num_decodes, 16)
+    q = torch.randn(num_decodes, 6, 32, generator=gen).to(dtype)
+    out = meta.attend(q, q[:, :2], q[:, :2], cache, 32**-0.5, None)
+    tables = [t[: p // 16 + 1] for t, p in zip(tables, positions, strict=True)]
+    expected = reference_decode_attention(q, cache, tables, positions)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert out.shape == expected.shape
+    assert torch.allclose(out.float(), expected, atol=tolerance)

@@ -45,12 +45,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _empty(size, dtype=dtype, device=device)
         self.eps = eps
+        self.shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden]
-        xf = x.float()
-        variance = xf.pow(2).mean(-1, keepdim=True)
-        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        # x: [num_tokens, hidden].  F.rms_norm without weight computes exactly transformers'
+        # x * rsqrt(mean(x^2) + eps) (checked bit for bit in float32) with one Python call
+        # instead of five: Python dispatch, not arithmetic, is the cost at small batches.
+        normed = F.rms_norm(x.float(), self.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
     def load(self, weights: WeightSource, name: str) -> None:
         _copy_in(self.weight, weights.get(name), name)
