@@ -44,6 +44,8 @@ log = structlog.get_logger("genserve.worker")
 
 # On CUDA, part of the budget stays free for activations and allocator fragmentation.
 _CUDA_ACTIVATION_RESERVE = 0.1
+# Prompt-logprob rows per LM-head call: bounds the float32 logits to ~100 MB (vocab 49152).
+_PROMPT_LOGPROB_ROWS = 512
 
 
 @dataclass(slots=True)
@@ -229,20 +231,15 @@ class ModelRunner:
 
         offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
         sample_chunks = [i for i, c in enumerate(chunks) if c.sample]
-        rows = [int(offsets[i + 1]) - 1 for i in sample_chunks]
+        sampled: tuple[SampledToken, ...] = ()
+        if sample_chunks:
+            rows = [int(offsets[i + 1]) - 1 for i in sample_chunks]
+            row_index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, V]
+            if self.parallel.is_driver:
+                sampled = self._sample(logits, [chunks[i] for i in sample_chunks])
         prompt_parts = self._prompt_logprob_parts(chunks, offsets)
-        for _, _, first_row, count, _ in prompt_parts:
-            rows.extend(range(first_row, first_row + count))
-        if not rows:
-            return RunnerOutput(step.step_id)
-        row_index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, vocab]
-        if not self.parallel.is_driver:
-            return RunnerOutput(step.step_id)
-
-        num_sampled = len(sample_chunks)
-        sampled = self._sample(logits[:num_sampled], [chunks[i] for i in sample_chunks])
-        prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], prompt_parts)
+        prompt_logprobs = self._prompt_logprobs(hidden, prompt_parts) if prompt_parts else ()
         return RunnerOutput(step.step_id, sampled, prompt_logprobs)
 
     def _state(self, req_id: str) -> _RequestState:
@@ -294,16 +291,23 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self,
-        logits: torch.Tensor,
+        hidden: torch.Tensor,
         parts: list[tuple[str, int, int, int, tuple[int, ...]]],
     ) -> tuple[PromptLogprobs, ...]:
-        if not parts:
+        """Logprobs of prompt tokens, computed ``_PROMPT_LOGPROB_ROWS`` rows at a time so that
+        a long prompt chunk never materialises ``[chunk, vocab]`` float32 logits at once.
+        Every rank runs the logits (the LM head gathers across shards); only rank 0 reports."""
+        rows = list(itertools.chain.from_iterable(range(p[2], p[2] + p[3]) for p in parts))
+        targets = list(itertools.chain.from_iterable(p[4] for p in parts))
+        values: list[float] = []
+        for start in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+            index = torch.tensor(rows[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
+            target = torch.tensor(targets[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))  # [rows, vocab]
+            chosen = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
+            values.extend(chosen.tolist())
+        if not self.parallel.is_driver:
             return ()
-        targets = torch.tensor(
-            list(itertools.chain.from_iterable(p[4] for p in parts)), device=self.device
-        )
-        chosen = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
-        values = chosen.tolist()
         result = []
         start = 0
         for req_id, first_pos, _, count, target_ids in parts:
