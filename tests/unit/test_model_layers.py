@@ -12,6 +12,7 @@ from genserve.model.attention import SeqSpec, TorchPagedAttention, slot_mapping
 from genserve.model.config import ModelConfig, UnsupportedModelError
 from genserve.model.layers import local_kv_heads, rope_inv_freq
 from genserve.parallel import ParallelContext
+from tests.conftest import TinyModelFactory
 
 
 @pytest.mark.parametrize(
@@ -108,3 +109,31 @@ def test_batched_decode_attention(dtype: torch.dtype, num_decodes: int) -> None:
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert out.shape == expected.shape
     assert torch.allclose(out.float(), expected, atol=tolerance)
+
+
+def test_prepacked_bf16_weights_give_the_same_logits(tiny_model_factory: TinyModelFactory) -> None:
+    from genserve.model.registry import build_model
+    from genserve.model.weights import SafetensorsWeights
+
+    model_dir = tiny_model_factory("qwen2")  # untied head and biases: every packed path
+    config = ModelConfig.from_pretrained(model_dir)
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        model = build_model(config, ParallelContext.single(), torch.bfloat16, cpu)
+        with SafetensorsWeights(model_dir) as weights:
+            model.load_weights(weights)
+        backend = TorchPagedAttention(cpu)
+        tokens = torch.randint(3, 1000, (37,), generator=torch.Generator().manual_seed(0))
+
+        def logits() -> torch.Tensor:
+            shape = backend.kv_cache_shape(8, 16, model.num_local_kv_heads, config.head_dim)
+            caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(config.num_layers)]
+            meta = backend.build([SeqSpec(37, 0, (4, 2, 6))], 0, 16)
+            return model.compute_logits(model(tokens, torch.arange(37), caches, meta))
+
+        plain = logits()
+        model.pack_weights()
+        gate_up = model._layers[0].mlp.gate_up_proj
+        assert gate_up.packed is not None
+        assert gate_up.weight.numel() == 0  # the plain copy is released
+        assert torch.allclose(logits(), plain, atol=1e-2)

@@ -37,6 +37,53 @@ def _copy_in(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.copy_(loaded)
 
 
+# oneDNN chooses its blocked weight layout for this many rows per matmul; any row count works.
+_PACK_BATCH_HINT = 32
+
+
+def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` in oneDNN's blocked layout, or None where that does not apply.
+
+    On CPU in bfloat16 the prepacked matmul gives the same results as ``F.linear`` and is
+    ~25% faster at 4-64 rows per step (measured on the default model's shapes; equal at one
+    row).  float32 keeps ``F.linear`` (MKL), whose results transformers' reference shares."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.bfloat16
+        or not torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    ):
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach(), _PACK_BATCH_HINT
+        )
+        return packed
+    except (RuntimeError, AttributeError):  # an older or differently built torch
+        return None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+            bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    if packed is not None:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return out
+    return F.linear(x, weight, bias)
+
+
+class _Packable(nn.Module):
+    """A layer whose ``weight`` may be replaced by a prepacked copy once loaded."""
+
+    weight: torch.Tensor
+    packed: torch.Tensor | None = None
+
+    def pack(self, release: bool = True) -> None:
+        """Switch to the prepacked weight (if it applies); ``release`` frees the plain copy
+        (not done when the weight is shared, e.g. tied embeddings).  Call after loading."""
+        self.packed = _pack_weight(self.weight)
+        if self.packed is not None and release:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32 and cast back before the weight, as transformers
     does, so float32 and half-precision results match the reference bit for bit in layout."""
@@ -123,7 +170,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return rotated
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Packable):
     """``y = x Wᵀ + b`` keeping rows ``[start, stop)`` of ``W`` (output features) per rank.
 
     ``out_sizes`` lists the logical matrices fused into this one (e.g. gate and up); each is
@@ -147,7 +194,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty(local, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [num_tokens, local_out]
+        return _linear(x, self.weight, self.packed, self.bias)  # [num_tokens, local_out]
 
     def load(self, weights: WeightSource, prefixes: Sequence[str]) -> None:
         """``prefixes[i]`` names the ``i``-th fused matrix (``…gate_proj``, ``…up_proj``)."""
@@ -234,7 +281,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self._load_rows(weights, [(q, [self.q_range]), (k, kv_rows), (v, kv_rows)])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Packable):
     """``y = all_reduce(x_local W_localᵀ) + b``: keeps columns ``[start, stop)`` of ``W``."""
 
     def __init__(
@@ -256,9 +303,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return _linear(x, self.weight, self.packed, self.bias)
         # The bias is added once, after the partial sums are reduced.
-        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        y = self.ctx.all_reduce(_linear(x, self.weight, self.packed, None))
         return y if self.bias is None else y + self.bias
 
     def load(self, weights: WeightSource, prefix: str) -> None:
@@ -269,7 +316,7 @@ class RowParallelLinear(nn.Module):
             _copy_in(self.bias, weights.get(f"{prefix}.bias"), f"{prefix}.bias")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_Packable):
     """Token embedding with the vocabulary split across ranks (padded to equal shares)."""
 
     def __init__(
@@ -308,7 +355,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab_size]
-        local = F.linear(hidden, self.weight)
+        local = _linear(hidden, self.weight, self.packed, None)
         if self.ctx.world_size == 1:
             return local
         return self.ctx.all_gather(local, dim=-1)[:, : self.vocab_size]

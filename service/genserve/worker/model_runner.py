@@ -103,6 +103,7 @@ class ModelRunner:
             self.model = build_model(self.config, self.parallel, dtype, device)
             with SafetensorsWeights(model.local_dir) as weights:
                 self.model.load_weights(weights)
+            self.model.pack_weights()
         self.model.eval()
         self.sampler = Sampler(device)
         self._requests: dict[str, _RequestState] = {}
