@@ -149,3 +149,15 @@ def test_top_tokens_are_raw_and_per_row() -> None:
     assert [t.token_id for t in out.top_tokens[0]] == top.indices.tolist()
     assert [t.logprob for t in out.top_tokens[0]] == pytest.approx(top.values.tolist(), abs=1e-6)
     assert out.top_tokens[1] == ()
+
+
+def test_first_argmax_equals_argmax_with_ties() -> None:
+    from genserve.worker.sampler import first_argmax
+
+    x = torch.randn(5, 8192, generator=torch.Generator().manual_seed(8))
+    x[0, 100] = x[0, 5000] = 50.0  # a tie across chunks: the first index wins
+    x[1, 2048] = x[1, 2049] = 50.0  # a tie inside a chunk
+    x[2, -1] = 50.0
+    assert torch.equal(first_argmax(x), x.argmax(-1))
+    odd = torch.randn(3, 1000)  # vocabulary not a multiple of the chunk: plain argmax
+    assert torch.equal(first_argmax(odd), odd.argmax(-1))

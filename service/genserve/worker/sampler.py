@@ -83,7 +83,7 @@ class Sampler:
                 logits[penalised], [rows[i] for i in penalised]
             )
 
-        token_ids = scores.argmax(dim=-1)  # [num_rows]; kept for greedy rows
+        token_ids = first_argmax(scores)  # [num_rows]; kept for greedy rows
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             picked = self._sample(scores[sampled], [rows[i] for i in sampled])
@@ -138,7 +138,25 @@ class Sampler:
         # A zero draw would turn a filtered token's 0 probability into 0/0 = NaN, which
         # argmax would pick.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+        return first_argmax(probs.div_(noise))
+
+
+_ARGMAX_CHUNK = 1024
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``[rows, vocab]`` (first index on ties), faster.
+
+    PyTorch's CPU argmax is not vectorised (1 ms for 32 x 49152); the vectorised ``amax``
+    over chunks finds each row's first chunk holding the maximum, and argmax then runs only
+    inside that chunk.  Falls back to argmax when the vocabulary does not split evenly."""
+    rows, vocab = x.shape
+    if vocab % _ARGMAX_CHUNK or vocab < 4 * _ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    chunks = x.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [rows]
+    inside = chunks[torch.arange(rows, device=x.device), best_chunk].argmax(dim=-1)
+    return best_chunk * _ARGMAX_CHUNK + inside
 
 
 def _counts(row: SamplingRow) -> torch.Tensor:
