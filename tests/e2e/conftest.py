@@ -10,6 +10,7 @@ import pytest
 
 from genserve.testing.tiny_model import make_tiny_model
 from genserve.v1 import generate_pb2_grpc as pb_grpc
+from tests.e2e.prompts import PARITY_SERVER_ARGS
 from tests.utils.inproc_server import InProcessServer, inproc_server
 
 
@@ -20,21 +21,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path) -> Iterator[InProcessServer]:
-    with inproc_server(
-        tiny_llama,
-        "--dtype",
-        "float32",
-        "--max-concurrent-requests",
-        "64",
-        "--max-input-tokens",
-        "900",
-        "--max-total-tokens",
-        "1024",
-        "--max-batch-total-tokens",
-        "32768",
-        "--prometheus-port",
-        "0",
-    ) as srv:
+    with inproc_server(tiny_llama, *PARITY_SERVER_ARGS) as srv:
         yield srv
 
 

@@ -52,3 +52,20 @@ def varied_prompts(n: int, seed: int = 0, max_words: int = 300) -> list[str]:
         num_words = lengths[i % len(lengths)] + rng.randint(0, 3)
         prompts.append(" ".join(rng.choice(_WORDS) for _ in range(num_words)))
     return prompts
+
+
+# Server limits with room for every prompt above (the parity tests on 1 and 2 shards).
+PARITY_SERVER_ARGS = (
+    "--dtype",
+    "float32",
+    "--max-concurrent-requests",
+    "64",
+    "--max-input-tokens",
+    "900",
+    "--max-total-tokens",
+    "1024",
+    "--max-batch-total-tokens",
+    "32768",
+    "--prometheus-port",
+    "0",
+)

@@ -8,23 +8,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from tests.e2e.prompts import PARITY_SERVER_ARGS
 from tests.utils.live_server import LiveServer, free_port, start_server
 
-# As the e2e conftest's server: room for the varied prompts of the parity tests.
-SERVER_ARGS = (
-    "--dtype",
-    "float32",
-    "--max-concurrent-requests",
-    "64",
-    "--max-input-tokens",
-    "900",
-    "--max-total-tokens",
-    "1024",
-    "--max-batch-total-tokens",
-    "32768",
-    "--prometheus-port",
-    "0",
-)
+SERVER_ARGS = PARITY_SERVER_ARGS
 
 
 def shard_args(num_shard: int) -> tuple[str, ...]:
