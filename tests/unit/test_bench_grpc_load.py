@@ -42,10 +42,14 @@ def test_bench_launches_loads_and_reports(
     levels = {s["concurrency"]: s for s in results["genserve"]}
     assert sorted(levels) == [1, 3]
     for summary in levels.values():
-        assert summary["num_requests"] == max(4, 2 * summary["concurrency"])
+        assert summary["num_requests"] == max(4, 3 * summary["concurrency"])
         assert summary["num_failed"] == 0
         assert 0 < summary["mean_generated_tokens"] <= 6
         assert summary["throughput_tok_s"] > 0 and summary["ttft_ms"]["p50"] > 0
+    # Staggered streams: at 3 streams there is a window with all of them busy, and requests
+    # that joined the running batch inside it.
+    assert levels[3]["steady_s"] > 0 and levels[3]["num_steady"] > 0
+    assert levels[1]["steady_s"] is None
     for row in results["requests"]["genserve_c3"]:
         # The server's own prompt length is recorded; prompts were fitted to their drawn length.
         assert row["input_length"] > 8 and row["error"] is None

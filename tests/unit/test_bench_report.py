@@ -86,7 +86,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 def test_table_has_one_row_per_run() -> None:
     table = report.format_table([*GENSERVE, *BASELINES])
     lines = table.splitlines()
-    assert len(lines) == 2 + 5 + 2
+    assert len(lines) == 2 + 5 + 3  # header, rule, rows, legend
     assert lines[2].split()[:3] == ["genserve_c1", "1", "1"]
 
 

@@ -77,3 +77,21 @@ def test_steady_state_ttft_only_counts_requests_joining_a_running_batch() -> Non
     assert summary["num_steady"] == 1
     assert summary["ttft_steady_ms"]["p50"] == pytest.approx(50.0)
     assert summary["ttft_ms"]["p50"] == pytest.approx(500.0)
+
+
+def test_steady_window_sets_throughput_and_joining_ttft() -> None:
+    # Two staggered streams: the window opens when the second stream's first request
+    # starts (0.2) and closes when the first stream runs out of work (1.0).
+    records = (
+        _record(0, start=0.0, first=0.05, gap=0.1, num=5),  # tokens 0.05 .. 0.45
+        _record(1, start=0.2, first=0.3, gap=0.1, num=5),  # tokens 0.3 .. 0.7, TTFT 100 ms
+        _record(2, start=0.46, first=0.5, gap=0.1, num=5),  # tokens 0.5 .. 0.9, TTFT 40 ms
+    )
+    run = RunResult("genserve_c2", "genserve", 2, records, wall_s=1.0, steady_window=(0.2, 1.0))
+    summary = summarise(run)
+    # Tokens inside [0.2, 1.0]: 3 of request 0, 5 of request 1, 5 of request 2.
+    assert summary["throughput_tok_s"] == pytest.approx(13 / 0.8)
+    assert summary["throughput_wall_tok_s"] == pytest.approx(15.0)
+    assert summary["steady_s"] == pytest.approx(0.8)
+    assert summary["num_steady"] == 2  # requests 1 and 2 started inside the window
+    assert summary["ttft_steady_ms"]["p50"] == pytest.approx(70.0)

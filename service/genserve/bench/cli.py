@@ -64,6 +64,7 @@ class BenchConfig:
     max_duration_s: float
     request_timeout_s: float
     warmup_requests: int
+    stagger: bool
     scenario: str
     prefix_requests: int
     prefix_tokens: int
@@ -98,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--num-prompts",
         type=int,
-        default=64,
-        help="requests per concurrency level (at least 2 per stream, so some join a running batch)",
+        default=128,
+        help="requests per concurrency level (at least 3 per stream, so most join a running batch)",
     )
     add("--prompt-len-mean", type=float, default=40.0, help="mean prompt length in tokens")
     add("--prompt-len-std", type=float, default=None, help="std of prompt length (mean/4)")
@@ -121,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="gRPC deadline of each request",
     )
     add("--warmup-requests", type=int, default=2, help="unmeasured requests sent first")
+    add(
+        "--no-stagger",
+        dest="stagger",
+        action="store_false",
+        help="start all streams of a level at once (lock-step bursts) instead of spreading "
+        "their first requests over one request's output; throughput is then over the whole "
+        "level, not its steady window",
+    )
     add(
         "--scenario",
         choices=("load", "prefix", "all"),

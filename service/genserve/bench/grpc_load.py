@@ -5,6 +5,14 @@ ends.  A level is bounded twice: by a request count and by a duration after whic
 request is started (requests in flight finish, each under its own gRPC deadline).  Only
 loopback addresses are accepted: the benchmark is a local tool, never a load generator
 pointed at someone else's machine.
+
+Streams start staggered: stream k sends its first request once stream 0's first request has
+received ``k / N`` of its tokens.  With fixed output lengths, streams that start together
+stay in lock-step forever: every request would arrive in a burst of N together with all the
+others, and no request would ever "join a running batch".  Staggered, the streams finish at
+evenly spread moments, so in the steady state every new request arrives into a batch of the
+N - 1 others, which is what a server under real traffic sees.  Throughput is measured over
+that steady window (all N streams started, none run out of work yet).
 """
 
 from __future__ import annotations
@@ -53,10 +61,14 @@ def _finish_reason_name(value: int) -> str:
 
 
 async def stream_one(
-    stub: generate_pb2_grpc.TextGenerationServiceStub, prompt: Prompt, timeout_s: float
+    stub: generate_pb2_grpc.TextGenerationServiceStub,
+    prompt: Prompt,
+    timeout_s: float,
+    on_token: Callable[[int], None] | None = None,
 ) -> RequestRecord:
     """Send one greedy ``GenerateStream`` request and time every token message.
 
+    ``on_token(n)`` is called with the number of messages received so far after each one.
     Never raises for RPC failures: they come back as a record with ``error`` set.
     """
     request = generate_pb2.GenerateStreamRequest(
@@ -73,6 +85,8 @@ async def stream_one(
     try:
         async for message in stub.GenerateStream(request, timeout=timeout_s):
             token_times.append(time.perf_counter())
+            if on_token is not None:
+                on_token(len(token_times))
             if message.HasField("details"):
                 details = message.details
                 num_generated = details.generated_tokens
@@ -99,8 +113,32 @@ async def stream_one(
     )
 
 
+class _Ramp:
+    """Releases stream k when stream 0's first request has ``k * step`` tokens (see the
+    module docstring); everything is released when that request ends."""
+
+    def __init__(self, concurrency: int, tokens_per_request: int) -> None:
+        self._gates = [asyncio.Event() for _ in range(concurrency)]
+        self._gates[0].set()
+        self._step = tokens_per_request / concurrency
+        self.first_starts: list[float] = []
+
+    async def wait(self, stream: int) -> None:
+        await self._gates[stream].wait()
+        self.first_starts.append(time.perf_counter())
+
+    def on_token(self, num_received: int) -> None:
+        for k in range(1, len(self._gates)):
+            if num_received >= k * self._step:
+                self._gates[k].set()
+
+    def release_all(self) -> None:
+        for gate in self._gates:
+            gate.set()
+
+
 async def run_level(
-    channel: grpc.aio.Channel,
+    channels: Sequence[grpc.aio.Channel],
     prompts: Sequence[Prompt],
     concurrency: int,
     num_requests: int,
@@ -108,37 +146,59 @@ async def run_level(
     request_timeout_s: float,
     name: str = "",
     on_done: Callable[[RequestRecord], None] | None = None,
+    stagger: bool = True,
 ) -> RunResult:
     """Run ``num_requests`` requests (prompts taken in order, cycling) over ``concurrency``
-    closed-loop streams; stop starting new ones after ``max_duration_s``.
+    closed-loop streams spread round-robin over ``channels``; stop starting new ones after
+    ``max_duration_s``.  ``stagger`` spreads the streams' first requests (module docstring);
+    without it they all start at once.
 
     ``on_done`` is called after every request (progress bars).
     """
-    if concurrency < 1 or num_requests < 1 or not prompts:
-        raise ValueError("concurrency, num_requests and the prompt set must be positive")
-    stub = generate_pb2_grpc.TextGenerationServiceStub(channel)
+    if concurrency < 1 or num_requests < 1 or not prompts or not channels:
+        raise ValueError("concurrency, num_requests, channels and prompts must be non-empty")
+    stubs = [generate_pb2_grpc.TextGenerationServiceStub(c) for c in channels]
     records: list[RequestRecord] = []
+    stream_exits: list[float] = []
     next_index = 0
+    ramp = _Ramp(concurrency, prompts[0].max_new_tokens) if stagger else None
     start = time.perf_counter()
     deadline = start + max_duration_s
 
-    async def stream_loop() -> None:
+    async def stream_loop(stream: int) -> None:
         nonlocal next_index
+        stub = stubs[stream % len(stubs)]
+        if ramp is not None:
+            await ramp.wait(stream)
+        first = True
         # Taking the index and checking the deadline happen without an await in between, so
         # the streams share the counter safely on one event loop.
         while next_index < num_requests and time.perf_counter() < deadline:
             prompt = prompts[next_index % len(prompts)]
             next_index += 1
-            record = await stream_one(stub, prompt, request_timeout_s)
+            on_token = ramp.on_token if ramp is not None and stream == 0 and first else None
+            record = await stream_one(stub, prompt, request_timeout_s, on_token)
+            if on_token is not None and ramp is not None:
+                ramp.release_all()
+            first = False
             records.append(record)
             if on_done is not None:
                 on_done(record)
+        stream_exits.append(time.perf_counter())
+        if ramp is not None:
+            ramp.release_all()  # a stream that got no work must not hold back the others
 
-    await asyncio.gather(*(stream_loop() for _ in range(concurrency)))
+    await asyncio.gather(*(stream_loop(k) for k in range(concurrency)))
     wall = max(r.end for r in records) - min(r.start for r in records)
     notes: tuple[str, ...] = ()
     if next_index < num_requests:
         notes = (f"time limit {max_duration_s:g}s hit: {next_index}/{num_requests} started",)
+    steady: tuple[float, float] | None = None
+    if concurrency > 1 and ramp is not None and len(ramp.first_starts) == concurrency:
+        # From the moment all streams have a request in flight to the first stream's exit.
+        window = (max(ramp.first_starts), min(stream_exits))
+        if window[1] > window[0]:
+            steady = window
     return RunResult(
         name=name or f"genserve_c{concurrency}",
         system="genserve",
@@ -146,6 +206,7 @@ async def run_level(
         records=tuple(records),
         wall_s=wall,
         notes=notes,
+        steady_window=steady,
     )
 
 
@@ -154,7 +215,7 @@ async def run_sequential(
 ) -> RunResult:
     """Send ``prompts`` one after another on one stream (the prefix scenario's phases)."""
     return await run_level(
-        channel,
+        [channel],
         prompts,
         concurrency=1,
         num_requests=len(prompts),

@@ -72,7 +72,9 @@ class RunResult:
     ``concurrency`` is the number of streams (genserve) or the batch size (baselines).
     ``wall_s`` is the span during which the measured requests were in flight: throughput is
     generated tokens over it.  ``notes`` carries anything a reader needs to interpret the
-    numbers (setup time excluded, early EOS, ...).
+    numbers (setup time excluded, early EOS, ...).  ``steady_window`` (genserve levels with
+    staggered streams) is the span during which all streams had a request in flight: the
+    steady-state throughput and the "joining a running batch" TTFT are measured inside it.
     """
 
     name: str
@@ -81,3 +83,4 @@ class RunResult:
     records: tuple[RequestRecord, ...]
     wall_s: float
     notes: tuple[str, ...] = field(default=())
+    steady_window: tuple[float, float] | None = None

@@ -78,8 +78,9 @@ def format_table(summaries: Sequence[Summary]) -> str:
             f"{s['e2e_ms']['p50']:>8.0f}{s['mean_generated_tokens']:>8.1f}"
         )
     lines.append(
+        "tok/s = generated tokens/s (genserve: in the steady window, all streams busy);\n"
         "latencies in ms; tok/s/str = median decode rate of one stream after its 1st token;\n"
-        "sttft50 = TTFT p50 of requests sent after the first one ended (joining a running batch)"
+        "sttft50 = TTFT p50 of requests that joined a running batch (sent in the steady window)"
     )
     return "\n".join(lines)
 

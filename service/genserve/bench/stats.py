@@ -31,28 +31,43 @@ def _ms(values: Sequence[float], *qs: float) -> dict[str, float]:
     return {f"p{q:g}": percentile(values, q) * 1000.0 for q in qs}
 
 
+def _steady_throughput(run: RunResult) -> float | None:
+    """Generated tokens per second inside the run's steady window, or None without one."""
+    if run.steady_window is None:
+        return None
+    low, high = run.steady_window
+    tokens = sum(low <= t <= high for r in run.records if r.ok for t in r.token_times)
+    return tokens / (high - low)
+
+
 def summarise(run: RunResult) -> dict[str, Any]:
     """Throughput and latency figures of one run, as a JSON-ready dict.
 
-    ``throughput_tok_s`` counts generated tokens of successful requests over ``wall_s``;
+    ``throughput_tok_s`` counts generated tokens of successful requests per second: inside
+    the steady window when the run has one (staggered genserve levels: all streams busy, no
+    ramp-up or tail), else over ``wall_s`` (``throughput_wall_tok_s`` is always the latter).
     ``decode_tok_s_per_stream`` is the median per-request rate after the first token (what
-    one user sees while tokens stream).  ``ttft_steady_ms`` only counts requests submitted
-    after the run's first request ended (none of the opening burst; ``num_steady`` of them).
-    Failed requests are counted, not timed.
+    one user sees while tokens stream).  ``ttft_steady_ms`` only counts requests that joined
+    a running batch: submitted inside the steady window (or, without one, after the run's
+    first request ended); ``num_steady`` of them.  Failed requests are counted, not timed.
     """
     ok = [r for r in run.records if r.ok]
     ttfts = [t for r in ok if (t := r.ttft) is not None]
-    # Steady state: requests submitted after the first request of the run ended, i.e. not
-    # part of the opening burst — each joins a batch that is already running (the issue's
-    # "request arriving into a running batch of 31" at 32 streams).
-    first_end = min((r.end for r in ok), default=math.inf)
-    steady_ttfts = [t for r in ok if r.start >= first_end and (t := r.ttft) is not None]
+    low, high = run.steady_window or (math.nan, math.nan)
+    if run.steady_window is not None:
+        joined = [r for r in ok if low <= r.start <= high]
+    else:
+        first_end = min((r.end for r in ok), default=math.inf)
+        joined = [r for r in ok if r.start >= first_end]
+    steady_ttfts = [t for r in joined if (t := r.ttft) is not None]
     itls = [gap for r in ok for gap in r.inter_token_latencies]
     decode_rates = [d for r in ok if (d := r.decode_rate) is not None]
     num_tokens = sum(r.num_generated_tokens for r in ok)
     finish_reasons: dict[str, int] = {}
     for record in ok:
         finish_reasons[record.finish_reason] = finish_reasons.get(record.finish_reason, 0) + 1
+    wall_throughput = num_tokens / run.wall_s if run.wall_s > 0 else math.nan
+    steady_throughput = _steady_throughput(run)
     return {
         "name": run.name,
         "system": run.system,
@@ -66,7 +81,9 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "cached_tokens": sum(r.cached_tokens for r in ok),
         "finish_reasons": finish_reasons,
         "wall_s": run.wall_s,
-        "throughput_tok_s": num_tokens / run.wall_s if run.wall_s > 0 else math.nan,
+        "steady_s": None if run.steady_window is None else high - low,
+        "throughput_tok_s": wall_throughput if steady_throughput is None else steady_throughput,
+        "throughput_wall_tok_s": wall_throughput,
         "decode_tok_s_per_stream": percentile(decode_rates, 50),
         "ttft_ms": _ms(ttfts, 50, 90, 99),
         "num_steady": len(steady_ttfts),

@@ -54,9 +54,9 @@ def resolve_concurrency(
 
 
 def requests_per_level(num_prompts: int, concurrency: int) -> int:
-    """``num_prompts``, but at least two per stream: the second round is what measures a
-    request joining a running batch rather than the opening burst."""
-    return max(num_prompts, 2 * concurrency)
+    """``num_prompts``, but at least three per stream: the first round is the ramp-up, the
+    later ones join a running batch inside the steady window."""
+    return max(num_prompts, 3 * concurrency)
 
 
 def _hf_num_prompts(batch_size: int, min_prompts: int) -> int:
@@ -91,13 +91,14 @@ async def _load_levels(
     try:
         if config.warmup_requests > 0:
             await run_level(
-                channels[0],
+                channels[:1],
                 prompts,
                 concurrency=min(2, config.warmup_requests),
                 num_requests=config.warmup_requests,
                 max_duration_s=config.max_duration_s,
                 request_timeout_s=config.request_timeout_s,
                 name="warmup",
+                stagger=False,
             )
         results = []
         for concurrency in concurrencies:
@@ -108,38 +109,18 @@ async def _load_levels(
                 unit="req",
                 disable=not config.progress,
             ) as bar:
-                # Split the streams over the channels so no connection exceeds its cap.
-                shares = [
-                    concurrency // num_channels + (i < concurrency % num_channels)
-                    for i in range(num_channels)
-                ]
-                parts = await asyncio.gather(
-                    *(
-                        run_level(
-                            channel,
-                            prompts,
-                            concurrency=share,
-                            num_requests=max(1, round(num_requests * share / concurrency)),
-                            max_duration_s=config.max_duration_s,
-                            request_timeout_s=config.request_timeout_s,
-                            on_done=lambda _record: bar.update(1),
-                        )
-                        for channel, share in zip(channels, shares, strict=True)
-                        if share > 0
+                results.append(
+                    await run_level(
+                        channels,
+                        prompts,
+                        concurrency=concurrency,
+                        num_requests=num_requests,
+                        max_duration_s=config.max_duration_s,
+                        request_timeout_s=config.request_timeout_s,
+                        on_done=lambda _record: bar.update(1),
+                        stagger=config.stagger,
                     )
                 )
-            records = tuple(r for part in parts for r in part.records)
-            wall = max(r.end for r in records) - min(r.start for r in records)
-            results.append(
-                RunResult(
-                    name=f"genserve_c{concurrency}",
-                    system="genserve",
-                    concurrency=concurrency,
-                    records=records,
-                    wall_s=wall,
-                    notes=tuple(n for part in parts for n in part.notes),
-                )
-            )
         return results
     finally:
         for channel in channels:
