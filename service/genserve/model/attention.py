@@ -14,7 +14,11 @@ Two backends:
 - :class:`TorchPagedAttention` (CPU, or CUDA without flash-attn): cache per layer
   ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` (K and V stacked, head-major, so
   that gathering a batch's blocks yields ``[heads, seqs, context, head_dim]`` with no
-  transpose copy); ``F.scaled_dot_product_attention`` does the math.
+  transpose copy); ``F.scaled_dot_product_attention`` does the math.  On CPU in half
+  precision, decodes instead go through genserve's C++ kernel
+  (``genserve.kernels.paged_attention_cpu``), which reads K/V in place through the block
+  table (no gather copy, no padding to the longest context) with a float32 softmax; float32
+  keeps SDPA, whose results transformers' reference shares.
 - :class:`FlashPagedAttention` (CUDA with ``flash_attn``, float16/bfloat16, and block size a
   multiple of 256, which its paged kernels require): cache per layer ``[2, num_blocks, block_size,
   num_kv_heads, head_dim]`` and one ``flash_attn_varlen_func`` call with ``block_table`` for
@@ -146,6 +150,7 @@ class TorchAttentionMetadata:
     decode_positions: torch.Tensor  # [num_decodes] int64, position of each decode token
     prefills: list[_Prefill]
     device: torch.device
+    use_cpu_kernel: bool = False  # decodes through torch.ops.genserve.paged_decode_attention
     dtype: torch.dtype | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
@@ -178,6 +183,16 @@ class TorchAttentionMetadata:
         """All decode tokens in one batched op → ``[num_decodes, num_heads * head_dim]``."""
         d = self.num_decodes
         _, num_heads, head_dim = q.shape
+        if self.use_cpu_kernel:
+            out: torch.Tensor = torch.ops.genserve.paged_decode_attention(
+                q[:d],
+                kv_cache,
+                self.decode_blocks.view(d, self.decode_max_blocks),
+                self.decode_positions + 1,  # context lengths
+                scale,
+                -1 if window is None else window,
+            )
+            return out.view(d, num_heads * head_dim)
         _, num_kv_heads, _, block_size, _ = kv_cache.shape
         group = num_heads // num_kv_heads
         # Gather every decode's blocks: [2, kv_heads, d, max_blocks * block_size, hd].
@@ -241,11 +256,12 @@ class TorchAttentionMetadata:
 class TorchPagedAttention:
     """Portable backend built on ``F.scaled_dot_product_attention``."""
 
-    name = "torch-sdpa"
     block_dim = 2
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, use_cpu_kernel: bool = False) -> None:
         self.device = device
+        self.use_cpu_kernel = use_cpu_kernel
+        self.name = "torch-sdpa+cpu-decode-kernel" if use_cpu_kernel else "torch-sdpa"
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -273,6 +289,7 @@ class TorchPagedAttention:
             decode_positions=torch.from_numpy(decode_positions).to(dev),
             prefills=prefills,
             device=dev,
+            use_cpu_kernel=self.use_cpu_kernel,
         )
 
 
@@ -354,7 +371,8 @@ class FlashPagedAttention:
 
 def select_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> AttentionBackend:
     """flash-attn when it can run (CUDA, importable, half precision, a block size its paged
-    kernels accept), else the torch backend."""
+    kernels accept), else the torch backend — with genserve's CPU decode kernel on CPU in
+    half precision when it builds (``genserve.kernels.cpu``)."""
     if (
         device.type == "cuda"
         and dtype in (torch.float16, torch.bfloat16)
@@ -362,4 +380,8 @@ def select_backend(device: torch.device, block_size: int, dtype: torch.dtype) ->
         and importlib.util.find_spec("flash_attn") is not None
     ):
         return FlashPagedAttention(device)
+    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        from genserve.kernels import cpu as cpu_kernels
+
+        return TorchPagedAttention(device, use_cpu_kernel=cpu_kernels.load())
     return TorchPagedAttention(device)

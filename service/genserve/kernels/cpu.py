@@ -1,0 +1,114 @@
+"""genserve's CPU kernels (``paged_attention_cpu.cpp``), compiled on first use.
+
+The C++ source is built with torch's JIT extension builder (ninja + the system C++
+compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``) and
+loaded as ``torch.ops.genserve.*``; later processes load the cached library in
+milliseconds.  ``scripts/bootstrap.sh`` builds it once (``python -m genserve.kernels.cpu``)
+so that neither a server start nor a test pays the ~30 s compile.
+
+The build is tuned to the instruction set torch itself detected on this CPU (AVX-512,
+AVX2, or the baseline), and that level is part of the library's name, so a cache directory
+shared between machines never loads code the CPU cannot run.  When anything fails (no
+compiler, a read-only cache, ``GENSERVE_CPU_KERNELS=0``), :func:`load` returns False,
+says why once in the log, and callers keep their portable torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+_DISABLE_ENV = "GENSERVE_CPU_KERNELS"
+
+# Reassociating float sums lets the compiler reduce a dot product in a tree of vector adds
+# instead of a chain of scalar ones (the order of a float sum is not part of the result's
+# contract: torch's own kernels sum in blocks too).  No -ffast-math: NaN/inf stay honoured.
+_OPT_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fassociative-math",
+              "-fno-signed-zeros", "-fno-trapping-math"]  # fmt: skip
+# at::parallel_for is header code over OpenMP: without -fopenmp it silently runs on one
+# thread.  The library then needs libgomp.so.1, which the dynamic linker resolves to the copy
+# torch has already loaded (same soname), so there is one OpenMP thread pool, torch's.
+_LINK_FLAGS = ["-fopenmp"]
+
+# Compiler flags per instruction-set level torch reports (torch.backends.cpu).
+_ISA_FLAGS = {
+    "AVX512": ["-march=x86-64-v4"],
+    "AVX2": ["-march=x86-64-v3"],
+}
+
+
+def _isa_level() -> str:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "default"
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    return capability if capability in _ISA_FLAGS else "default"
+
+
+def build_dir() -> Path:
+    root = os.environ.get("GENSERVE_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "genserve"
+    return base / "kernels"
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; a server started as ``.venv/bin/genserve`` without the
+    venv activated has the pip-installed one (a dependency) only in the venv."""
+    if shutil.which("ninja") is None:
+        import ninja  # type: ignore[import-untyped]
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (if needed) and load the CPU kernels; True when ``torch.ops.genserve`` has them."""
+    if os.environ.get(_DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("cpu_kernels_disabled", reason=f"{_DISABLE_ENV}=0")
+        return False
+    level = _isa_level()
+    name = f"genserve_cpu_kernels_{level.lower()}"
+    directory = build_dir() / name
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=[*_OPT_FLAGS, *_ISA_FLAGS.get(level, [])],
+            extra_ldflags=_LINK_FLAGS,
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+        torch.ops.genserve.paged_decode_attention  # noqa: B018 - raises if not registered
+    except Exception as exc:  # any failure: keep the torch path, say why once
+        log.warning(
+            "cpu_kernels_unavailable",
+            error=f"{type(exc).__name__}: {str(exc).strip()[:500]}",
+            fallback="torch attention",
+        )
+        return False
+    log.info("cpu_kernels_loaded", isa=level, directory=str(directory))
+    return True
+
+
+def main() -> int:
+    """Build the kernels now (bootstrap); exit status 0 either way, the server falls back."""
+    ok = load()
+    print(f"genserve CPU kernels: {'ready' if ok else 'unavailable (torch fallback)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
