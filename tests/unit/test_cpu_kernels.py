@@ -11,6 +11,7 @@ import torch
 
 from genserve.kernels import cpu as cpu_kernels
 from genserve.model.attention import SeqSpec, TorchPagedAttention, select_backend
+from tests.conftest import TinyModelFactory
 
 BLOCK_SIZE = 16
 
@@ -135,3 +136,89 @@ def test_backend_decodes_agree_with_the_torch_path(window: int | None) -> None:
         kernel_out[:num_decodes].float(), torch_out[:num_decodes].float(), atol=3e-2, rtol=3e-2
     )
     assert torch.equal(kernel_out[num_decodes:], torch_out[num_decodes:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_fused_ops_round_like_the_torch_ops(dtype: torch.dtype, num_tokens: int) -> None:
+    """Each fused op against the torch ops it replaces in the model (same roundings)."""
+    from genserve.model.config import RopeConfig
+    from genserve.model.layers import RotaryEmbedding, apply_rotary
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 576, generator=gen).to(dtype)
+    residual = torch.randn(num_tokens, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    ops = torch.ops.genserve
+
+    expected_norm = weight * torch.nn.functional.rms_norm(x.float(), (576,), eps=1e-5).to(dtype)
+    # The float32 sum of squares may be ordered differently: allow a last-bit difference.
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected_norm, atol=0, rtol=1e-2)
+    summed, normed = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, residual + x)
+    torch.testing.assert_close(normed, ops.rms_norm(residual + x, weight, 1e-5), atol=0, rtol=0)
+
+    gate_up = (3 * torch.randn(num_tokens, 2 * 1536, generator=gen)).to(dtype)
+    expected_act = torch.nn.functional.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    actual_act = ops.silu_and_mul(gate_up)
+    # exp is a polynomial here, libm's there: a value on a rounding boundary may differ.
+    assert (actual_act != expected_act).float().mean().item() < 1e-3
+    torch.testing.assert_close(actual_act, expected_act, atol=1e-2, rtol=1e-2)
+
+    rope = RopeConfig(theta=10000.0, rope_type="default", params={})
+    cos, sin = RotaryEmbedding(rope, 64, torch.device("cpu")).cos_sin(
+        torch.arange(num_tokens) * 7, dtype
+    )
+    qk = torch.randn(num_tokens, 12, 64, generator=gen).to(dtype)
+    assert torch.equal(ops.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
+    # A strided view (Q and K heads sliced out of the fused QKV output) works too.
+    qkv = torch.randn(num_tokens, 15 * 64, generator=gen).to(dtype)
+    view = qkv[:, : 12 * 64].view(num_tokens, 12, 64)
+    assert torch.equal(ops.rotary(view, cos, sin), apply_rotary(view, cos, sin))
+
+
+def test_fused_ops_reject_float32() -> None:
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        torch.ops.genserve.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-5)
+
+
+def test_model_with_fused_ops_and_kernel_matches_the_torch_path(
+    tiny_model_factory: TinyModelFactory,
+) -> None:
+    """A bf16 tiny Qwen2 (biases, untied head) over a prefill step and a decode step of three
+    sequences: the fused ops + decode kernel against the plain torch ops."""
+    from genserve.model.config import ModelConfig
+    from genserve.model.registry import build_model
+    from genserve.model.weights import SafetensorsWeights
+    from genserve.parallel import ParallelContext
+
+    model_dir = tiny_model_factory("qwen2")
+    config = ModelConfig.from_pretrained(model_dir)
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen) for n in (37, 5, 20)]
+    tables = [(4, 2, 6), (9,), (11, 12)]
+
+    def run(fused: bool) -> torch.Tensor:
+        with torch.inference_mode():
+            model = build_model(config, ParallelContext.single(), torch.bfloat16, cpu)
+            with SafetensorsWeights(model_dir) as weights:
+                model.load_weights(weights)
+            model.pack_weights()
+            if fused:
+                model.use_fused_cpu_ops()
+            backend = TorchPagedAttention(cpu, use_cpu_kernel=fused)
+            shape = backend.kv_cache_shape(16, 16, model.num_local_kv_heads, config.head_dim)
+            caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(config.num_layers)]
+            seqs = [SeqSpec(len(p), 0, t) for p, t in zip(prompts, tables, strict=True)]
+            positions = torch.cat([torch.arange(len(p)) for p in prompts])
+            model(torch.cat(prompts), positions, caches, backend.build(seqs, 0, 16))
+            decodes = [SeqSpec(1, len(p), t) for p, t in zip(prompts, tables, strict=True)]
+            step = backend.build(decodes, len(decodes), 16)
+            last = torch.tensor([int(p[-1]) for p in prompts])
+            hidden = model(last, torch.tensor([len(p) for p in prompts]), caches, step)
+            return model.compute_logits(hidden)
+
+    fused, plain = run(True), run(False)
+    torch.testing.assert_close(fused, plain, atol=1e-1, rtol=5e-2)  # bf16 through 2 layers
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))

@@ -1,4 +1,5 @@
-"""genserve's CPU kernels (``paged_attention_cpu.cpp``), compiled on first use.
+"""genserve's CPU kernels (``paged_attention_cpu.cpp``, ``fused_cpu.cpp``), compiled on
+first use.
 
 The C++ source is built with torch's JIT extension builder (ninja + the system C++
 compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``) and
@@ -16,6 +17,7 @@ says why once in the log, and callers keep their portable torch path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import shutil
@@ -26,7 +28,9 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
+_HEADERS = [Path(__file__).with_name("vec_math.h")]
+_OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary")
 _DISABLE_ENV = "GENSERVE_CPU_KERNELS"
 
 # Reassociating float sums lets the compiler reduce a dot product in a tree of vector adds
@@ -59,6 +63,16 @@ def build_dir() -> Path:
     return base / "kernels"
 
 
+def _content_hash() -> str:
+    """Names the build after its inputs: torch's JIT rebuilds when a source file changes but
+    not when a header does, and an old library must never be loaded for new code."""
+    digest = hashlib.sha256()
+    for path in [*_SOURCES, *_HEADERS]:
+        digest.update(path.read_bytes())
+    digest.update(" ".join([*_OPT_FLAGS, *_LINK_FLAGS]).encode())
+    return digest.hexdigest()[:10]
+
+
 def _put_ninja_on_path() -> None:
     """torch runs ``ninja`` from PATH; a server started as ``.venv/bin/genserve`` without the
     venv activated has the pip-installed one (a dependency) only in the venv."""
@@ -75,7 +89,7 @@ def load() -> bool:
         log.info("cpu_kernels_disabled", reason=f"{_DISABLE_ENV}=0")
         return False
     level = _isa_level()
-    name = f"genserve_cpu_kernels_{level.lower()}"
+    name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
     directory = build_dir() / name
     try:
         from torch.utils import cpp_extension
@@ -84,14 +98,16 @@ def load() -> bool:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=[*_OPT_FLAGS, *_ISA_FLAGS.get(level, [])],
+            extra_include_paths=[str(_SOURCES[0].parent)],
             extra_ldflags=_LINK_FLAGS,
             build_directory=str(directory),
             is_python_module=False,
             verbose=False,
         )
-        torch.ops.genserve.paged_decode_attention  # noqa: B018 - raises if not registered
+        for op in _OPS:
+            getattr(torch.ops.genserve, op)  # raises if the library did not register it
     except Exception as exc:  # any failure: keep the torch path, say why once
         log.warning(
             "cpu_kernels_unavailable",

@@ -25,6 +25,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 inline void to_float(const float* src, float* dst, int64_t n) {
@@ -40,26 +42,6 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 
 inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the row maximum), written so the compiler
-// vectorises the loop that calls it (std::exp stays a scalar libm call): 2^(x log2 e) split
-// into an integer power, set through the exponent bits, and 2^f for |f| <= 1/2 from its
-// Taylor polynomial to degree 7 (relative error < 1e-8, below float32's 6e-8 epsilon).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below this exp underflows float32's normal range: ~0
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t + 0.5f);
-  const float f = (t - n) * 0.693147180559945309f;  // 2^(t - n) = e^f, |f| <= ln2 / 2
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 template <typename T>
@@ -138,7 +120,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < span; ++j) {
-          s[j] = exp_nonpositive(s[j] - peak);
+          s[j] = genserve::exp_approx(s[j] - peak);
           total += s[j];
         }
         const float inv = 1.0f / total;

@@ -94,12 +94,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.shape = (size,)
 
+    # Set by LlamaForCausalLM.use_fused_cpu_ops: genserve's one-pass CPU op (same roundings).
+    fused: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden].  F.rms_norm without weight computes exactly transformers'
         # x * rsqrt(mean(x^2) + eps) (checked bit for bit in float32) with one Python call
         # instead of five: Python dispatch, not arithmetic, is the cost at small batches.
+        if self.fused:
+            out: torch.Tensor = torch.ops.genserve.rms_norm(x, self.weight, self.eps)
+            return out
         normed = F.rms_norm(x.float(), self.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + residual, norm(x + residual))``: the residual add and the norm in one pass
+        when fused."""
+        if self.fused:
+            summed, normed = torch.ops.genserve.add_rms_norm(x, residual, self.weight, self.eps)
+            return summed, normed
+        summed = residual + x
+        return summed, self.forward(summed)
 
     def load(self, weights: WeightSource, name: str) -> None:
         _copy_in(self.weight, weights.get(name), name)

@@ -32,6 +32,8 @@ from genserve.parallel import ParallelContext
 
 
 class LlamaAttention(nn.Module):
+    fused = False  # genserve's CPU rotary op (see LlamaForCausalLM.use_fused_cpu_ops)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -79,7 +81,11 @@ class LlamaAttention(nn.Module):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # [num_tokens, (h + 2 * kvh) * d]
         # Q and K are rotated together: one set of elementwise ops instead of two.
-        qk = apply_rotary(qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d), cos, sin)
+        qk_in = qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d)
+        if self.fused:
+            qk = torch.ops.genserve.rotary(qk_in, cos, sin)
+        else:
+            qk = apply_rotary(qk_in, cos, sin)
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, h, d], [num_tokens, kvh, d]
         v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)
         meta.write_kv(kv_cache, k, v)
@@ -92,6 +98,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    fused = False  # genserve's CPU silu_and_mul op
+
     def __init__(
         self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -107,6 +115,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)  # [num_tokens, 2 * local_intermediate]
+        if self.fused:
+            return self.down_proj.forward(torch.ops.genserve.silu_and_mul(gate_up))
         gate, up = gate_up[:, : self.local_size], gate_up[:, self.local_size :]
         return self.down_proj.forward(F.silu(gate) * up)
 
@@ -140,8 +150,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta)
-        x = x + h
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        x, normed = self.post_attention_layernorm.add_forward(h, x)
+        return x + self.mlp.forward(normed)
 
     def load(self, weights: WeightSource, prefix: str) -> None:
         self.self_attn.load(weights, f"{prefix}.self_attn")
@@ -213,6 +223,17 @@ class LlamaForCausalLM(nn.Module):
                 linear.pack()
         # A tied head shares the embedding's matrix, which the embedding lookup still needs.
         self.lm_head.pack(release=not self.config.tie_word_embeddings)
+
+    def use_fused_cpu_ops(self) -> None:
+        """Route norms, rotary and the MLP activation through genserve's one-pass CPU ops
+        (``genserve.kernels``; half precision on CPU only, where they round exactly as the
+        torch ops do).  Call once the kernels are loaded."""
+        for layer in self._layers:
+            layer.input_layernorm.fused = True
+            layer.post_attention_layernorm.fused = True
+            layer.self_attn.fused = True
+            layer.mlp.fused = True
+        self.norm.fused = True
 
     @torch.no_grad()
     def load_weights(self, weights: WeightSource) -> None:

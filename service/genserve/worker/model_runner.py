@@ -104,6 +104,11 @@ class ModelRunner:
             with SafetensorsWeights(model.local_dir) as weights:
                 self.model.load_weights(weights)
             self.model.pack_weights()
+        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            from genserve.kernels import cpu as cpu_kernels
+
+            if cpu_kernels.load():
+                self.model.use_fused_cpu_ops()
         self.model.eval()
         self.sampler = Sampler(device)
         self._requests: dict[str, _RequestState] = {}
