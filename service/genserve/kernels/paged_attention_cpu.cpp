@@ -50,6 +50,22 @@ inline void from_float(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// Walks positions [first, context) of one KV head through the block table, one run of rows
+// per block: converts the run to float32 into ``rows`` and calls visit(run_start - first, n).
+template <typename scalar_t, typename Visit>
+inline void for_each_run(const scalar_t* head, const int64_t* blocks, int64_t first,
+                         int64_t context, int64_t block_size, int64_t head_dim, float* rows,
+                         Visit&& visit) {
+  for (int64_t pos = first; pos < context;) {
+    const int64_t block = blocks[pos / block_size];
+    const int64_t offset = pos % block_size;
+    const int64_t n = std::min(block_size - offset, context - pos);
+    to_float(head + (block * block_size + offset) * head_dim, rows, n * head_dim);
+    visit(pos - first, n);
+    pos += n;
+  }
+}
+
 // kHeadDim > 0 fixes the head size at compile time (the common 64 and 128), which lets the
 // compiler keep a row's dot products in registers; 0 reads it from the tensors.
 template <typename scalar_t, int64_t kHeadDim>
@@ -94,14 +110,15 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
       for (auto& x : qf) x *= fscale;
 
       scores.assign(group * span, 0.0f);
-      for (int64_t pos = first; pos < context;) {
-        const int64_t block = blocks[pos / block_size];
-        const int64_t offset = pos % block_size;
-        const int64_t n = std::min(block_size - offset, context - pos);
-        to_float(k_head + block * block_elems + offset * head_dim, rows.data(), n * head_dim);
+      const auto runs = [&](const scalar_t* head, auto&& visit) {
+        for_each_run(head, blocks, first, context, block_size, head_dim, rows.data(), visit);
+      };
+      runs(k_head, [&](int64_t start, int64_t n) {
+        // Restated inside the lambda: a captured variable is not a compile-time constant.
+        const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
         for (int64_t g = 0; g < group; ++g) {
           const float* q_row = qf.data() + g * head_dim;
-          float* s = scores.data() + g * span + (pos - first);
+          float* s = scores.data() + g * span + start;
           for (int64_t r = 0; r < n; ++r) {
             const float* k_row = rows.data() + r * head_dim;
             float dot = 0.0f;
@@ -110,8 +127,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
             s[r] = dot;
           }
         }
-        pos += n;
-      }
+      });
 
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * span;
@@ -128,22 +144,18 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
       }
 
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t pos = first; pos < context;) {
-        const int64_t block = blocks[pos / block_size];
-        const int64_t offset = pos % block_size;
-        const int64_t n = std::min(block_size - offset, context - pos);
-        to_float(v_head + block * block_elems + offset * head_dim, rows.data(), n * head_dim);
+      runs(v_head, [&](int64_t start, int64_t n) {
+        const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
         for (int64_t r = 0; r < n; ++r) {
           const float* v_row = rows.data() + r * head_dim;
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * span + (pos - first) + r];
+            const float p = scores[g * span + start + r];
             float* a = acc.data() + g * head_dim;
 #pragma omp simd
             for (int64_t i = 0; i < head_dim; ++i) a[i] += p * v_row[i];
           }
         }
-        pos += n;
-      }
+      });
       from_float(acc.data(), out_ptr + (seq * num_heads + kv_head * group) * head_dim,
                  group * head_dim);
     }
