@@ -74,3 +74,16 @@ def test_launch_command_adds_only_missing_flags() -> None:
         "0",
     ]
     assert command.count("--port") == 1
+
+
+def test_levels_above_the_servers_request_limit_are_refused_up_front() -> None:
+    from genserve.bench.suite import _prompt_set
+
+    config = parse_args(["--concurrency", "2,kv4x", "--num-prompts", "4"])
+    info = {"num_kv_blocks": 64, "block_size": 16, "max_concurrent_requests": 16}
+    # kv4x: 64 blocks / 11 blocks per (40 + 128)-token request = 5 requests, x4 = 20 > 16.
+    with pytest.raises(RuntimeError, match="--max-concurrent-requests"):
+        _prompt_set(config, lambda text: len(text.split()), info)
+    info["max_concurrent_requests"] = 128
+    _, levels = _prompt_set(config, lambda text: len(text.split()), info)
+    assert levels == [2, 20]

@@ -261,6 +261,14 @@ def _prompt_set(
         resolve_concurrency(token, info, mean_tokens, config.max_new_tokens)
         for token in config.concurrency
     ]
+    limit = int(info.get("max_concurrent_requests", 0))
+    if limit and max(concurrencies) > limit:
+        # Every stream past the limit would be refused at once (RESOURCE_EXHAUSTED): that
+        # measures the admission limit, not the scheduler.
+        raise RuntimeError(
+            f"{max(concurrencies)} streams exceed the server's --max-concurrent-requests "
+            f"({limit}); raise it, or shrink the KV cache (--max-batch-total-tokens) for kvNx"
+        )
     needed = [requests_per_level(config.num_prompts, c) for c in concurrencies]
     if config.hf_baseline:
         needed += [_hf_num_prompts(b, config.hf_min_prompts) for b in config.hf_batch_sizes]
