@@ -145,14 +145,27 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 
       std::fill(acc.begin(), acc.end(), 0.0f);
       runs(v_head, [&](int64_t start, int64_t n) {
-        const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
-        for (int64_t r = 0; r < n; ++r) {
-          const float* v_row = rows.data() + r * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * span + start + r];
-            float* a = acc.data() + g * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* p = scores.data() + g * span + start;
+          if constexpr (kHeadDim > 0) {
+            // A fixed-size local accumulator lives in registers across the block's rows
+            // (through acc it would be loaded and stored back for every row).
+            float a[kHeadDim];
+            std::copy_n(acc.data() + g * kHeadDim, kHeadDim, a);
+            for (int64_t r = 0; r < n; ++r) {
+              const float* v_row = rows.data() + r * kHeadDim;
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) a[i] += p * v_row[i];
+              for (int64_t i = 0; i < kHeadDim; ++i) a[i] += p[r] * v_row[i];
+            }
+            std::copy_n(a, kHeadDim, acc.data() + g * kHeadDim);
+          } else {
+            const int64_t head_dim = q.size(2);
+            float* a = acc.data() + g * head_dim;
+            for (int64_t r = 0; r < n; ++r) {
+              const float* v_row = rows.data() + r * head_dim;
+#pragma omp simd
+              for (int64_t i = 0; i < head_dim; ++i) a[i] += p[r] * v_row[i];
+            }
           }
         }
       });
