@@ -61,6 +61,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     is called (from another thread) if one of them dies, now or later."""
     import torch
 
+    from genserve.kernels import cpu as cpu_kernels
     from genserve.model.loader import resolve_model
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
@@ -73,6 +74,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
+    cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
     dtype_name = config.dtype or ("bfloat16" if on_cuda else "float32")

@@ -48,6 +48,7 @@ class Config:
     disable_chunked_prefill: bool = False
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
+    disable_cpu_kernels: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
     cpu_memory_fraction: float = 0.3
@@ -194,6 +195,11 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("disable_chunked_prefill", "Prefill whole prompts in one step (TGI's policy).", _SWITCH),
     _flag("schedule_policy", "Order of the waiting queue.", choices=("fcfs", "lpm")),
     _flag("disable_prefix_caching", "Do not reuse KV blocks across requests.", _SWITCH),
+    _flag(
+        "disable_cpu_kernels",
+        "On CPU in half precision: use torch ops instead of genserve's C++ kernels.",
+        _SWITCH,
+    ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),
     _flag("cuda_memory_fraction", "Share of GPU memory genserve may use.", _fraction),
     _flag(
@@ -216,7 +222,7 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag(
         "genserve_cache",
-        "Where converted models (GGUF → safetensors) are cached.",
+        "Where converted models (GGUF → safetensors) and compiled CPU kernels are cached.",
         Path,
     ),
     _flag("num_shard", "Tensor-parallel shards.", _positive_int),

@@ -23,6 +23,9 @@ def test_env_vars_and_flags_take_tgi_names_and_flags_win() -> None:
     assert load_config(["--max-input-length", "7"], environ={}).max_input_tokens == 7
     assert load_config([], environ={"HUGGINGFACE_HUB_CACHE": "/c"}).huggingface_hub_cache
     assert load_config(["-p", "1234"], environ={}).port == 1234
+    assert load_config(["--disable-cpu-kernels"], environ={}).disable_cpu_kernels
+    assert load_config([], environ={"DISABLE_CPU_KERNELS": "true"}).disable_cpu_kernels
+    assert not load_config([], environ={}).disable_cpu_kernels
 
 
 def test_hostname_env_only_when_it_is_an_address() -> None:

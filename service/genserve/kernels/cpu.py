@@ -5,22 +5,27 @@ The C++ source is built with torch's JIT extension builder (ninja + the system C
 compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``) and
 loaded as ``torch.ops.genserve.*``; later processes load the cached library in
 milliseconds.  ``scripts/bootstrap.sh`` builds it once (``python -m genserve.kernels.cpu``)
-so that neither a server start nor a test pays the ~30 s compile.
+so that neither a server start nor a test pays the ~20 s compile.  The launcher points the
+cache at ``--genserve-cache`` and turns the kernels off with ``--disable-cpu-kernels``
+through :func:`configure` (before the model is built).
 
 The build is tuned to the instruction set torch itself detected on this CPU (AVX-512,
 AVX2, or the baseline), and that level is part of the library's name, so a cache directory
 shared between machines never loads code the CPU cannot run.  When anything fails (no
-compiler, a read-only cache, ``GENSERVE_CPU_KERNELS=0``), :func:`load` returns False,
+compiler, a read-only cache, ``--disable-cpu-kernels``), :func:`load` returns False,
 says why once in the log, and callers keep their portable torch path.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import os
 import platform
 import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -31,7 +36,15 @@ log = structlog.get_logger(__name__)
 _SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
 _HEADERS = [Path(__file__).with_name("vec_math.h")]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary")
-_DISABLE_ENV = "GENSERVE_CPU_KERNELS"
+
+
+@dataclass(slots=True)
+class _Settings:
+    cache_dir: Path = Path.home() / ".cache" / "genserve" / "kernels"
+    enabled: bool = True
+
+
+_settings = _Settings()
 
 # Reassociating float sums lets the compiler reduce a dot product in a tree of vector adds
 # instead of a chain of scalar ones (the order of a float sum is not part of the result's
@@ -53,23 +66,31 @@ _ISA_FLAGS = {
 def _isa_level() -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return "default"
-    capability = str(torch.backends.cpu.get_cpu_capability())
+    capability = str(torch.backends.cpu.get_cpu_capability()).upper()
+    if "AVX512" in capability or "AMX" in capability:  # AMX parts report a richer level
+        return "AVX512"
     return capability if capability in _ISA_FLAGS else "default"
 
 
-def build_dir() -> Path:
-    root = os.environ.get("GENSERVE_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "genserve"
-    return base / "kernels"
+def configure(cache_dir: Path | None = None, enabled: bool = True) -> None:
+    """Where builds are cached (None: leave it) and whether to use the kernels at all; call
+    before :func:`load` (the launcher does, from its config)."""
+    if cache_dir is not None:
+        _settings.cache_dir = cache_dir
+    _settings.enabled = enabled
+    load.cache_clear()
 
 
 def _content_hash() -> str:
-    """Names the build after its inputs: torch's JIT rebuilds when a source file changes but
-    not when a header does, and an old library must never be loaded for new code."""
+    """Names the build after its inputs (sources, headers, flags, torch version): torch's JIT
+    rebuilds when a source file changes but not when a header does or torch is upgraded, and
+    an old library must never be loaded for new code."""
     digest = hashlib.sha256()
     for path in [*_SOURCES, *_HEADERS]:
         digest.update(path.read_bytes())
     digest.update(" ".join([*_OPT_FLAGS, *_LINK_FLAGS]).encode())
+    # A library built against another torch would load against a different ABI.
+    digest.update(torch.__version__.encode())
     return digest.hexdigest()[:10]
 
 
@@ -85,12 +106,12 @@ def _put_ninja_on_path() -> None:
 @functools.cache
 def load() -> bool:
     """Build (if needed) and load the CPU kernels; True when ``torch.ops.genserve`` has them."""
-    if os.environ.get(_DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        log.info("cpu_kernels_disabled", reason=f"{_DISABLE_ENV}=0")
+    if not _settings.enabled:
+        log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
         return False
     level = _isa_level()
     name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
-    directory = build_dir() / name
+    directory = _settings.cache_dir / name
     try:
         from torch.utils import cpp_extension
 
@@ -119,8 +140,11 @@ def load() -> bool:
     return True
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Build the kernels now (bootstrap); exit status 0 either way, the server falls back."""
+    parser = argparse.ArgumentParser(description="Build genserve's CPU kernels into the cache.")
+    parser.add_argument("--cache-dir", type=Path, default=_settings.cache_dir)
+    configure(parser.parse_args(argv).cache_dir)
     ok = load()
     print(f"genserve CPU kernels: {'ready' if ok else 'unavailable (torch fallback)'}")
     return 0

@@ -93,7 +93,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--hf", action="store_true", help="also run transformers generate()")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--disable-cpu-kernels", action="store_true", help="torch ops only (A/B the kernels)"
+    )
     args = parser.parse_args(argv)
+    if args.disable_cpu_kernels:
+        from genserve.kernels import cpu as cpu_kernels
+
+        cpu_kernels.configure(enabled=False)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

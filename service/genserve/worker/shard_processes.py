@@ -44,6 +44,8 @@ class WorkerSpec:
     num_threads: int | None  # None: torch's default
     json_output: bool
     trust_remote_code: bool = False
+    kernel_cache_dir: str | None = None  # genserve.kernels.cpu's build cache (None: default)
+    cpu_kernels: bool = True
 
     def argv(self, rank: int, parent_fd: int) -> list[str]:
         args = [
@@ -67,6 +69,10 @@ class WorkerSpec:
             args.append("--json-output")
         if self.trust_remote_code:
             args.append("--trust-remote-code")
+        if self.kernel_cache_dir is not None:
+            args.append(f"--kernel-cache-dir={self.kernel_cache_dir}")
+        if not self.cpu_kernels:
+            args.append("--disable-cpu-kernels")
         return args
 
 

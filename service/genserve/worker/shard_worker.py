@@ -38,6 +38,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json-output", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--kernel-cache-dir", default=None)
+    p.add_argument("--disable-cpu-kernels", action="store_true")
     return p.parse_args(argv)
 
 
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> None:
     import structlog
     import torch
 
+    from genserve.kernels import cpu as cpu_kernels
     from genserve.logging import configure_logging
     from genserve.model.loader import ResolvedModel
     from genserve.worker.model_runner import ModelRunner
@@ -97,6 +100,8 @@ def run(args: argparse.Namespace) -> None:
     log = structlog.get_logger("genserve.shard")
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
+    if args.kernel_cache_dir is not None:
+        cpu_kernels.configure(Path(args.kernel_cache_dir), enabled=not args.disable_cpu_kernels)
     device = rank_device(args.rank, torch.cuda.is_available())
     group = init_shard_group(args.rank, args.world_size, args.master_addr, args.master_port, device)
     runner = ModelRunner(

@@ -200,6 +200,8 @@ def launch_sharded_runner(
         num_threads=num_threads,
         json_output=config.json_output,
         trust_remote_code=config.trust_remote_code,
+        kernel_cache_dir=str(config.genserve_cache / "kernels"),
+        cpu_kernels=not config.disable_cpu_kernels,
     )
     processes = ShardProcesses(spec, on_failure)
     try:
