@@ -75,6 +75,8 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         trust_remote_code=config.trust_remote_code,
     )
     cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
+    if config.disable_cpu_kernels:
+        log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
     dtype_name = config.dtype or ("bfloat16" if on_cuda else "float32")

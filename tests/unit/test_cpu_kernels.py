@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +223,19 @@ def test_model_with_fused_ops_and_kernel_matches_the_torch_path(
     fused, plain = run(True), run(False)
     torch.testing.assert_close(fused, plain, atol=1e-1, rtol=5e-2)  # bf16 through 2 layers
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+def test_reconfiguring_after_load_keeps_the_one_library(tmp_path: Path) -> None:
+    """An in-process server with its own --genserve-cache must not load a second library
+    (registering the genserve op namespace twice aborts the process); disabling still works."""
+    saved = (cpu_kernels._settings.cache_dir, cpu_kernels._settings.enabled)
+    try:
+        cpu_kernels.configure(tmp_path / "kernels")
+        assert cpu_kernels.load()
+        assert not (tmp_path / "kernels").exists()  # nothing was built there
+        cpu_kernels.configure(enabled=False)
+        assert not cpu_kernels.load()
+        assert select_backend(torch.device("cpu"), BLOCK_SIZE, torch.bfloat16).name == "torch-sdpa"
+    finally:
+        cpu_kernels.configure(*saved)
+    assert cpu_kernels.load()

@@ -19,7 +19,6 @@ says why once in the log, and callers keep their portable torch path.
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import os
 import platform
@@ -42,6 +41,10 @@ _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "r
 class _Settings:
     cache_dir: Path = Path.home() / ".cache" / "genserve" / "kernels"
     enabled: bool = True
+    # The outcome of the one build-and-load attempt of this process (None: not tried yet).
+    # A library registers the ``genserve`` op namespace, which a process can do only once:
+    # a second library (another cache directory) would abort the process.
+    loaded: bool | None = None
 
 
 _settings = _Settings()
@@ -74,11 +77,11 @@ def _isa_level() -> str:
 
 def configure(cache_dir: Path | None = None, enabled: bool = True) -> None:
     """Where builds are cached (None: leave it) and whether to use the kernels at all; call
-    before :func:`load` (the launcher does, from its config)."""
+    before :func:`load` (the launcher does, from its config).  Once a process has loaded the
+    library, a new cache directory has no effect; disabling still does."""
     if cache_dir is not None:
         _settings.cache_dir = cache_dir
     _settings.enabled = enabled
-    load.cache_clear()
 
 
 def _content_hash() -> str:
@@ -103,12 +106,17 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-@functools.cache
 def load() -> bool:
-    """Build (if needed) and load the CPU kernels; True when ``torch.ops.genserve`` has them."""
+    """True when the CPU kernels are enabled and ``torch.ops.genserve`` has them: builds (if
+    needed) and loads the library on the first call, answers from that outcome afterwards."""
     if not _settings.enabled:
-        log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
         return False
+    if _settings.loaded is None:
+        _settings.loaded = _build_and_load()
+    return _settings.loaded
+
+
+def _build_and_load() -> bool:
     level = _isa_level()
     name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
     directory = _settings.cache_dir / name
