@@ -141,7 +141,7 @@ def _build_and_load() -> bool:
         log.warning(
             "cpu_kernels_unavailable",
             error=f"{type(exc).__name__}: {str(exc).strip()[:500]}",
-            fallback="torch attention",
+            fallback="torch ops",
         )
         return False
     log.info("cpu_kernels_loaded", isa=level, directory=str(directory))
