@@ -148,6 +148,7 @@ class TorchAttentionMetadata:
     decode_blocks: torch.Tensor  # [num_decodes * max_blocks] int64 (flattened block table)
     decode_max_blocks: int
     decode_positions: torch.Tensor  # [num_decodes] int64, position of each decode token
+    decode_context_lens: torch.Tensor  # [num_decodes] int64, decode_positions + 1
     prefills: list[_Prefill]
     device: torch.device
     use_cpu_kernel: bool = False  # decodes through torch.ops.genserve.paged_decode_attention
@@ -188,7 +189,7 @@ class TorchAttentionMetadata:
                 q[:d],
                 kv_cache,
                 self.decode_blocks.view(d, self.decode_max_blocks),
-                self.decode_positions + 1,  # context lengths
+                self.decode_context_lens,
                 scale,
                 -1 if window is None else window,
             )
@@ -287,6 +288,8 @@ class TorchPagedAttention:
             decode_blocks=torch.from_numpy(table.reshape(-1)).to(dev),
             decode_max_blocks=max_blocks,
             decode_positions=torch.from_numpy(decode_positions).to(dev),
+            # Once per step, not once per layer.
+            decode_context_lens=torch.from_numpy(decode_positions + 1).to(dev),
             prefills=prefills,
             device=dev,
             use_cpu_kernel=self.use_cpu_kernel,
