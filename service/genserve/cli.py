@@ -164,6 +164,8 @@ def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
             enable_prefix_caching=not config.disable_prefix_caching,
             waiting_served_ratio=config.waiting_served_ratio,
             max_waiting_tokens=config.max_waiting_tokens,
+            num_speculative_tokens=config.speculate,
+            speculate_max_batch_size=config.speculate_max_batch_size,
         )
     )
 

@@ -48,6 +48,8 @@ class Config:
     disable_chunked_prefill: bool = False
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
+    speculate: int = 0
+    speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
@@ -82,6 +84,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
     return value
 
 
@@ -195,6 +204,17 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("disable_chunked_prefill", "Prefill whole prompts in one step (TGI's policy).", _SWITCH),
     _flag("schedule_policy", "Order of the waiting queue.", choices=("fcfs", "lpm")),
     _flag("disable_prefix_caching", "Do not reuse KV blocks across requests.", _SWITCH),
+    _flag(
+        "speculate",
+        "N-gram draft tokens verified per decode step (TGI's n-gram speculation; 0: off). "
+        "Greedy output is unchanged; the speedup depends on how much outputs repeat.",
+        _non_negative_int,
+    ),
+    _flag(
+        "speculate_max_batch_size",
+        "Draft only while at most this many requests run (larger batches are compute-bound).",
+        _non_negative_int,
+    ),
     _flag(
         "disable_cpu_kernels",
         "On CPU in half precision: use torch ops instead of genserve's C++ kernels.",

@@ -129,6 +129,10 @@ class _StatsLike(Protocol):
     def prefix_cache_queries(self) -> int: ...
     @property
     def prefix_cache_hits(self) -> int: ...
+    @property
+    def spec_draft_tokens(self) -> int: ...
+    @property
+    def spec_accepted_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +217,16 @@ class SchedulerCollector:
             "genserve_preemptions",
             "Requests preempted (KV blocks taken back, recomputed later) since start",
             stats.num_preemptions,
+        )
+        yield _counter(
+            "genserve_speculative_draft_tokens",
+            "N-gram draft tokens verified (--speculate) since start",
+            stats.spec_draft_tokens,
+        )
+        yield _counter(
+            "genserve_speculative_accepted_tokens",
+            "Draft tokens accepted: tokens generated beyond one per decode step",
+            stats.spec_accepted_tokens,
         )
 
     def describe(self) -> Iterator[Metric]:

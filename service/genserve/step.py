@@ -59,6 +59,13 @@ class ScheduledChunk:
     taken from the prefix cache).  ``block_ids`` is the request's whole block table, long enough
     for every position computed this step.  When ``sample`` is true the chunk reaches the end of
     the known sequence and the runner samples one new token for it.
+
+    Speculative decoding: the last ``num_draft_tokens`` entries of ``token_ids`` are proposed
+    continuations of the sequence, not accepted tokens (the chunk then starts with the last
+    known token and has ``sample`` set).  The runner samples after every position and keeps a
+    draft only while it equals what was sampled before it, so it returns 1 to
+    ``num_draft_tokens + 1`` tokens for the chunk: exactly those one-token steps would have
+    produced.
     """
 
     req_id: str
@@ -66,6 +73,13 @@ class ScheduledChunk:
     start_pos: int
     block_ids: tuple[int, ...]
     sample: bool
+    num_draft_tokens: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        """Every token sits at the end of the known sequence (one decode token, or the last
+        token and its drafts): each is attended as a decode row of its own."""
+        return len(self.token_ids) == 1 or self.num_draft_tokens > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +132,10 @@ class PromptLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
+    """``sampled`` holds one token per sampling chunk, in chunk order; a chunk with drafts
+    has one entry per accepted draft plus the token sampled after them, consecutive and in
+    sequence order."""
+
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()

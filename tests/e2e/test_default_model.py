@@ -1,11 +1,14 @@
 """The embedded default model (SmolLM2-135M-Instruct, GGUF) served by a real `genserve`
 process: greedy tokens and logprobs match Hugging Face generate() on the same float32 weights,
-and streaming works."""
+and streaming works; with n-gram speculation too (``--speculate``), where this model's
+repetitive continuations make most drafts land, so several tokens come from one step."""
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -15,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from genserve.model.loader import default_gguf_path, resolve_model
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
-from tests.utils.live_server import LiveServer, start_server
+from tests.utils.live_server import LiveServer, free_port, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -24,20 +27,43 @@ PROMPTS = [
     "def fibonacci(n):",
     "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "a b c d a b c d a b c d a b",
 ]
 MAX_NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def default_server() -> Iterator[LiveServer]:
+@dataclass(frozen=True)
+class Served:
+    server: LiveServer
+    metrics_port: int
+    speculate: bool
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+
+@pytest.fixture(scope="module", params=["plain", "speculate"])
+def default_server(request: pytest.FixtureRequest) -> Iterator[Served]:
+    speculate = request.param == "speculate"
+    port = free_port()
     with start_server(
-        str(default_gguf_path()), "--dtype", "float32", "--prometheus-port", "0",
-        "--max-batch-total-tokens", "16384",
+        str(default_gguf_path()), "--dtype", "float32", "--prometheus-port", str(port),
+        "--max-batch-total-tokens", "16384", *(("--speculate", "4") if speculate else ()),
     ) as server:  # fmt: skip
-        yield server
+        yield Served(server, port, speculate)
 
 
-def test_default_model_matches_transformers(default_server: LiveServer) -> None:
+def _counter(served: Served, name: str) -> float:
+    url = f"http://127.0.0.1:{served.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_default_model_matches_transformers(default_server: Served) -> None:
     with grpc.insecure_channel(default_server.address) as channel:
         stub = pb_grpc.TextGenerationServiceStub(channel)
         info = stub.Info(pb.InfoRequest())
@@ -74,9 +100,16 @@ def test_default_model_matches_transformers(default_server: LiveServer) -> None:
             ]
             assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
             assert result.generated_text == tok.decode(expected, skip_special_tokens=True)
+    drafted = _counter(default_server, "genserve_speculative_draft_tokens_total")
+    accepted = _counter(default_server, "genserve_speculative_accepted_tokens_total")
+    if default_server.speculate:
+        # The "a b c d" prompt alone continues its own pattern for all of its tokens.
+        assert accepted > 10 and drafted >= accepted, (drafted, accepted)
+    else:
+        assert drafted == accepted == 0
 
 
-def test_default_model_streams(default_server: LiveServer) -> None:
+def test_default_model_streams(default_server: Served) -> None:
     with grpc.insecure_channel(default_server.address) as channel:
         stub = pb_grpc.TextGenerationServiceStub(channel)
         request = pb.GenerateStreamRequest(

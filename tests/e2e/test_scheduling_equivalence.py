@@ -4,10 +4,12 @@ The same greedy requests, sent concurrently over real gRPC to real in-process se
 produce the same token ids, text and (within float noise) logprobs whether the prompt's KV
 came from the prefix cache or was computed, whether prompts were prefilled whole (TGI's
 policy), in one chunk or in many 16-token chunks, and whether requests were preempted and
-recomputed because the KV cache holds little more than one request.  Each of these paths
-writes and reads KV blocks differently (block tables, start positions, cache hits, freed and
-recomputed blocks), so a mistake in any of them shows up as a divergent greedy continuation
-of a random-weight model long before it would be noticed on a real one.
+recomputed because the KV cache holds little more than one request, and whether tokens came
+one per step or several per step from verified n-gram drafts (``--speculate``; the random
+model rarely repeats itself, so most drafts are rejected and their KV must never be read).
+Each of these paths writes and reads KV blocks differently (block tables, start positions,
+cache hits, freed and recomputed blocks), so a mistake in any of them shows up as a divergent
+greedy continuation of a random-weight model long before it would be noticed on a real one.
 
 Each server configuration is also checked for actually taking the path it is meant to test
 (cache hits or none, split prompts or whole ones, preemptions or none), and for returning
@@ -92,6 +94,7 @@ class Run:
     outcomes: list[Outcome]  # in PROMPTS order
     preemptions: int
     chunks: list[tuple[int, bool]]  # every scheduled chunk: (num tokens, sampled)
+    num_draft_tokens: int
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Variant:
     cache_hits_expected: bool | None  # None: may or may not hit (evictions under pressure)
     preemptions_expected: bool
     prompts_split: bool | None  # None: not checked
+    drafts_expected: bool = False
 
 
 VARIANTS = [
@@ -147,6 +151,22 @@ VARIANTS = [
         preemptions_expected=True,
         prompts_split=None,
     ),
+    Variant(
+        "speculate",
+        (*PARITY_SERVER_ARGS, "--speculate", "4", "--speculate-max-batch-size", "64"),
+        cache_hits_expected=True,
+        preemptions_expected=False,
+        prompts_split=None,
+        drafts_expected=True,
+    ),
+    Variant(
+        "speculate-preemption",
+        (*TINY_KV_ARGS, "--speculate", "3", "--speculate-max-batch-size", "64"),
+        cache_hits_expected=None,
+        preemptions_expected=True,
+        prompts_split=None,
+        drafts_expected=True,
+    ),
 ]
 
 
@@ -167,9 +187,11 @@ def _send_all(server: InProcessServer) -> Run:
     """The primer alone, then the rest of PROMPTS concurrently; returns the outcomes and what
     the scheduler did meanwhile.  Checks that the server is idle and leaks no KV block."""
     chunks: list[tuple[int, bool]] = []
+    drafts: list[int] = []
 
     def record(observation: StepObservation) -> None:  # runs on the engine's loop thread
         chunks.extend((len(c.token_ids), c.sample) for c in observation.step.chunks)
+        drafts.extend(c.num_draft_tokens for c in observation.step.chunks)
 
     # Registered and read on the engine's loop, which also runs the observers: no locking.
     server.call(lambda: server.engine.step_observers.append(record))
@@ -200,7 +222,7 @@ def _send_all(server: InProcessServer) -> Run:
     assert server.num_free_blocks() == server.num_total_blocks(), (
         f"{server.num_total_blocks() - server.num_free_blocks()} KV blocks leaked"
     )
-    return Run([primer, *batch], preemptions_after - preemptions_before, seen)
+    return Run([primer, *batch], preemptions_after - preemptions_before, seen, sum(drafts))
 
 
 def _first_difference(expected: list[int], got: list[int]) -> int:
@@ -264,6 +286,7 @@ def test_greedy_outputs_match_reference(tiny_llama: Path, reference: Run, varian
         assert run.preemptions > 0, "the tiny KV cache caused no preemption"
     else:
         assert run.preemptions == 0
+    assert (run.num_draft_tokens > 0) == variant.drafts_expected, run.num_draft_tokens
     partial = [n for n, sampled in run.chunks if not sampled]  # prompt chunks not at the end
     if variant.prompts_split:
         assert partial and max(n for n, _ in run.chunks) == SMALL_CHUNK, run.chunks

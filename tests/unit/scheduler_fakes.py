@@ -6,6 +6,12 @@ position (a rolling hash).  When it samples, it reads the entire sequence back t
 block table and checks it against its own record of the request; so a wrong block table, a
 bad prefix-cache hit, a shared block overwritten by another request or a lost position fails
 loudly.  The sampled token is a deterministic function of the sequence, as greedy decoding is.
+
+Speculative chunks are verified as a model would: the draft positions are written (with the
+values of the drafted sequence, which stay behind as garbage when a draft is rejected), the
+token after every position is "sampled", and drafts are accepted while they match.  With
+``repetitive=True`` the next token depends only on the last two tokens, so sequences fall
+into cycles and n-gram drafts are often, but not always, accepted.
 """
 
 from __future__ import annotations
@@ -37,11 +43,24 @@ def next_token(rolled: int) -> int:
     return rolled % VOCAB_SIZE
 
 
+def repetitive_next_token(seq: list[int]) -> int:
+    """A "model" whose output depends on the last two tokens only: it loops."""
+    prev = seq[-2] if len(seq) > 1 else 0
+    return (prev * 3 + seq[-1] * 5 + 1) % 7 + 1
+
+
+def sample_next(rolled_last: int, seq: list[int], repetitive: bool) -> int:
+    return repetitive_next_token(seq) if repetitive else next_token(rolled_last)
+
+
 class PagedFakeRunner:
     """Implements the Runner protocol; raises AssertionError on any contract violation."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, repetitive: bool = False) -> None:
         self.block_size = block_size
+        self.repetitive = repetitive
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.seqs: dict[str, list[int]] = {}  # the runner's record of each request's tokens
         self.rolled: dict[str, list[int]] = {}  # rolling KV values of the known tokens
@@ -75,24 +94,38 @@ class PagedFakeRunner:
         bs = self.block_size
         seen: set[str] = set()
         # Write every chunk's KV first, then read: as a forward pass does, layer by layer.
+        drafted: dict[str, list[int]] = {}  # "KV" of each chunk's draft positions
         for chunk in step.chunks:
             assert chunk.req_id not in seen, f"{chunk.req_id} twice in one step"
             seen.add(chunk.req_id)
             seq = self.seqs[chunk.req_id]
-            end = chunk.start_pos + len(chunk.token_ids)
-            assert list(chunk.token_ids) == seq[chunk.start_pos : end]
+            num_drafts = chunk.num_draft_tokens
+            end = chunk.start_pos + len(chunk.token_ids) - num_drafts  # known tokens only
+            assert (
+                list(chunk.token_ids[: len(chunk.token_ids) - num_drafts])
+                == seq[chunk.start_pos : end]
+            )
             assert chunk.sample == (end == len(seq))
-            assert len(chunk.block_ids) * bs >= end, "block table too short"
+            assert not num_drafts or (chunk.sample and end == chunk.start_pos + 1)
+            assert len(chunk.block_ids) * bs >= end + num_drafts, "block table too short"
             rolled = self._rolled_upto(chunk.req_id, end)
             for pos in range(chunk.start_pos, end):
                 self.slots[chunk.block_ids[pos // bs]][pos % bs] = rolled[pos]
+            draft_kv = drafted[chunk.req_id] = []
+            for j, token_id in enumerate(chunk.token_ids[len(chunk.token_ids) - num_drafts :]):
+                pos = end + j
+                draft_kv.append(roll(draft_kv[-1] if draft_kv else rolled[end - 1], token_id))
+                self.slots[chunk.block_ids[pos // bs]][pos % bs] = draft_kv[-1]
         sampled: list[SampledToken] = []
         prompt_logprobs: list[PromptLogprobs] = []
         for chunk in step.chunks:
-            end = chunk.start_pos + len(chunk.token_ids)
+            num_drafts = chunk.num_draft_tokens
+            end = chunk.start_pos + len(chunk.token_ids) - num_drafts
             rolled = self._rolled_upto(chunk.req_id, end)
-            kv = [self.slots[chunk.block_ids[p // bs]][p % bs] for p in range(end)]
-            assert kv == rolled[:end], f"{chunk.req_id}: KV read back wrong at step {step.step_id}"
+            kv = [self.slots[chunk.block_ids[p // bs]][p % bs] for p in range(end + num_drafts)]
+            assert kv == rolled[:end] + drafted[chunk.req_id], (
+                f"{chunk.req_id}: KV read back wrong at step {step.step_id}"
+            )
             num_prompt = self.num_prompt[chunk.req_id]
             if self.want_prompt_logprobs[chunk.req_id]:
                 first, last = max(chunk.start_pos, 1), min(end, num_prompt)
@@ -101,9 +134,19 @@ class PagedFakeRunner:
                     entries = tuple(TokenLogprob(seq[p], -float(p)) for p in range(first, last))
                     prompt_logprobs.append(PromptLogprobs(chunk.req_id, first, entries))
             if chunk.sample:
-                token_id = next_token(rolled[end - 1])
-                self.seqs[chunk.req_id].append(token_id)
-                sampled.append(SampledToken(chunk.req_id, token_id, -1.0))
+                seq = self.seqs[chunk.req_id]
+                drafts = chunk.token_ids[len(chunk.token_ids) - num_drafts :]
+                candidate = list(seq)  # the known sequence followed by the drafts
+                kv_values = [rolled[end - 1], *drafted[chunk.req_id]]
+                for j in range(num_drafts + 1):
+                    token_id = sample_next(kv_values[j], candidate[: end + j], self.repetitive)
+                    seq.append(token_id)
+                    sampled.append(SampledToken(chunk.req_id, token_id, -1.0))
+                    if j == num_drafts or token_id != drafts[j]:
+                        break
+                    candidate.append(drafts[j])
+                    self.num_accepted_tokens += 1
+                self.num_draft_tokens += num_drafts
         return RunnerOutput(step.step_id, tuple(sampled), tuple(prompt_logprobs))
 
     def shutdown(self) -> None:
@@ -121,14 +164,16 @@ def reference_output(
     eos_token_ids: frozenset[int],
     ignore_eos: bool,
     use_stop: bool,
+    repetitive: bool = False,
 ) -> tuple[list[int], FinishReason]:
-    """The tokens and finish reason a request gets with no memory pressure at all."""
+    """The tokens and finish reason a request gets with no memory pressure (and no
+    speculation) at all."""
     rolled = 0
     for token_id in prompt:
         rolled = roll(rolled, token_id)
     out: list[int] = []
     while True:
-        token_id = next_token(rolled)
+        token_id = sample_next(rolled, prompt + out, repetitive)
         out.append(token_id)
         if len(out) >= max_new_tokens:
             return out, FinishReason.LENGTH
@@ -143,9 +188,9 @@ class Harness:
     """Drives a Scheduler with a PagedFakeRunner the way the engine does, recording each
     request's tokens and its (single) end, and checking invariants after every step."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, repetitive: bool = False) -> None:
         self.sched = Scheduler(config)
-        self.runner = PagedFakeRunner(config.num_blocks, config.block_size)
+        self.runner = PagedFakeRunner(config.num_blocks, config.block_size, repetitive)
         self.reqs: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
         self.ends: dict[str, FinishReason] = {}
@@ -207,7 +252,10 @@ class Harness:
             result = RunnerOutput(out.step_id)
         for req_id in abort_during:  # cancelled while the runner was busy
             self.abort(req_id)
+        stopped_now: set[str] = set()
         for output in self.sched.update_from_output(out, result):
+            if output.req_id in stopped_now:
+                continue  # tokens after a stop string (several came from one chunk): dropped
             assert output.req_id not in self.ends, f"output for ended {output.req_id}"
             if output.prompt_logprobs is not None:
                 plp = output.prompt_logprobs
@@ -224,6 +272,7 @@ class Harness:
                 and is_stop_token(output.new_token.token_id)
             ):
                 self.abort(output.req_id, FinishReason.STOP_SEQUENCE)
+                stopped_now.add(output.req_id)
         self.sched.check_invariants()
         return out
 

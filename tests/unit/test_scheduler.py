@@ -343,7 +343,7 @@ def test_mismatched_runner_output_is_rejected_without_side_effects() -> None:
     h.add("a", [1, 2, 3])
     out = h.sched.schedule()
     h.runner.execute_model(out)  # the runner registered "a", then (say) failed
-    with pytest.raises(RuntimeError, match="no token"):
+    with pytest.raises(RuntimeError, match="returned 0 tokens"):
         h.sched.update_from_output(out, RunnerOutput(out.step_id))
     with pytest.raises(RuntimeError, match="result of step"):
         h.sched.update_from_output(out, RunnerOutput(out.step_id + 1))

@@ -57,8 +57,31 @@ CONFIGS = {
     ),
     # Ample cache: no pressure (the reference conditions, through the scheduler).
     "ample": SchedulerConfig(num_blocks=1024, block_size=4, max_batch_prefill_tokens=64),
+    # Speculative decoding against a fake model whose output loops (drafts often land):
+    # under preemption pressure, and with room to speak of.
+    "spec-tiny": SchedulerConfig(
+        num_blocks=16,
+        block_size=4,
+        max_batch_prefill_tokens=16,
+        num_speculative_tokens=3,
+        speculate_max_batch_size=8,
+    ),
+    "spec-ample": SchedulerConfig(
+        num_blocks=1024,
+        block_size=4,
+        max_batch_prefill_tokens=64,
+        num_speculative_tokens=5,
+        speculate_max_batch_size=64,
+    ),
 }
-PRESSURED = {"tiny-chunked", "tiny-tgi", "tiny-lpm", "tiny-no-prefix-cache", "big-blocks"}
+PRESSURED = {
+    "tiny-chunked",
+    "tiny-tgi",
+    "tiny-lpm",
+    "tiny-no-prefix-cache",
+    "big-blocks",
+    "spec-tiny",
+}
 NUM_STEPS = 1500
 
 
@@ -66,7 +89,8 @@ NUM_STEPS = 1500
 def test_random_workload_keeps_invariants_and_exact_outputs(name: str) -> None:
     config = CONFIGS[name]
     rng = random.Random(f"genserve-{name}")
-    h = Harness(config)
+    repetitive = config.num_speculative_tokens > 0
+    h = Harness(config, repetitive=repetitive)
     capacity = config.max_batch_total_tokens
     # A few shared prefixes so that the prefix cache gets hits (and evictions).
     prefixes = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(4, 20))] for _ in range(4)]
@@ -117,6 +141,7 @@ def test_random_workload_keeps_invariants_and_exact_outputs(name: str) -> None:
             eos_of[req_id],
             ignore_eos_of[req_id],
             req_id in h.use_stop,
+            repetitive,
         )
         positions = h.prompt_logprob_pos[req_id]
         assert positions == sorted(set(positions)), "a prompt logprob was delivered twice"
@@ -133,8 +158,10 @@ def test_random_workload_keeps_invariants_and_exact_outputs(name: str) -> None:
     stats = h.sched.stats()
     if name in PRESSURED:
         assert stats.num_preemptions > 20, stats
-    if name == "ample":
+    if name in ("ample", "spec-ample"):
         assert stats.num_preemptions == 0
+    if repetitive:
+        assert stats.spec_accepted_tokens > 50, stats
     if config.enable_prefix_caching:
         assert stats.prefix_cache_hits > 0
     else:

@@ -24,6 +24,7 @@ STEP = SchedulerOutput(
     chunks=(
         ScheduledChunk("a", (5,), 40, (1, 2, 3), True),
         ScheduledChunk("b-é東", tuple(range(300)), 16, (9, 4), False),
+        ScheduledChunk("c", (8, 9, 9, 9), 70, (4, 5, 6, 7, 8), True, num_draft_tokens=3),
     ),
     new_requests=(
         NewRequestData(
@@ -83,8 +84,9 @@ def test_step_fields_keep_their_types() -> None:
         (int(MessageKind.INIT_KV_CACHE), b"[1.5, 16]", "integer"),
         (int(MessageKind.INIT_KV_CACHE), b"[true, 16]", "integer"),
         (int(MessageKind.STEP), b"{}", "array"),
-        (int(MessageKind.STEP), b'[1, [["a", [1, "2"], 0, [0], true]], [], []]', "integers"),
-        (int(MessageKind.STEP), b'[1, [["a", [1], 0, [0], 1]], [], []]', "true or false"),
+        (int(MessageKind.STEP), b'[1, [["a", [1, "2"], 0, [0], true, 0]], [], []]', "integers"),
+        (int(MessageKind.STEP), b'[1, [["a", [1], 0, [0], 1, 0]], [], []]', "true or false"),
+        (int(MessageKind.STEP), b'[1, [["a", [1], 0, [0], true]], [], []]', "expected 6 fields"),
         (int(MessageKind.STEP), b"[1, [], [], [3]]", "string"),
     ],
 )

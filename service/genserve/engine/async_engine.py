@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -56,6 +57,8 @@ class StepObservation:
     step: SchedulerOutput
     duration_s: float
     num_finished: int
+    # Tokens each request of a speculative chunk received (one per other sampling chunk).
+    num_spec_tokens: Mapping[str, int] = field(default_factory=dict)
 
 
 class AsyncEngine:
@@ -222,8 +225,14 @@ class AsyncEngine:
                 continue
             outputs = self._scheduler.update_from_output(step, result)
             num_finished = self._process_outputs(outputs, result)
+            spec_ids = {c.req_id for c in step.chunks if c.num_draft_tokens}
             observation = StepObservation(
-                step=step, duration_s=time.perf_counter() - started, num_finished=num_finished
+                step=step,
+                duration_s=time.perf_counter() - started,
+                num_finished=num_finished,
+                num_spec_tokens=Counter(t.req_id for t in result.sampled if t.req_id in spec_ids)
+                if spec_ids
+                else {},
             )
             for observer in self.step_observers:
                 observer(observation)

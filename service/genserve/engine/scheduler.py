@@ -22,6 +22,14 @@ Step construction (:meth:`Scheduler.schedule`):
    prefill disabled, a prompt is prefilled whole, and TGI's rule decides whether a new
    prefill batch may join a running one (``waiting_served_ratio``, ``max_waiting_tokens``).
 
+Speculative decoding (``num_speculative_tokens > 0``): while the batch is small, a decoding
+request's chunk is its last token followed by n-gram draft tokens (see
+:mod:`genserve.engine.speculative`; a request whose drafts keep missing stops drafting
+for a while); the runner returns the drafts it accepted and one more
+token, and ``num_computed_tokens`` advances past the accepted ones only.  Slots written for
+rejected drafts lie beyond ``num_computed_tokens`` and are overwritten later.  Drafts never
+cause a preemption: without free blocks for them the request decodes one token.
+
 Threading: one owner.  ``finish_requests`` may be called while the runner executes a step
 (the engine serialises calls onto its loop); ``schedule`` must not be called again before
 that step's ``update_from_output``.
@@ -38,11 +46,13 @@ from genserve.engine.request import FinishReason, Request, RequestStatus
 from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.engine.scheduler_output import EngineCoreOutput, SchedulerStats
 from genserve.engine.scheduler_policy import AdmissionPolicy
+from genserve.engine.speculative import DraftLengthController, NgramProposer
 from genserve.kv_cache.manager import KVCacheManager
 from genserve.step import (
     NewRequestData,
     PromptLogprobs,
     RunnerOutput,
+    SampledToken,
     ScheduledChunk,
     SchedulerOutput,
 )
@@ -81,6 +91,10 @@ class Scheduler:
         self._policy = AdmissionPolicy(config)
         self._num_preemptions = 0
         self._last_step = (0, 0, 0)
+        self._proposer = NgramProposer(config.speculate_ngram_max, config.speculate_ngram_min)
+        self._draft_lengths = DraftLengthController(config.num_speculative_tokens)
+        self._num_draft_tokens = 0
+        self._num_accepted_tokens = 0
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -120,6 +134,8 @@ class Scheduler:
             last_step_num_tokens=self._last_step[1],
             last_step_num_prefill_tokens=self._last_step[2],
             growth_reserve_ratio=self._policy.growth_ratio,
+            spec_draft_tokens=self._num_draft_tokens,
+            spec_accepted_tokens=self._num_accepted_tokens,
         )
 
     def check_invariants(self) -> None:
@@ -207,6 +223,8 @@ class Scheduler:
         del self._requests[req.req_id]
         del self._arrival_seq[req.req_id]
         del self._next_prompt_logprob_pos[req.req_id]
+        self._proposer.forget(req.req_id)
+        self._draft_lengths.forget(req.req_id)
         self._forget_in_runner(req.req_id)
 
     def _forget_in_runner(self, req_id: str) -> None:
@@ -240,6 +258,10 @@ class Scheduler:
         had_running = bool(self._running)
 
         preempted = False
+        speculate = (
+            self.config.num_speculative_tokens > 0
+            and len(self._running) <= self.config.speculate_max_batch_size
+        )
         i = 0
         while i < len(self._running):
             req = self._running[i]
@@ -247,6 +269,12 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            if speculate and num_new == 1:
+                spec_chunk = self._speculative_chunk(req)
+                if spec_chunk is not None:
+                    chunks.append(spec_chunk)
+                    i += 1
+                    continue
             while self.kv.allocate_slots(req, num_new) is None:
                 preempted = True
                 victim = self._running.pop()  # newest arrival
@@ -290,6 +318,30 @@ class Scheduler:
         if not self.config.chunked_prefill_enabled:
             return remaining if remaining <= budget else 0
         return min(remaining, self.config.max_chunk_tokens, budget)
+
+    def _speculative_chunk(self, req: Request) -> ScheduledChunk | None:
+        """The decode chunk of ``req`` with draft tokens, its slots allocated; None when it
+        gets no drafts (penalties, nothing matched, no free blocks for them)."""
+        p = req.sampling
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0:
+            return None  # penalties change with every accepted token: verify rows would differ
+        # The token sampled after the last accepted draft counts against max_new_tokens too.
+        room = req.stopping.max_new_tokens - req.num_output_tokens - 1
+        max_drafts = min(self._draft_lengths.allowed(req.req_id), room)
+        if max_drafts <= 0:
+            return None
+        drafts = self._proposer.propose(req.req_id, req.all_token_ids, max_drafts)
+        if not drafts or self.kv.allocate_slots(req, 1 + len(drafts)) is None:
+            return None
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            req_id=req.req_id,
+            token_ids=_token_slice(req, start, start + 1) + drafts,
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.req_id),
+            sample=True,
+            num_draft_tokens=len(drafts),
+        )
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -388,7 +440,9 @@ class Scheduler:
         not match the step (the engine then ends the step's requests with ERROR)."""
         if result.step_id != step.step_id:
             raise RuntimeError(f"result of step {result.step_id} given for step {step.step_id}")
-        sampled = {s.req_id: s for s in result.sampled}
+        sampled: dict[str, list[SampledToken]] = {}
+        for token in result.sampled:
+            sampled.setdefault(token.req_id, []).append(token)
         prompt_logprobs = {p.req_id: p for p in result.prompt_logprobs}
         live: list[tuple[ScheduledChunk, Request]] = []
         for chunk in step.chunks:
@@ -397,31 +451,58 @@ class Scheduler:
                 continue  # finished (e.g. aborted) while the step ran
             if req.num_computed_tokens != chunk.start_pos:
                 raise RuntimeError(f"{chunk.req_id}: step {step.step_id} is stale")
-            if chunk.sample and chunk.req_id not in sampled:
+            num_tokens = len(sampled.get(chunk.req_id, ()))
+            if not chunk.sample <= num_tokens <= chunk.sample + chunk.num_draft_tokens:
                 raise RuntimeError(
-                    f"{chunk.req_id}: runner returned no token for step {step.step_id}"
+                    f"{chunk.req_id}: runner returned {num_tokens} tokens for a chunk with "
+                    f"{chunk.num_draft_tokens} drafts in step {step.step_id}"
                 )
             live.append((chunk, req))
 
         outputs: list[EngineCoreOutput] = []
         for chunk, req in live:
-            req.num_computed_tokens += len(chunk.token_ids)
-            token = sampled[req.req_id] if chunk.sample else None
+            tokens = sampled.get(req.req_id, [])
             reason: FinishReason | None = None
-            if token is not None:
+            kept = 0
+            for token in tokens:
                 req.output_token_ids.append(token.token_id)
+                kept += 1
                 reason = _stop_reason(req, token.token_id)
+                if reason is not None:
+                    break  # tokens after a stop are dropped
+            if chunk.num_draft_tokens:
+                self._num_draft_tokens += chunk.num_draft_tokens
+                self._num_accepted_tokens += len(tokens) - 1
+                self._draft_lengths.record(req.req_id, chunk.num_draft_tokens, len(tokens) - 1)
+                # The last token and the drafts that were kept have their KV now.
+                req.num_computed_tokens += kept
+            else:
+                req.num_computed_tokens += len(chunk.token_ids)
             logprobs = self._new_prompt_logprobs(req, prompt_logprobs.get(req.req_id))
             self.kv.cache_blocks(req)
             num_preemptions = req.num_preemptions
             if reason is not None:
                 self._running.remove(req)
                 self._finish(req, reason)
-            if token is not None or logprobs is not None or reason is not None:
+            first_output = req.num_output_tokens - kept
+            for j, token in enumerate(tokens[:kept]):
+                last = j == kept - 1
                 outputs.append(
                     EngineCoreOutput(
                         req_id=req.req_id,
                         new_token=token,
+                        prompt_logprobs=logprobs if j == 0 else None,
+                        finish_reason=reason if last else None,
+                        num_cached_tokens=req.num_cached_tokens,
+                        num_output_tokens=first_output + j + 1,
+                        num_preemptions=num_preemptions,
+                    )
+                )
+            if not kept and (logprobs is not None or reason is not None):
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id=req.req_id,
+                        new_token=None,
                         prompt_logprobs=logprobs,
                         finish_reason=reason,
                         num_cached_tokens=req.num_cached_tokens,

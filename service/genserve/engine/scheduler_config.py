@@ -52,6 +52,18 @@ class SchedulerConfig:
     # preemption.
     growth_reserve_ratio: float | None = None
     growth_reserve_max_tokens: int = 4096
+    # --speculate: n-gram draft tokens verified per decode step (0: off).  Drafts are
+    # proposed only while at most ``speculate_max_batch_size`` requests run: a small batch
+    # leaves the step memory-bound, so extra rows are nearly free, while a large one is
+    # compute-bound and every rejected draft costs a row of real work (vLLM's
+    # ``disable_by_batch_size``; on a 2-core CPU, drafts that mostly land still paid at 32
+    # streams, and a request whose drafts miss stops drafting for a while).  Requests with
+    # repetition/frequency penalties never draft.
+    num_speculative_tokens: int = 0
+    speculate_max_batch_size: int = 32
+    # Longest and shortest n-gram the proposer matches.
+    speculate_ngram_max: int = 3
+    speculate_ngram_min: int = 1
 
     def __post_init__(self) -> None:
         positive = {
@@ -74,6 +86,10 @@ class SchedulerConfig:
             raise ValueError(f"growth_reserve_ratio must be in [0, 1], got {ratio}")
         if self.growth_reserve_max_tokens <= 0:
             raise ValueError("growth_reserve_max_tokens must be positive")
+        if self.num_speculative_tokens < 0 or self.speculate_max_batch_size < 0:
+            raise ValueError("num_speculative_tokens and speculate_max_batch_size must be >= 0")
+        if not 1 <= self.speculate_ngram_min <= self.speculate_ngram_max:
+            raise ValueError("need 1 <= speculate_ngram_min <= speculate_ngram_max")
 
     @property
     def max_batch_total_tokens(self) -> int:

@@ -40,3 +40,5 @@ class SchedulerStats:
     last_step_num_tokens: int
     last_step_num_prefill_tokens: int
     growth_reserve_ratio: float  # admission headroom in use (learned unless configured)
+    spec_draft_tokens: int = 0  # speculative draft tokens verified since start
+    spec_accepted_tokens: int = 0  # of which accepted

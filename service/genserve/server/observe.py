@@ -236,7 +236,7 @@ class RequestObserver:
             rec = live.get(chunk.req_id)
             if rec is None:
                 # Untracked (a test driving the engine directly): classify by shape only.
-                num_prefill += len(chunk.token_ids) > 1 or chunk.req_id in admitted
+                num_prefill += not chunk.is_decode or chunk.req_id in admitted
                 continue
             if chunk.req_id in admitted:
                 if rec.scheduled_s is None:
@@ -245,7 +245,7 @@ class RequestObserver:
                         metrics.queue_duration.observe(start - rec.arrival_s)
                 else:
                     rec.resumed_s.append(start)
-            if chunk.start_pos < rec.num_prompt_tokens or len(chunk.token_ids) > 1:
+            if chunk.start_pos < rec.num_prompt_tokens or not chunk.is_decode:
                 num_prefill += 1
                 if rec.keep_chunks:
                     if step_tokens < 0:
@@ -269,14 +269,18 @@ class RequestObserver:
                 if batch > rec.decode_batch_max:
                     rec.decode_batch_max = batch
             if chunk.sample:
+                # A speculative chunk can bring several tokens: each gets an equal share of
+                # the time since the previous one.
+                num_new = obs.num_spec_tokens.get(chunk.req_id, 1) if chunk.num_draft_tokens else 1
                 if rec.last_token_s is None:
                     rec.first_token_s = end
                     if metrics is not None:
                         metrics.time_to_first_token.observe(end - rec.arrival_s)
                 elif metrics is not None:
-                    metrics.inter_token.observe(end - rec.last_token_s)
+                    for _ in range(num_new):
+                        metrics.inter_token.observe((end - rec.last_token_s) / num_new)
                 rec.last_token_s = end
-                rec.num_tokens += 1
+                rec.num_tokens += num_new
         if metrics is not None and batch:
             kind = "prefill" if num_prefill == batch else "decode" if not num_prefill else "mixed"
             self._step_count[kind].inc()

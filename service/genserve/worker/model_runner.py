@@ -6,9 +6,12 @@ keyed by ``req_id``.  It implements :class:`genserve.step.Runner` and never sees
 object: everything arrives in :class:`~genserve.step.SchedulerOutput`.
 
 One step is one forward pass over every scheduled token, flattened (no padding): decode
-chunks first, prefill chunks after, each with its own positions and block table.  Logits are
-computed only for the rows that need them (the last token of a chunk that samples, and the
-prompt positions of requests asking for prompt logprobs).
+chunks first, then speculative chunks (the last token and its drafts), then prefill chunks,
+each with its own positions and block table.  Every token of a speculative chunk is attended
+as a decode row of its own (its context ends at its position), so verification uses the
+decode attention path and needs nothing from the backends.  Logits are computed only for the
+rows that need them (the last token of a chunk that samples, every token of a speculative
+chunk, and the prompt positions of requests asking for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -223,23 +226,38 @@ class ModelRunner:
 
         # Decodes first: the attention backend batches them into one op.
         chunks = [c for c in step.chunks if len(c.token_ids) == 1]
-        num_decodes = len(chunks)
-        chunks += [c for c in step.chunks if len(c.token_ids) != 1]
-        seqs = [SeqSpec(len(c.token_ids), c.start_pos, c.block_ids) for c in chunks]
+        num_single = len(chunks)
+        chunks += [c for c in step.chunks if c.num_draft_tokens and len(c.token_ids) > 1]
+        num_decode_chunks = len(chunks)
+        chunks += [c for c in step.chunks if not c.is_decode]
+        seqs = [SeqSpec(1, c.start_pos, c.block_ids) for c in chunks[:num_single]]
+        for c in chunks[num_single:num_decode_chunks]:
+            seqs += [SeqSpec(1, c.start_pos + j, c.block_ids) for j in range(len(c.token_ids))]
+        num_decodes = len(seqs)
+        seqs += [
+            SeqSpec(len(c.token_ids), c.start_pos, c.block_ids) for c in chunks[num_decode_chunks:]
+        ]
         meta = self.backend.build(seqs, num_decodes, self.block_size)
         token_ids = torch.tensor(
             list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
             dtype=torch.int64,
             device=self.device,
         )
-        positions = torch.from_numpy(_positions(chunks, num_decodes)).to(self.device)
+        positions = torch.from_numpy(_positions(chunks, num_single)).to(self.device)
         hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
 
         offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
         sample_chunks = [i for i, c in enumerate(chunks) if c.sample]
         sampled: tuple[SampledToken, ...] = ()
         if sample_chunks:
-            rows = [int(offsets[i + 1]) - 1 for i in sample_chunks]
+            # A speculative chunk samples after every one of its tokens.
+            rows = [
+                row
+                for i in sample_chunks
+                for row in range(
+                    int(offsets[i + 1]) - 1 - chunks[i].num_draft_tokens, int(offsets[i + 1])
+                )
+            ]
             row_index = torch.tensor(rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, V]
             if self.parallel.is_driver:
@@ -257,25 +275,41 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, chunks: list[ScheduledChunk]
     ) -> tuple[SampledToken, ...]:
+        """One row of ``logits`` per sampling position: one per chunk, ``num_draft_tokens +
+        1`` for a speculative chunk.  Drafts are accepted while each equals the token sampled
+        at the position before it; the token sampled after the last accepted draft is kept
+        too.  A draft row samples with the output index it would have had in one-token
+        steps, so seeded sampling draws the same tokens with or without speculation."""
         if not chunks:
             return ()
         states = [self._state(c.req_id) for c in chunks]
-        rows = [
-            SamplingRow(s.sampling, s.num_output_tokens, s.num_tokens, s.token_counts)
-            for s in states
-        ]
+        rows = []
+        for c, s in zip(chunks, states, strict=True):
+            if c.num_draft_tokens and s.token_counts is not None:
+                raise ValueError(f"{c.req_id}: draft tokens for a request with penalties")
+            rows += [
+                SamplingRow(s.sampling, s.num_output_tokens + j, s.num_tokens + j, s.token_counts)
+                for j in range(c.num_draft_tokens + 1)
+            ]
         out = self.sampler(logits, rows)
-        for state, token_id in zip(states, out.token_ids, strict=True):
-            state.num_output_tokens += 1
-            state.num_tokens += 1
-            if state.token_counts is not None:
-                state.token_counts[token_id] += 1
-        return tuple(
-            SampledToken(c.req_id, t, lp, top)
-            for c, t, lp, top in zip(
-                chunks, out.token_ids, out.logprobs, out.top_tokens, strict=True
-            )
-        )
+        result: list[SampledToken] = []
+        row = 0
+        for c, state in zip(chunks, states, strict=True):
+            drafts = c.token_ids[len(c.token_ids) - c.num_draft_tokens :]
+            num_accepted = 0
+            while num_accepted < len(drafts) and (
+                out.token_ids[row + num_accepted] == drafts[num_accepted]
+            ):
+                num_accepted += 1
+            for j in range(row, row + num_accepted + 1):
+                token_id = out.token_ids[j]
+                result.append(SampledToken(c.req_id, token_id, out.logprobs[j], out.top_tokens[j]))
+                if state.token_counts is not None:
+                    state.token_counts[token_id] += 1
+            state.num_output_tokens += num_accepted + 1
+            state.num_tokens += num_accepted + 1
+            row += c.num_draft_tokens + 1
+        return tuple(result)
 
     def _prompt_logprob_parts(
         self, chunks: list[ScheduledChunk], offsets: np.ndarray
@@ -335,12 +369,13 @@ class ModelRunner:
         self.backend = None
 
 
-def _positions(chunks: list[ScheduledChunk], num_decodes: int) -> np.ndarray:
-    """``[num_tokens]`` int64 positions of the flat batch."""
-    parts = [np.fromiter((c.start_pos for c in chunks[:num_decodes]), np.int64, num_decodes)]
+def _positions(chunks: list[ScheduledChunk], num_single: int) -> np.ndarray:
+    """``[num_tokens]`` int64 positions of the flat batch (``chunks[:num_single]`` have one
+    token each)."""
+    parts = [np.fromiter((c.start_pos for c in chunks[:num_single]), np.int64, num_single)]
     parts += [
         np.arange(c.start_pos, c.start_pos + len(c.token_ids), dtype=np.int64)
-        for c in chunks[num_decodes:]
+        for c in chunks[num_single:]
     ]
     return np.concatenate(parts)
 

@@ -70,7 +70,10 @@ def encode(message: ShardMessage) -> tuple[MessageKind, bytes]:
 def _step_fields(step: SchedulerOutput) -> list[Any]:
     return [
         step.step_id,
-        [[c.req_id, c.token_ids, c.start_pos, c.block_ids, c.sample] for c in step.chunks],
+        [
+            [c.req_id, c.token_ids, c.start_pos, c.block_ids, c.sample, c.num_draft_tokens]
+            for c in step.chunks
+        ],
         [
             [n.req_id, n.all_token_ids, n.num_prompt_tokens, n.num_output_tokens, _sampling(n)]
             for n in step.new_requests
@@ -127,13 +130,15 @@ def _step(fields: list[Any]) -> SchedulerOutput:
 
 
 def _chunk(value: Any) -> ScheduledChunk:
-    req_id, token_ids, start_pos, block_ids, sample = _exactly(_list(value, "chunk"), 5, "chunk")
+    fields = _exactly(_list(value, "chunk"), 6, "chunk")
+    req_id, token_ids, start_pos, block_ids, sample, num_draft_tokens = fields
     return ScheduledChunk(
         req_id=_str(req_id),
         token_ids=_ints(token_ids),
         start_pos=_int(start_pos),
         block_ids=_ints(block_ids),
         sample=_bool(sample),
+        num_draft_tokens=_int(num_draft_tokens),
     )
 
 
