@@ -147,6 +147,7 @@ def _size_and_warm_up(
         max_batch_total_tokens=limits.max_batch_total_tokens,
         max_client_batch_size=config.max_client_batch_size,
         version=VERSION,
+        speculate=config.speculate,
     )
     return Loaded(runner=runner, tokenizer=tokenizer, limits=limits, info=info)
 

@@ -68,6 +68,7 @@ def test_default_model_matches_transformers(default_server: Served) -> None:
         stub = pb_grpc.TextGenerationServiceStub(channel)
         info = stub.Info(pb.InfoRequest())
         assert info.model_dtype == "float32" and info.num_shard == 1
+        assert info.speculate == (4 if default_server.speculate else 0)
         params = pb.GenerateParameters(max_new_tokens=MAX_NEW_TOKENS, details=True)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(

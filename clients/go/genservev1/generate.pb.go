@@ -982,8 +982,10 @@ type InfoResponse struct {
 	MaxBatchTotalTokens   uint32 `protobuf:"varint,15,opt,name=max_batch_total_tokens,json=maxBatchTotalTokens,proto3" json:"max_batch_total_tokens,omitempty"`
 	MaxClientBatchSize    uint32 `protobuf:"varint,16,opt,name=max_client_batch_size,json=maxClientBatchSize,proto3" json:"max_client_batch_size,omitempty"`
 	Version               string `protobuf:"bytes,17,opt,name=version,proto3" json:"version,omitempty"`
-	unknownFields         protoimpl.UnknownFields
-	sizeCache             protoimpl.SizeCache
+	// Draft tokens verified per decode step (--speculate; 0: speculative decoding is off).
+	Speculate     uint32 `protobuf:"varint,18,opt,name=speculate,proto3" json:"speculate,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1133,6 +1135,13 @@ func (x *InfoResponse) GetVersion() string {
 		return x.Version
 	}
 	return ""
+}
+
+func (x *InfoResponse) GetSpeculate() uint32 {
+	if x != nil {
+		return x.Speculate
+	}
+	return 0
 }
 
 type TokenizeRequest struct {
@@ -1392,7 +1401,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xb1\x05\n" +
+	"\vInfoRequest\"\xcf\x05\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -1413,7 +1422,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x18max_batch_prefill_tokens\x18\x0e \x01(\rR\x15maxBatchPrefillTokens\x123\n" +
 	"\x16max_batch_total_tokens\x18\x0f \x01(\rR\x13maxBatchTotalTokens\x121\n" +
 	"\x15max_client_batch_size\x18\x10 \x01(\rR\x12maxClientBatchSize\x12\x18\n" +
-	"\aversion\x18\x11 \x01(\tR\aversion\"s\n" +
+	"\aversion\x18\x11 \x01(\tR\aversion\x12\x1c\n" +
+	"\tspeculate\x18\x12 \x01(\rR\tspeculate\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +
