@@ -124,3 +124,25 @@ def test_default_model_streams(default_server: Served) -> None:
     assert first[-1].generated_text == "".join(m.token.text for m in first)
     assert [m.token.id for m in first] == [m.token.id for m in second]
     assert first[-1].details.seed == 42
+
+
+def test_stop_string_inside_a_multi_token_step(default_server: Served) -> None:
+    """With --speculate, several tokens of this looping continuation arrive from one step; a
+    stop string that ends inside such a step cuts the output exactly there, as without."""
+    prompt = "a b c d a b c d a b c d a b"
+    with grpc.insecure_channel(default_server.address) as channel:
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        params = pb.GenerateParameters(max_new_tokens=24, details=True)
+        ref = stub.Generate(pb.GenerateRequest(inputs=[prompt], parameters=params)).results[0]
+        assert ref.generated_text.startswith(" c d a b c d a b")
+        stop = "b c d a"  # first complete at the 9th generated token, mid-step with drafts
+        params = pb.GenerateParameters(max_new_tokens=24, details=True, stop=[stop])
+        got = stub.Generate(pb.GenerateRequest(inputs=[prompt], parameters=params)).results[0]
+        stream = list(
+            stub.GenerateStream(pb.GenerateStreamRequest(inputs=prompt, parameters=params))
+        )
+    expected = ref.generated_text[: ref.generated_text.index(stop)]
+    assert got.generated_text == expected
+    assert got.details.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    assert "".join(m.token.text for m in stream) == expected
+    assert stream[-1].details.generated_tokens == len(stream) == got.details.generated_tokens
