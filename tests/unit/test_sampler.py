@@ -15,7 +15,15 @@ from transformers.generation.logits_process import (
 )
 
 from genserve.step import SamplingParams
-from genserve.worker.sampler import Sampler, SamplingRow, _top_k, _top_p, _typical_p, row_seed
+from genserve.worker.sampler import (
+    Sampler,
+    SamplingRow,
+    _top_k,
+    _top_p,
+    _top_p_sorted,
+    _typical_p,
+    row_seed,
+)
 
 VOCAB = 1000
 CPU = torch.device("cpu")
@@ -95,6 +103,28 @@ def test_top_p_matches_transformers(p: float) -> None:
     assert not ours[1].isinf().any()  # top_p == 1: untouched row in the same batch
 
 
+@pytest.mark.parametrize("scale", [8.0, 1.0, 0.05])
+def test_top_p_candidate_path_equals_full_sort(scale: float) -> None:
+    """Peaked rows take the top-k shortcut, flat ones (scale 0.05) fall back to sorting;
+    either way the kept set is HF's."""
+    x = torch.randn(6, 5000, generator=torch.Generator().manual_seed(9)) * scale
+    ps = [0.3, 0.9, 0.99, 1.0, 0.5, 0.95]
+    ours = _top_p(x.clone(), ps)
+    assert torch.equal(ours.isinf(), _top_p_sorted(x.clone(), ps).isinf())
+    for i, p in enumerate(ps):
+        ref = x[i : i + 1].clone() if p == 1.0 else TopPLogitsWarper(p)(None, x[i : i + 1].clone())
+        assert torch.equal(ours[i : i + 1].isinf(), ref.isinf()), (scale, p)
+
+
+def test_top_p_after_top_k_keeps_only_allowed_tokens() -> None:
+    x = logits(3, seed=8, vocab=5000)
+    filtered = _top_p(_top_k(x.clone(), [5, 40, 0]), [0.9, 0.99, 0.9])
+    assert (~filtered[0].isinf()).sum() <= 5 and (~filtered[1].isinf()).sum() <= 40
+    assert torch.equal(
+        filtered.isinf(), _top_p_sorted(_top_k(x.clone(), [5, 40, 0]), [0.9, 0.99, 0.9]).isinf()
+    )
+
+
 @pytest.mark.parametrize("mass", [0.2, 0.5, 0.95])
 def test_typical_p_matches_transformers(mass: float) -> None:
     x = logits(2, seed=4)
@@ -161,3 +191,16 @@ def test_first_argmax_equals_argmax_with_ties() -> None:
     assert torch.equal(first_argmax(x), x.argmax(-1))
     odd = torch.randn(3, 1000)  # vocabulary not a multiple of the chunk: plain argmax
     assert torch.equal(first_argmax(odd), odd.argmax(-1))
+
+
+def test_extreme_uniform_draws_stay_on_allowed_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """u = 0 takes the first allowed token, u just below 1 the last one, even when the
+    float32 running sum rounds the target onto the end of the vocabulary."""
+    import genserve.worker.sampler as sampler_module
+
+    x = logits(1, seed=10)
+    allowed = sorted(x[0].topk(4).indices.tolist())
+    for u, expected in ((0.0, allowed[0]), (1.0 - 2.0**-53, allowed[-1])):
+        monkeypatch.setattr(sampler_module, "row_uniform", lambda seed, index, u=u: u)
+        out = Sampler(CPU)(x, [row(temperature=1.0, top_k=4, seed=1)])
+        assert out.token_ids == [expected]

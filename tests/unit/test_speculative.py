@@ -64,8 +64,14 @@ def test_draft_length_grows_with_acceptance_and_backs_off_on_misses() -> None:
     c.allowed("r")
     c.record("r", 1, 0)
     assert [c.allowed("r") for _ in range(5)] == [0, 0, 0, 0, 1]
-    c.record("r", 1, 1)  # a hit resets the pause
+    c.record("r", 1, 1)  # a hit halves the pause (4 -> 2); the next miss doubles it again
+    assert c.allowed("r") == 2
     c.record("r", 2, 0)
+    assert [c.allowed("r") for _ in range(5)] == [0, 0, 0, 0, 1]
+    c.record("r", 1, 1)
+    c.record("r", 2, 2)
+    c.record("r", 3, 3)  # hits: 4 -> 2 -> 1 -> 0, drafts grow back
+    c.record("r", 4, 0)
     assert [c.allowed("r") for _ in range(2)] == [0, 1]
     c.forget("r")
     assert c.allowed("r") == 4

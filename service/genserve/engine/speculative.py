@@ -108,9 +108,13 @@ class DraftLengthController:
 
     After a verification that accepted ``a`` of its drafts the next draft may be ``a + 1``
     long (so a request whose drafts keep landing grows back to the maximum one token per
-    step).  A verification that accepted none turns drafting off for that request for 1, 2,
-    4, ... up to ``max_backoff`` steps: rejected drafts cost verification rows, which is what
-    makes speculation a loss on text that does not repeat, most of all in a large batch.
+    step).  A verification that accepted none turns drafting off for that request for a
+    pause that doubles with every miss (1, 2, 4, ... up to ``max_backoff`` steps) and halves
+    with every hit: rejected drafts cost verification rows, which is what makes speculation
+    a loss on text that does not repeat, most of all in a large (compute-bound) batch, and a
+    lucky hit on such text must not bring back drafting at every step.  (Measured at 32
+    streams of sampled text: resetting the pause on any hit drafted 0.11 tokens per
+    generated token at 7% acceptance.)
     """
 
     def __init__(self, max_len: int, max_backoff: int = 16) -> None:
@@ -137,7 +141,7 @@ class DraftLengthController:
             state.skip = state.backoff
             state.max_len = 1
         else:
-            state.backoff = 0
+            state.backoff //= 2
             state.max_len = min(self.max_len, num_accepted + 1)
 
     def forget(self, req_id: str) -> None:

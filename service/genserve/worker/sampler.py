@@ -5,10 +5,12 @@ top-p → typical-p → draw.  Greedy rows take the argmax after the penalties. 
 filter is one tensor operation over the rows that use it; rows that leave a parameter at
 its neutral value are not touched.
 
-Randomness is a pure function of ``(seed, output_index)``: each sampled row draws its
-exponential noise from a generator seeded with both, and picks ``argmax(probs / noise)`` (the
-exponential race, equivalent to drawing from ``probs``).  A seeded request therefore samples
-the same tokens whatever else is in the batch and after a preemption recomputes it.
+Randomness is a pure function of ``(seed, output_index)``: each sampled row takes one
+uniform number from a splitmix64 hash of both and picks its token by inverse CDF (the first
+token whose cumulative probability exceeds it).  A seeded request therefore samples the same
+tokens whatever else is in the batch, after a preemption recomputes it, and when its
+positions are verified several at a time (speculative decoding).  One number per row, not a
+vocabulary's worth of noise from a per-row generator: that cost 27 ms per step at 32 rows.
 
 Reported logprobs (chosen token and top alternatives) are those of the unmodified model
 distribution, ``log_softmax(logits)``, before penalties and temperature.
@@ -24,6 +26,11 @@ import torch
 from genserve.step import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
+
+
+def row_uniform(seed: int, output_index: int) -> float:
+    """The row's uniform draw in ``[0, 1)``: the top 53 bits of :func:`row_seed`."""
+    return (row_seed(seed, output_index) >> 10) * 2.0**-53
 
 
 def row_seed(seed: int, output_index: int) -> int:
@@ -130,15 +137,23 @@ class Sampler:
         if any(p.typical_p < 1.0 for p in params):
             scores = _typical_p(scores, [p.typical_p for p in params])
         probs = torch.softmax(scores, dim=-1)  # [n, vocab]
-        noise = torch.empty_like(probs)
-        for i, row in enumerate(rows):
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(row_seed(row.params.seed, row.output_index))
-            noise[i].exponential_(generator=generator)
-        # A zero draw would turn a filtered token's 0 probability into 0/0 = NaN, which
-        # argmax would pick.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return first_argmax(probs.div_(noise))
+        cumulative = probs.cumsum(dim=-1)
+        uniform = torch.tensor(
+            [row_uniform(r.params.seed, r.output_index) for r in rows],
+            dtype=cumulative.dtype,
+            device=self.device,
+        )
+        # Scaled by the row's own total, so rounding in the float32 sum biases nothing.
+        target = (uniform * cumulative[:, -1])[:, None]
+        vocab = probs.shape[-1]
+        picked = torch.searchsorted(cumulative, target, right=True).clamp_(max=vocab - 1)
+        # Filtered tokens add nothing to the sum, so the search never stops on one, except
+        # when rounding puts the target at the very end: then take the last allowed token.
+        stray = probs.gather(1, picked)[:, 0] == 0
+        if bool(stray.any()):
+            for i in stray.nonzero()[:, 0].tolist():
+                picked[i, 0] = int((probs[i] > 0).nonzero()[-1, 0])
+        return picked[:, 0]
 
 
 _ARGMAX_CHUNK = 1024
@@ -178,8 +193,37 @@ def _top_k(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return scores.masked_fill(scores < threshold, float("-inf"))
 
 
+# Candidate counts tried before sorting the whole vocabulary for top-p.
+_TOP_P_CANDIDATES = (64, 1024)
+
+
 def _top_p(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Nucleus: drop the least likely tokens whose cumulative mass is <= 1 - top_p (HF)."""
+    """Nucleus: drop the least likely tokens whose cumulative mass is <= 1 - top_p (HF).
+
+    Equivalently, keep a token while the mass of the tokens more likely than it is below
+    ``top_p``.  When the few most likely tokens already hold ``top_p`` of every row's mass
+    (the usual case, and always after a small top-k), only those are ranked: sorting the
+    whole vocabulary costs ~65 ms at 32 x 49152 on CPU, ``topk(64)`` ~1.5 ms."""
+    vocab = scores.shape[-1]
+    p = torch.tensor(top_p, dtype=torch.float32, device=scores.device)
+    probs = scores.softmax(dim=-1)
+    for k in _TOP_P_CANDIDATES:
+        if k >= vocab:
+            break
+        top_probs, top_ids = probs.topk(k, dim=-1)  # descending
+        if not bool(((top_probs.sum(dim=-1) >= p) | (p >= 1.0)).all()):
+            continue
+        before = top_probs.cumsum(dim=-1) - top_probs  # mass of the more likely tokens
+        keep = before < p[:, None]
+        keep[:, 0] = True
+        remove = torch.ones_like(scores, dtype=torch.bool).scatter_(1, top_ids, ~keep)
+        remove.masked_fill_((p >= 1.0)[:, None], False)
+        return scores.masked_fill(remove, float("-inf"))
+    return _top_p_sorted(scores, top_p)
+
+
+def _top_p_sorted(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """:func:`_top_p` over the whole sorted vocabulary (HF's algorithm)."""
     sorted_scores, order = scores.sort(dim=-1)  # ascending
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     cut = 1.0 - torch.tensor(top_p, device=scores.device)[:, None]
