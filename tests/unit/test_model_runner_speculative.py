@@ -43,12 +43,13 @@ class OracleProposer:
 
     def __init__(self, truth: list[list[int]]) -> None:
         self.truth = {f"r{i}": tokens for i, tokens in enumerate(truth)}
-        self.prompt_len = {f"r{i}": len(p) for i, p in enumerate(prompts())}
         self.calls = 0
 
-    def propose(self, req_id: str, tokens: list[int], max_tokens: int) -> tuple[int, ...]:
+    def propose(
+        self, req_id: str, prompt: list[int], output: list[int], max_tokens: int
+    ) -> tuple[int, ...]:
         self.calls += 1
-        done = len(tokens) - self.prompt_len[req_id]
+        done = len(output)
         draft = list(self.truth[req_id][done : done + max_tokens])
         if self.calls % 3 == 0 and len(draft) > 1:
             draft[1] = (draft[1] + 1) % 1000

@@ -21,30 +21,30 @@ def test_proposer_continues_the_most_recent_longest_match() -> None:
     #         0  1  2  3  4  5  6  7  8  9
     tokens = [1, 2, 3, 9, 1, 2, 3, 4, 7, 2, 3]
     # Tail (7, 2, 3) never occurred; (2, 3) did, last followed by 4 at index 7 (not by 9).
-    assert p.propose("r", tokens, 1) == (4,)
+    assert p.propose("r", tokens[:4], tokens[4:], 1) == (4,)
     # Growing the draft looks up again with the drafted token appended: (3, 4) -> 7, ...
-    assert p.propose("r", tokens, 3) == (4, 7, 2)
+    assert p.propose("r", tokens[:4], tokens[4:], 3) == (4, 7, 2)
 
 
 def test_proposer_follows_a_cycle_beyond_the_history() -> None:
     p = NgramProposer()
-    assert p.propose("r", [5, 6, 5, 6, 5], 6) == (6, 5, 6, 5, 6, 5)
+    assert p.propose("r", [5, 6], [5, 6, 5], 6) == (6, 5, 6, 5, 6, 5)
     # The tail never matches itself: a sequence without repeats has no draft.
-    assert p.propose("s", [1, 2, 3, 4], 4) == ()
-    assert p.propose("t", [8], 4) == ()
+    assert p.propose("s", [1, 2, 3, 4], [], 4) == ()
+    assert p.propose("t", [8], [], 4) == ()
 
 
 def test_proposer_min_n_and_incremental_updates() -> None:
     p = NgramProposer(max_n=2, min_n=2)
-    seq = [1, 2, 3, 1]
-    assert p.propose("r", seq, 2) == ()  # only a 1-gram (1) matches
-    seq += [2]
-    assert p.propose("r", seq, 2) == (3, 1)  # (1, 2) -> 3, then (2, 3) -> 1
+    prompt, output = [1, 2, 3], [1]
+    assert p.propose("r", prompt, output, 2) == ()  # only a 1-gram (1) matches
+    output += [2]
+    assert p.propose("r", prompt, output, 2) == (3, 1)  # (1, 2) -> 3, then (2, 3) -> 1
     with pytest.raises(ValueError, match="shrank"):
-        p.propose("r", seq[:2], 2)
+        p.propose("r", prompt, [], 2)
     p.forget("r")
     assert len(p) == 0
-    assert p.propose("r", seq, 0) == ()
+    assert p.propose("r", prompt, output, 0) == ()
     with pytest.raises(ValueError):
         NgramProposer(max_n=1, min_n=2)
 
@@ -199,3 +199,31 @@ def test_runner_returning_too_many_tokens_is_rejected() -> None:
     too_many = tuple(SampledToken("r", 5, -1.0) for _ in range(chunk.num_draft_tokens + 2))
     with pytest.raises(RuntimeError, match="returned"):
         sched.update_from_output(out, RunnerOutput(out.step_id, too_many))
+
+
+def test_drafts_leave_the_blocks_later_requests_need_this_step() -> None:
+    """``a`` (older) could take the last free block for its drafts, but ``b`` needs a new
+    block for its own decode token in the same step: ``a`` decodes one token instead."""
+    cycle = reference_output([3, 4, 5, 6], 40, frozenset(), False, False, True)[0]
+    prompts = {"a": cycle[:31], "b": cycle[1:33]}  # both continue the fake model's loop
+    config = spec_config(
+        num_blocks=17, block_size=4, max_batch_prefill_tokens=64, growth_reserve_ratio=0
+    )  # type: ignore[arg-type]
+    h = Harness(config, repetitive=True)
+    h.add("a", prompts["a"], 4)  # next position 31: still in its 8th block
+    h.add("b", prompts["b"], 4)  # next position 32: needs a 9th block
+    h.step()  # both prefilled: 8 + 8 blocks held, 1 free
+    assert h.sched.kv.num_free_blocks == 1
+    step = h.step()
+    drafts = {c.req_id: c.num_draft_tokens for c in step.chunks}
+    assert drafts["a"] == 0 and "b" in drafts  # b, last in the step, may draft into it
+    assert h.sched.stats().num_preemptions == 0
+    h.run()  # (too small a cache for both to finish without a preemption later)
+    for name, prompt in prompts.items():
+        assert h.tokens[name] == reference_output(prompt, 4, frozenset(), False, False, True)[0]
+    # With room for both, the same requests draft from the first decode on.
+    roomy = Harness(spec_config(max_batch_prefill_tokens=64), repetitive=True)
+    roomy.add("a", prompts["a"], 4)
+    roomy.add("b", prompts["b"], 4)
+    roomy.step()
+    assert all(c.num_draft_tokens > 0 for c in roomy.step().chunks)

@@ -270,7 +270,9 @@ class Scheduler:
                 i += 1
                 continue
             if speculate and num_new == 1:
-                spec_chunk = self._speculative_chunk(req)
+                # Blocks for the drafts must leave one free for every request after this
+                # one, or drafts could force a preemption later in this loop.
+                spec_chunk = self._speculative_chunk(req, len(self._running) - i - 1)
                 if spec_chunk is not None:
                     chunks.append(spec_chunk)
                     i += 1
@@ -319,9 +321,10 @@ class Scheduler:
             return remaining if remaining <= budget else 0
         return min(remaining, self.config.max_chunk_tokens, budget)
 
-    def _speculative_chunk(self, req: Request) -> ScheduledChunk | None:
+    def _speculative_chunk(self, req: Request, num_reserved_blocks: int) -> ScheduledChunk | None:
         """The decode chunk of ``req`` with draft tokens, its slots allocated; None when it
-        gets no drafts (penalties, nothing matched, no free blocks for them)."""
+        gets no drafts (penalties, nothing matched, or fewer than ``num_reserved_blocks``
+        blocks would stay free)."""
         p = req.sampling
         if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0:
             return None  # penalties change with every accepted token: verify rows would differ
@@ -330,8 +333,12 @@ class Scheduler:
         max_drafts = min(self._draft_lengths.allowed(req.req_id), room)
         if max_drafts <= 0:
             return None
-        drafts = self._proposer.propose(req.req_id, req.all_token_ids, max_drafts)
-        if not drafts or self.kv.allocate_slots(req, 1 + len(drafts)) is None:
+        drafts = self._proposer.propose(
+            req.req_id, req.prompt_token_ids, req.output_token_ids, max_drafts
+        )
+        if not drafts:
+            return None
+        if self.kv.allocate_slots(req, 1 + len(drafts), (), num_reserved_blocks) is None:
             return None
         start = req.num_computed_tokens
         return ScheduledChunk(

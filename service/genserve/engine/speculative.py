@@ -62,22 +62,28 @@ class NgramProposer:
         self.min_n = min_n
         self._indexes: dict[str, _SequenceIndex] = {}
 
-    def propose(self, req_id: str, tokens: Sequence[int], max_tokens: int) -> tuple[int, ...]:
-        """Up to ``max_tokens`` draft tokens continuing ``tokens`` (the request's whole
-        sequence, which may only have grown since the previous call for ``req_id``)."""
+    def propose(
+        self, req_id: str, prompt: Sequence[int], output: Sequence[int], max_tokens: int
+    ) -> tuple[int, ...]:
+        """Up to ``max_tokens`` draft tokens continuing ``prompt + output`` (the request's
+        sequence, which may only have grown since the previous call for ``req_id``; passed
+        in two parts so that no step copies a long prompt)."""
         if max_tokens <= 0:
             return ()
         index = self._indexes.get(req_id)
         if index is None:
             index = self._indexes[req_id] = _SequenceIndex(self.max_n)
-        if len(tokens) < len(index.tokens):
-            raise ValueError(
-                f"{req_id}: the sequence shrank ({len(index.tokens)} -> {len(tokens)})"
-            )
+        known = len(index.tokens)
+        if known > len(prompt) + len(output):
+            raise ValueError(f"{req_id}: the sequence shrank to {len(prompt) + len(output)}")
         # The last token is indexed as a follower only once the next one arrives, so a
         # sequence's own tail never matches itself.
-        index.extend(tokens, len(index.tokens))
-        tail = list(tokens[-self.max_n :])
+        if known < len(prompt):
+            index.extend(prompt, known)
+            index.extend(output, 0)
+        else:
+            index.extend(output, known - len(prompt))
+        tail = index.tokens[-self.max_n :]
         draft: list[int] = []
         while len(draft) < max_tokens:
             token = index.next_token(tail, self.min_n)
