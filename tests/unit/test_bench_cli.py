@@ -21,6 +21,25 @@ def test_defaults_and_server_args_after_double_dash() -> None:
     assert config.server_args == ("--dtype", "bfloat16")
     assert config.address == "127.0.0.1:50051"
     assert config.hf_batch_sizes == (1, 32)
+    assert config.temperature == 0.0
+
+
+def test_sampled_workload_parameters() -> None:
+    from genserve.bench.grpc_load import generate_parameters
+    from genserve.bench.hf_baseline import _sampling_kwargs
+    from genserve.bench.prompts import Prompt
+
+    assert parse_args(["--temperature", "0.8"]).temperature == 0.8
+    greedy = Prompt(3, "x", 1, 16)
+    sampled = Prompt(3, "x", 1, 16, temperature=0.8)
+    params = generate_parameters(greedy)
+    assert params.max_new_tokens == 16 and not params.do_sample and not params.HasField("seed")
+    params = generate_parameters(sampled)
+    assert params.do_sample and params.temperature == pytest.approx(0.8) and params.seed == 4
+    assert _sampling_kwargs([greedy]) == {"do_sample": False}
+    assert _sampling_kwargs([sampled])["temperature"] == 0.8
+    with pytest.raises(ValueError, match="one temperature"):
+        _sampling_kwargs([greedy, sampled])
 
 
 @pytest.mark.parametrize(
@@ -32,6 +51,7 @@ def test_defaults_and_server_args_after_double_dash() -> None:
         ["--concurrency", "kvx"],
         ["--hf-batch-sizes", "1,a"],
         ["--", "--dtype", "float32"],  # server args without --launch
+        ["--temperature", "-0.5"],
     ],
 )
 def test_rejected_arguments(argv: list[str]) -> None:

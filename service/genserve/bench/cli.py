@@ -59,6 +59,7 @@ class BenchConfig:
     prompt_len_mean: float
     prompt_len_std: float | None
     max_new_tokens: int
+    temperature: float
     seed: int
     out: Path
     max_duration_s: float
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prompt-len-mean", type=float, default=40.0, help="mean prompt length in tokens")
     add("--prompt-len-std", type=float, default=None, help="std of prompt length (mean/4)")
     add("--max-new-tokens", type=int, default=128, help="new tokens asked for per request")
+    add(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy requests; above 0: sampled at this temperature (seeded per request; "
+        "the HF baselines sample too)",
+    )
     add("--seed", type=int, default=0, help="seed of the prompt set")
     add("--out", type=Path, default=Path("bench-results"), help="output directory")
     add(
@@ -195,6 +203,8 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     for name in ("num_prompts", "max_new_tokens", "threads", "prefix_requests", "prefix_tokens"):
         if getattr(ns, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.temperature < 0:
+        parser.error("--temperature must be >= 0")
     from genserve.bench.grpc_load import check_loopback
 
     try:

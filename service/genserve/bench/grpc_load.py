@@ -60,20 +60,34 @@ def _finish_reason_name(value: int) -> str:
     return name.removeprefix("FINISH_REASON_").lower()
 
 
+def generate_parameters(prompt: Prompt) -> generate_pb2.GenerateParameters:
+    """Greedy, or sampled at the prompt's temperature with a seed of its own (so a run is
+    repeatable and every request draws differently)."""
+    if prompt.temperature <= 0:
+        return generate_pb2.GenerateParameters(max_new_tokens=prompt.max_new_tokens)
+    return generate_pb2.GenerateParameters(
+        max_new_tokens=prompt.max_new_tokens,
+        do_sample=True,
+        temperature=prompt.temperature,
+        seed=prompt.prompt_id + 1,
+    )
+
+
 async def stream_one(
     stub: generate_pb2_grpc.TextGenerationServiceStub,
     prompt: Prompt,
     timeout_s: float,
     on_token: Callable[[int], None] | None = None,
 ) -> RequestRecord:
-    """Send one greedy ``GenerateStream`` request and time every token message.
+    """Send one ``GenerateStream`` request (greedy, or sampled when the prompt has a
+    temperature) and time every token message.
 
     ``on_token(n)`` is called with the number of messages received so far after each one.
     Never raises for RPC failures: they come back as a record with ``error`` set.
     """
     request = generate_pb2.GenerateStreamRequest(
         inputs=prompt.text,
-        parameters=generate_pb2.GenerateParameters(max_new_tokens=prompt.max_new_tokens),
+        parameters=generate_parameters(prompt),
     )
     token_times: list[float] = []
     num_generated = 0

@@ -68,6 +68,19 @@ def _num_real_tokens(row: list[int], eos_ids: set[int]) -> tuple[int, bool]:
     return len(row), False
 
 
+def _sampling_kwargs(prompts: Sequence[Prompt]) -> dict[str, Any]:
+    """``generate()`` arguments for the prompts' decoding: greedy, or sampling at their
+    (common) temperature."""
+    temperatures = {p.temperature for p in prompts}
+    if len(temperatures) != 1:
+        raise ValueError("all prompts of a baseline run must share one temperature")
+    (temperature,) = temperatures
+    if temperature <= 0:
+        return {"do_sample": False}
+    # genserve applies no top-k/top-p unless asked: neither may the model's generation_config.
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
 def run_padded_generate(
     model: Any,
     tokenizer: Any,
@@ -103,7 +116,7 @@ def run_padded_generate(
             output = model.generate(
                 **encoded,
                 max_new_tokens=num_new,
-                do_sample=False,
+                **_sampling_kwargs(prompts),
                 pad_token_id=pad_id,
                 logits_processor=LogitsProcessorList([clock]),
             )
@@ -171,7 +184,7 @@ def run_generate_batch(
     eos_ids = _eos_ids(model)
     generation_config = GenerationConfig(
         max_new_tokens=num_new,
-        do_sample=False,
+        **_sampling_kwargs(prompts),
         eos_token_id=sorted(eos_ids) if eos_ids else None,
         pad_token_id=tokenizer.pad_token_id,
     )

@@ -59,6 +59,8 @@ class Prompt:
     text: str
     num_target_tokens: int
     max_new_tokens: int
+    # 0: greedy.  Above 0: sampled at this temperature, seeded with ``prompt_id``.
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import platform
@@ -280,6 +281,8 @@ def _prompt_set(
         config.prompt_len_std,
         count_tokens=count_tokens,
     )
+    if config.temperature > 0:
+        prompts = [dataclasses.replace(p, temperature=config.temperature) for p in prompts]
     return prompts, concurrencies
 
 
