@@ -49,6 +49,15 @@ def test_bad_values_fail_clearly() -> None:
         load_config([], environ={"MAX_TOTAL_TOKENS": "many"})
     with pytest.raises(SystemExit):
         load_config(["--max-concurrent-requests", "0"], environ={})
+    with pytest.raises(SystemExit):
+        load_config(["--speculate", "-1"], environ={})
+
+
+def test_speculation_flags() -> None:
+    assert (Config().speculate, Config().speculate_max_batch_size) == (0, 32)  # off, as TGI
+    config = load_config(["--speculate", "3"], environ={"SPECULATE_MAX_BATCH_SIZE": "8"})
+    assert (config.speculate, config.speculate_max_batch_size) == (3, 8)
+    assert load_config([], environ={"SPECULATE": "2"}).speculate == 2
 
 
 def test_token_limits_follow_tgi_defaults() -> None:
