@@ -116,6 +116,13 @@ def load() -> bool:
     return _settings.loaded
 
 
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when the kernels serve a model on ``device`` in ``dtype``: CPU in half precision
+    (float32 keeps the torch ops, whose results transformers' reference shares), enabled, and
+    loaded (see :func:`load`)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and load()
+
+
 def _build_and_load() -> bool:
     level = _isa_level()
     name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"

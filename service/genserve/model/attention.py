@@ -383,8 +383,6 @@ def select_backend(device: torch.device, block_size: int, dtype: torch.dtype) ->
         and importlib.util.find_spec("flash_attn") is not None
     ):
         return FlashPagedAttention(device)
-    if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-        from genserve.kernels import cpu as cpu_kernels
+    from genserve.kernels import cpu as cpu_kernels
 
-        return TorchPagedAttention(device, use_cpu_kernel=cpu_kernels.load())
-    return TorchPagedAttention(device)
+    return TorchPagedAttention(device, use_cpu_kernel=cpu_kernels.usable(device, dtype))

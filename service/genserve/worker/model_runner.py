@@ -107,11 +107,10 @@ class ModelRunner:
             with SafetensorsWeights(model.local_dir) as weights:
                 self.model.load_weights(weights)
             self.model.pack_weights()
-        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-            from genserve.kernels import cpu as cpu_kernels
+        from genserve.kernels import cpu as cpu_kernels
 
-            if cpu_kernels.load():
-                self.model.use_fused_cpu_ops()
+        if cpu_kernels.usable(device, dtype):
+            self.model.use_fused_cpu_ops()
         self.model.eval()
         self.sampler = Sampler(device)
         self._requests: dict[str, _RequestState] = {}
@@ -227,7 +226,7 @@ class ModelRunner:
         # Decodes first: the attention backend batches them into one op.
         chunks = [c for c in step.chunks if len(c.token_ids) == 1]
         num_single = len(chunks)
-        chunks += [c for c in step.chunks if c.num_draft_tokens and len(c.token_ids) > 1]
+        chunks += [c for c in step.chunks if c.num_draft_tokens]
         num_decode_chunks = len(chunks)
         chunks += [c for c in step.chunks if not c.is_decode]
         seqs = [SeqSpec(1, c.start_pos, c.block_ids) for c in chunks[:num_single]]

@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> None:
     log = structlog.get_logger("genserve.shard")
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    if args.kernel_cache_dir is not None:
-        cpu_kernels.configure(Path(args.kernel_cache_dir), enabled=not args.disable_cpu_kernels)
+    cache_dir = Path(args.kernel_cache_dir) if args.kernel_cache_dir is not None else None
+    cpu_kernels.configure(cache_dir, enabled=not args.disable_cpu_kernels)
     device = rank_device(args.rank, torch.cuda.is_available())
     group = init_shard_group(args.rank, args.world_size, args.master_addr, args.master_port, device)
     runner = ModelRunner(
