@@ -271,7 +271,7 @@ class RequestObserver:
             if chunk.sample:
                 # A speculative chunk can bring several tokens: each gets an equal share of
                 # the time since the previous one.
-                num_new = obs.num_spec_tokens.get(chunk.req_id, 1) if chunk.num_draft_tokens else 1
+                num_new = obs.num_spec_tokens.get(chunk.req_id, 1)
                 if rec.last_token_s is None:
                     rec.first_token_s = end
                     if metrics is not None:
