@@ -116,9 +116,12 @@ type GenerateParameters struct {
 	// Generate best_of sequences and return the one with the highest logprob.
 	BestOf *uint32 `protobuf:"varint,16,opt,name=best_of,json=bestOf,proto3,oneof" json:"best_of,omitempty"`
 	// Watermark the output (Kirchenbauer et al.).
-	Watermark     bool `protobuf:"varint,17,opt,name=watermark,proto3" json:"watermark,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Watermark bool `protobuf:"varint,17,opt,name=watermark,proto3" json:"watermark,omitempty"`
+	// Subtracted once from the logit of every token already generated (OpenAI / vLLM
+	// semantics: over the output, not the prompt); must be in [-2, 2].
+	PresencePenalty *float32 `protobuf:"fixed32,18,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *GenerateParameters) Reset() {
@@ -268,6 +271,13 @@ func (x *GenerateParameters) GetWatermark() bool {
 		return x.Watermark
 	}
 	return false
+}
+
+func (x *GenerateParameters) GetPresencePenalty() float32 {
+	if x != nil && x.PresencePenalty != nil {
+		return *x.PresencePenalty
+	}
+	return 0
 }
 
 // Token is one token with its log-probability.
@@ -983,9 +993,13 @@ type InfoResponse struct {
 	MaxClientBatchSize    uint32 `protobuf:"varint,16,opt,name=max_client_batch_size,json=maxClientBatchSize,proto3" json:"max_client_batch_size,omitempty"`
 	Version               string `protobuf:"bytes,17,opt,name=version,proto3" json:"version,omitempty"`
 	// Draft tokens verified per decode step (--speculate; 0: speculative decoding is off).
-	Speculate     uint32 `protobuf:"varint,18,opt,name=speculate,proto3" json:"speculate,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Speculate uint32 `protobuf:"varint,18,opt,name=speculate,proto3" json:"speculate,omitempty"`
+	// Whether a chat template is loaded (Chat and ChatStream answer FAILED_PRECONDITION if not).
+	HasChatTemplate bool `protobuf:"varint,19,opt,name=has_chat_template,json=hasChatTemplate,proto3" json:"has_chat_template,omitempty"`
+	// The name clients give as OpenAI's `model` (--served-model-name, default model_id).
+	ServedModelName string `protobuf:"bytes,20,opt,name=served_model_name,json=servedModelName,proto3" json:"served_model_name,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1142,6 +1156,20 @@ func (x *InfoResponse) GetSpeculate() uint32 {
 		return x.Speculate
 	}
 	return 0
+}
+
+func (x *InfoResponse) GetHasChatTemplate() bool {
+	if x != nil {
+		return x.HasChatTemplate
+	}
+	return false
+}
+
+func (x *InfoResponse) GetServedModelName() string {
+	if x != nil {
+		return x.ServedModelName
+	}
+	return ""
 }
 
 type TokenizeRequest struct {
@@ -1310,11 +1338,767 @@ func (x *TokenizeResponse) GetTokens() []*SimpleToken {
 	return nil
 }
 
+// ChatMessage is one turn of a conversation.
+type ChatMessage struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "system", "user", "assistant" or "tool".
+	Role string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
+	// The text of the turn.
+	Content string `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	// Optional author name (OpenAI `name`), passed to the template.
+	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	// For role "tool": the id of the tool call this message answers (OpenAI `tool_call_id`).
+	ToolCallId    string `protobuf:"bytes,4,opt,name=tool_call_id,json=toolCallId,proto3" json:"tool_call_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChatMessage) Reset() {
+	*x = ChatMessage{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChatMessage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChatMessage) ProtoMessage() {}
+
+func (x *ChatMessage) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
+func (*ChatMessage) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *ChatMessage) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *ChatMessage) GetContent() string {
+	if x != nil {
+		return x.Content
+	}
+	return ""
+}
+
+func (x *ChatMessage) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ChatMessage) GetToolCallId() string {
+	if x != nil {
+		return x.ToolCallId
+	}
+	return ""
+}
+
+// ResponseFormat is OpenAI's `response_format`.
+type ResponseFormat struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "text" (the default: no constraint), "json_object" or "json_schema".
+	Type string `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
+	// For "json_schema": the JSON Schema document, as JSON text.
+	JsonSchema    string `protobuf:"bytes,2,opt,name=json_schema,json=jsonSchema,proto3" json:"json_schema,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResponseFormat) Reset() {
+	*x = ResponseFormat{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResponseFormat) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResponseFormat) ProtoMessage() {}
+
+func (x *ResponseFormat) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResponseFormat.ProtoReflect.Descriptor instead.
+func (*ResponseFormat) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *ResponseFormat) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *ResponseFormat) GetJsonSchema() string {
+	if x != nil {
+		return x.JsonSchema
+	}
+	return ""
+}
+
+// ChatRequest asks for one or more assistant replies to a conversation.
+//
+// Chat and ChatStream are two RPCs rather than one RPC with a `stream` flag because in gRPC
+// the shape of the response (one message or a stream) is part of the method's signature:
+// unary callers keep a unary method with a deadline-friendly single answer, and generated
+// clients, grpcurl and grpc-gateway map each method without special cases.
+type ChatRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The conversation, oldest turn first; at least one message.
+	Messages []*ChatMessage `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
+	// Sampling and stopping, with the same meaning as in Generate: max_new_tokens (OpenAI
+	// `max_tokens`), temperature, top_p, top_k, seed, stop, frequency_penalty,
+	// presence_penalty, top_n_tokens ...  `details`, `return_full_text`,
+	// `decoder_input_details` and `truncate` are refused with INVALID_ARGUMENT: a chat reply
+	// always carries its finish reason and usage.
+	Parameters *GenerateParameters `protobuf:"bytes,2,opt,name=parameters,proto3" json:"parameters,omitempty"`
+	// Number of replies (OpenAI `n`); default 1.
+	N *uint32 `protobuf:"varint,3,opt,name=n,proto3,oneof" json:"n,omitempty"`
+	// Return the log-probability of each generated token (OpenAI `logprobs`).
+	Logprobs bool `protobuf:"varint,4,opt,name=logprobs,proto3" json:"logprobs,omitempty"`
+	// With logprobs: the most likely alternatives per position (OpenAI `top_logprobs`).
+	TopLogprobs *uint32 `protobuf:"varint,5,opt,name=top_logprobs,json=topLogprobs,proto3,oneof" json:"top_logprobs,omitempty"`
+	// Constrain the reply's format (OpenAI `response_format`).
+	ResponseFormat *ResponseFormat `protobuf:"bytes,6,opt,name=response_format,json=responseFormat,proto3" json:"response_format,omitempty"`
+	// The model the client names (OpenAI `model`); empty or the served name.
+	Model string `protobuf:"bytes,7,opt,name=model,proto3" json:"model,omitempty"`
+	// End the rendered prompt with the template's assistant header (default true).
+	AddGenerationPrompt *bool `protobuf:"varint,8,opt,name=add_generation_prompt,json=addGenerationPrompt,proto3,oneof" json:"add_generation_prompt,omitempty"`
+	// Continue the last (assistant) message instead of starting a new one.
+	ContinueFinalMessage bool `protobuf:"varint,9,opt,name=continue_final_message,json=continueFinalMessage,proto3" json:"continue_final_message,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
+}
+
+func (x *ChatRequest) Reset() {
+	*x = ChatRequest{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChatRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChatRequest) ProtoMessage() {}
+
+func (x *ChatRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChatRequest.ProtoReflect.Descriptor instead.
+func (*ChatRequest) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *ChatRequest) GetMessages() []*ChatMessage {
+	if x != nil {
+		return x.Messages
+	}
+	return nil
+}
+
+func (x *ChatRequest) GetParameters() *GenerateParameters {
+	if x != nil {
+		return x.Parameters
+	}
+	return nil
+}
+
+func (x *ChatRequest) GetN() uint32 {
+	if x != nil && x.N != nil {
+		return *x.N
+	}
+	return 0
+}
+
+func (x *ChatRequest) GetLogprobs() bool {
+	if x != nil {
+		return x.Logprobs
+	}
+	return false
+}
+
+func (x *ChatRequest) GetTopLogprobs() uint32 {
+	if x != nil && x.TopLogprobs != nil {
+		return *x.TopLogprobs
+	}
+	return 0
+}
+
+func (x *ChatRequest) GetResponseFormat() *ResponseFormat {
+	if x != nil {
+		return x.ResponseFormat
+	}
+	return nil
+}
+
+func (x *ChatRequest) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *ChatRequest) GetAddGenerationPrompt() bool {
+	if x != nil && x.AddGenerationPrompt != nil {
+		return *x.AddGenerationPrompt
+	}
+	return false
+}
+
+func (x *ChatRequest) GetContinueFinalMessage() bool {
+	if x != nil {
+		return x.ContinueFinalMessage
+	}
+	return false
+}
+
+// Usage counts the tokens of a call, as OpenAI's `usage`.
+type Usage struct {
+	state            protoimpl.MessageState `protogen:"open.v1"`
+	PromptTokens     uint32                 `protobuf:"varint,1,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	CompletionTokens uint32                 `protobuf:"varint,2,opt,name=completion_tokens,json=completionTokens,proto3" json:"completion_tokens,omitempty"`
+	TotalTokens      uint32                 `protobuf:"varint,3,opt,name=total_tokens,json=totalTokens,proto3" json:"total_tokens,omitempty"`
+	// Prompt tokens whose KV came from the prefix cache (OpenAI
+	// `prompt_tokens_details.cached_tokens`).
+	CachedTokens  uint32 `protobuf:"varint,4,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Usage) Reset() {
+	*x = Usage{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Usage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Usage) ProtoMessage() {}
+
+func (x *Usage) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Usage.ProtoReflect.Descriptor instead.
+func (*Usage) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *Usage) GetPromptTokens() uint32 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
+}
+
+func (x *Usage) GetCompletionTokens() uint32 {
+	if x != nil {
+		return x.CompletionTokens
+	}
+	return 0
+}
+
+func (x *Usage) GetTotalTokens() uint32 {
+	if x != nil {
+		return x.TotalTokens
+	}
+	return 0
+}
+
+func (x *Usage) GetCachedTokens() uint32 {
+	if x != nil {
+		return x.CachedTokens
+	}
+	return 0
+}
+
+// TokenLogprob is one generated token with its alternatives (OpenAI `logprobs.content[]`).
+type TokenLogprob struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Token         *Token                 `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`
+	TopLogprobs   []*Token               `protobuf:"bytes,2,rep,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TokenLogprob) Reset() {
+	*x = TokenLogprob{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TokenLogprob) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TokenLogprob) ProtoMessage() {}
+
+func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
+func (*TokenLogprob) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *TokenLogprob) GetToken() *Token {
+	if x != nil {
+		return x.Token
+	}
+	return nil
+}
+
+func (x *TokenLogprob) GetTopLogprobs() []*Token {
+	if x != nil {
+		return x.TopLogprobs
+	}
+	return nil
+}
+
+// ChatChoice is one complete reply.
+type ChatChoice struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Index uint32                 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	// role "assistant" and the generated text.
+	Message *ChatMessage `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// LENGTH maps to OpenAI "length"; EOS_TOKEN and STOP_SEQUENCE to "stop".
+	FinishReason FinishReason `protobuf:"varint,3,opt,name=finish_reason,json=finishReason,proto3,enum=genserve.v1.FinishReason" json:"finish_reason,omitempty"`
+	// One entry per generated token when logprobs was asked for.
+	Logprobs      []*TokenLogprob `protobuf:"bytes,4,rep,name=logprobs,proto3" json:"logprobs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChatChoice) Reset() {
+	*x = ChatChoice{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChatChoice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChatChoice) ProtoMessage() {}
+
+func (x *ChatChoice) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChatChoice.ProtoReflect.Descriptor instead.
+func (*ChatChoice) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ChatChoice) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *ChatChoice) GetMessage() *ChatMessage {
+	if x != nil {
+		return x.Message
+	}
+	return nil
+}
+
+func (x *ChatChoice) GetFinishReason() FinishReason {
+	if x != nil {
+		return x.FinishReason
+	}
+	return FinishReason_FINISH_REASON_UNSPECIFIED
+}
+
+func (x *ChatChoice) GetLogprobs() []*TokenLogprob {
+	if x != nil {
+		return x.Logprobs
+	}
+	return nil
+}
+
+type ChatResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A unique id for this completion (OpenAI `id`).
+	Id string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// The served model name (OpenAI `model`).
+	Model string `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`
+	// Unix seconds when the call arrived (OpenAI `created`).
+	Created       int64         `protobuf:"varint,3,opt,name=created,proto3" json:"created,omitempty"`
+	Choices       []*ChatChoice `protobuf:"bytes,4,rep,name=choices,proto3" json:"choices,omitempty"`
+	Usage         *Usage        `protobuf:"bytes,5,opt,name=usage,proto3" json:"usage,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChatResponse) Reset() {
+	*x = ChatResponse{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChatResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChatResponse) ProtoMessage() {}
+
+func (x *ChatResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChatResponse.ProtoReflect.Descriptor instead.
+func (*ChatResponse) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *ChatResponse) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *ChatResponse) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *ChatResponse) GetCreated() int64 {
+	if x != nil {
+		return x.Created
+	}
+	return 0
+}
+
+func (x *ChatResponse) GetChoices() []*ChatChoice {
+	if x != nil {
+		return x.Choices
+	}
+	return nil
+}
+
+func (x *ChatResponse) GetUsage() *Usage {
+	if x != nil {
+		return x.Usage
+	}
+	return nil
+}
+
+// ChatStreamRequest has the fields of ChatRequest (same numbers, same meaning).
+type ChatStreamRequest struct {
+	state                protoimpl.MessageState `protogen:"open.v1"`
+	Messages             []*ChatMessage         `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
+	Parameters           *GenerateParameters    `protobuf:"bytes,2,opt,name=parameters,proto3" json:"parameters,omitempty"`
+	N                    *uint32                `protobuf:"varint,3,opt,name=n,proto3,oneof" json:"n,omitempty"`
+	Logprobs             bool                   `protobuf:"varint,4,opt,name=logprobs,proto3" json:"logprobs,omitempty"`
+	TopLogprobs          *uint32                `protobuf:"varint,5,opt,name=top_logprobs,json=topLogprobs,proto3,oneof" json:"top_logprobs,omitempty"`
+	ResponseFormat       *ResponseFormat        `protobuf:"bytes,6,opt,name=response_format,json=responseFormat,proto3" json:"response_format,omitempty"`
+	Model                string                 `protobuf:"bytes,7,opt,name=model,proto3" json:"model,omitempty"`
+	AddGenerationPrompt  *bool                  `protobuf:"varint,8,opt,name=add_generation_prompt,json=addGenerationPrompt,proto3,oneof" json:"add_generation_prompt,omitempty"`
+	ContinueFinalMessage bool                   `protobuf:"varint,9,opt,name=continue_final_message,json=continueFinalMessage,proto3" json:"continue_final_message,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
+}
+
+func (x *ChatStreamRequest) Reset() {
+	*x = ChatStreamRequest{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChatStreamRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChatStreamRequest) ProtoMessage() {}
+
+func (x *ChatStreamRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChatStreamRequest.ProtoReflect.Descriptor instead.
+func (*ChatStreamRequest) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *ChatStreamRequest) GetMessages() []*ChatMessage {
+	if x != nil {
+		return x.Messages
+	}
+	return nil
+}
+
+func (x *ChatStreamRequest) GetParameters() *GenerateParameters {
+	if x != nil {
+		return x.Parameters
+	}
+	return nil
+}
+
+func (x *ChatStreamRequest) GetN() uint32 {
+	if x != nil && x.N != nil {
+		return *x.N
+	}
+	return 0
+}
+
+func (x *ChatStreamRequest) GetLogprobs() bool {
+	if x != nil {
+		return x.Logprobs
+	}
+	return false
+}
+
+func (x *ChatStreamRequest) GetTopLogprobs() uint32 {
+	if x != nil && x.TopLogprobs != nil {
+		return *x.TopLogprobs
+	}
+	return 0
+}
+
+func (x *ChatStreamRequest) GetResponseFormat() *ResponseFormat {
+	if x != nil {
+		return x.ResponseFormat
+	}
+	return nil
+}
+
+func (x *ChatStreamRequest) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *ChatStreamRequest) GetAddGenerationPrompt() bool {
+	if x != nil && x.AddGenerationPrompt != nil {
+		return *x.AddGenerationPrompt
+	}
+	return false
+}
+
+func (x *ChatStreamRequest) GetContinueFinalMessage() bool {
+	if x != nil {
+		return x.ContinueFinalMessage
+	}
+	return false
+}
+
+// ChatStreamResponse is one generated token of one choice.  With n > 1 the choices' messages
+// interleave; each choice's last message carries its finish_reason, and the call's last
+// message carries usage.
+type ChatStreamResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Id      string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Model   string                 `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`
+	Created int64                  `protobuf:"varint,3,opt,name=created,proto3" json:"created,omitempty"`
+	// Which choice this token belongs to.
+	Index uint32 `protobuf:"varint,4,opt,name=index,proto3" json:"index,omitempty"`
+	// The text this token adds to the reply (empty while a multi-byte character or a possible
+	// stop sequence is still incomplete).
+	Delta string `protobuf:"bytes,5,opt,name=delta,proto3" json:"delta,omitempty"`
+	// The token itself, with its logprob when logprobs was asked for.
+	Token       *Token   `protobuf:"bytes,6,opt,name=token,proto3" json:"token,omitempty"`
+	TopLogprobs []*Token `protobuf:"bytes,7,rep,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	// Set on the choice's last message.
+	FinishReason *FinishReason `protobuf:"varint,8,opt,name=finish_reason,json=finishReason,proto3,enum=genserve.v1.FinishReason,oneof" json:"finish_reason,omitempty"`
+	// Set on the call's last message.
+	Usage         *Usage `protobuf:"bytes,9,opt,name=usage,proto3" json:"usage,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChatStreamResponse) Reset() {
+	*x = ChatStreamResponse{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChatStreamResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChatStreamResponse) ProtoMessage() {}
+
+func (x *ChatStreamResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChatStreamResponse.ProtoReflect.Descriptor instead.
+func (*ChatStreamResponse) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *ChatStreamResponse) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *ChatStreamResponse) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *ChatStreamResponse) GetCreated() int64 {
+	if x != nil {
+		return x.Created
+	}
+	return 0
+}
+
+func (x *ChatStreamResponse) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *ChatStreamResponse) GetDelta() string {
+	if x != nil {
+		return x.Delta
+	}
+	return ""
+}
+
+func (x *ChatStreamResponse) GetToken() *Token {
+	if x != nil {
+		return x.Token
+	}
+	return nil
+}
+
+func (x *ChatStreamResponse) GetTopLogprobs() []*Token {
+	if x != nil {
+		return x.TopLogprobs
+	}
+	return nil
+}
+
+func (x *ChatStreamResponse) GetFinishReason() FinishReason {
+	if x != nil && x.FinishReason != nil {
+		return *x.FinishReason
+	}
+	return FinishReason_FINISH_REASON_UNSPECIFIED
+}
+
+func (x *ChatStreamResponse) GetUsage() *Usage {
+	if x != nil {
+		return x.Usage
+	}
+	return nil
+}
+
 var File_genserve_v1_generate_proto protoreflect.FileDescriptor
 
 const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\x8d\x06\n" +
+	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\xd2\x06\n" +
 	"\x12GenerateParameters\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12\x1b\n" +
 	"\tdo_sample\x18\x02 \x01(\bR\bdoSample\x12%\n" +
@@ -1335,7 +2119,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"topNTokens\x88\x01\x01\x12\x1c\n" +
 	"\abest_of\x18\x10 \x01(\rH\n" +
 	"R\x06bestOf\x88\x01\x01\x12\x1c\n" +
-	"\twatermark\x18\x11 \x01(\bR\twatermarkB\x11\n" +
+	"\twatermark\x18\x11 \x01(\bR\twatermark\x12.\n" +
+	"\x10presence_penalty\x18\x12 \x01(\x02H\vR\x0fpresencePenalty\x88\x01\x01B\x11\n" +
 	"\x0f_max_new_tokensB\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_kB\b\n" +
@@ -1348,7 +2133,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\t_truncateB\x0f\n" +
 	"\r_top_n_tokensB\n" +
 	"\n" +
-	"\b_best_of\"p\n" +
+	"\b_best_ofB\x13\n" +
+	"\x11_presence_penalty\"p\n" +
 	"\x05Token\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\rR\x02id\x12\x12\n" +
 	"\x04text\x18\x02 \x01(\tR\x04text\x12\x1d\n" +
@@ -1401,7 +2187,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xcf\x05\n" +
+	"\vInfoRequest\"\xa7\x06\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -1423,7 +2209,9 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x16max_batch_total_tokens\x18\x0f \x01(\rR\x13maxBatchTotalTokens\x121\n" +
 	"\x15max_client_batch_size\x18\x10 \x01(\rR\x12maxClientBatchSize\x12\x18\n" +
 	"\aversion\x18\x11 \x01(\tR\aversion\x12\x1c\n" +
-	"\tspeculate\x18\x12 \x01(\rR\tspeculate\"s\n" +
+	"\tspeculate\x18\x12 \x01(\rR\tspeculate\x12*\n" +
+	"\x11has_chat_template\x18\x13 \x01(\bR\x0fhasChatTemplate\x12*\n" +
+	"\x11served_model_name\x18\x14 \x01(\tR\x0fservedModelName\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +
@@ -1434,18 +2222,92 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x05start\x18\x03 \x01(\rR\x05start\x12\x12\n" +
 	"\x04stop\x18\x04 \x01(\rR\x04stop\"D\n" +
 	"\x10TokenizeResponse\x120\n" +
-	"\x06tokens\x18\x01 \x03(\v2\x18.genserve.v1.SimpleTokenR\x06tokens*\x85\x01\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x18.genserve.v1.SimpleTokenR\x06tokens\"q\n" +
+	"\vChatMessage\x12\x12\n" +
+	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
+	"\acontent\x18\x02 \x01(\tR\acontent\x12\x12\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\x12 \n" +
+	"\ftool_call_id\x18\x04 \x01(\tR\n" +
+	"toolCallId\"E\n" +
+	"\x0eResponseFormat\x12\x12\n" +
+	"\x04type\x18\x01 \x01(\tR\x04type\x12\x1f\n" +
+	"\vjson_schema\x18\x02 \x01(\tR\n" +
+	"jsonSchema\"\xd7\x03\n" +
+	"\vChatRequest\x124\n" +
+	"\bmessages\x18\x01 \x03(\v2\x18.genserve.v1.ChatMessageR\bmessages\x12?\n" +
+	"\n" +
+	"parameters\x18\x02 \x01(\v2\x1f.genserve.v1.GenerateParametersR\n" +
+	"parameters\x12\x11\n" +
+	"\x01n\x18\x03 \x01(\rH\x00R\x01n\x88\x01\x01\x12\x1a\n" +
+	"\blogprobs\x18\x04 \x01(\bR\blogprobs\x12&\n" +
+	"\ftop_logprobs\x18\x05 \x01(\rH\x01R\vtopLogprobs\x88\x01\x01\x12D\n" +
+	"\x0fresponse_format\x18\x06 \x01(\v2\x1b.genserve.v1.ResponseFormatR\x0eresponseFormat\x12\x14\n" +
+	"\x05model\x18\a \x01(\tR\x05model\x127\n" +
+	"\x15add_generation_prompt\x18\b \x01(\bH\x02R\x13addGenerationPrompt\x88\x01\x01\x124\n" +
+	"\x16continue_final_message\x18\t \x01(\bR\x14continueFinalMessageB\x04\n" +
+	"\x02_nB\x0f\n" +
+	"\r_top_logprobsB\x18\n" +
+	"\x16_add_generation_prompt\"\xa1\x01\n" +
+	"\x05Usage\x12#\n" +
+	"\rprompt_tokens\x18\x01 \x01(\rR\fpromptTokens\x12+\n" +
+	"\x11completion_tokens\x18\x02 \x01(\rR\x10completionTokens\x12!\n" +
+	"\ftotal_tokens\x18\x03 \x01(\rR\vtotalTokens\x12#\n" +
+	"\rcached_tokens\x18\x04 \x01(\rR\fcachedTokens\"o\n" +
+	"\fTokenLogprob\x12(\n" +
+	"\x05token\x18\x01 \x01(\v2\x12.genserve.v1.TokenR\x05token\x125\n" +
+	"\ftop_logprobs\x18\x02 \x03(\v2\x12.genserve.v1.TokenR\vtopLogprobs\"\xcd\x01\n" +
+	"\n" +
+	"ChatChoice\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\rR\x05index\x122\n" +
+	"\amessage\x18\x02 \x01(\v2\x18.genserve.v1.ChatMessageR\amessage\x12>\n" +
+	"\rfinish_reason\x18\x03 \x01(\x0e2\x19.genserve.v1.FinishReasonR\ffinishReason\x125\n" +
+	"\blogprobs\x18\x04 \x03(\v2\x19.genserve.v1.TokenLogprobR\blogprobs\"\xab\x01\n" +
+	"\fChatResponse\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
+	"\x05model\x18\x02 \x01(\tR\x05model\x12\x18\n" +
+	"\acreated\x18\x03 \x01(\x03R\acreated\x121\n" +
+	"\achoices\x18\x04 \x03(\v2\x17.genserve.v1.ChatChoiceR\achoices\x12(\n" +
+	"\x05usage\x18\x05 \x01(\v2\x12.genserve.v1.UsageR\x05usage\"\xdd\x03\n" +
+	"\x11ChatStreamRequest\x124\n" +
+	"\bmessages\x18\x01 \x03(\v2\x18.genserve.v1.ChatMessageR\bmessages\x12?\n" +
+	"\n" +
+	"parameters\x18\x02 \x01(\v2\x1f.genserve.v1.GenerateParametersR\n" +
+	"parameters\x12\x11\n" +
+	"\x01n\x18\x03 \x01(\rH\x00R\x01n\x88\x01\x01\x12\x1a\n" +
+	"\blogprobs\x18\x04 \x01(\bR\blogprobs\x12&\n" +
+	"\ftop_logprobs\x18\x05 \x01(\rH\x01R\vtopLogprobs\x88\x01\x01\x12D\n" +
+	"\x0fresponse_format\x18\x06 \x01(\v2\x1b.genserve.v1.ResponseFormatR\x0eresponseFormat\x12\x14\n" +
+	"\x05model\x18\a \x01(\tR\x05model\x127\n" +
+	"\x15add_generation_prompt\x18\b \x01(\bH\x02R\x13addGenerationPrompt\x88\x01\x01\x124\n" +
+	"\x16continue_final_message\x18\t \x01(\bR\x14continueFinalMessageB\x04\n" +
+	"\x02_nB\x0f\n" +
+	"\r_top_logprobsB\x18\n" +
+	"\x16_add_generation_prompt\"\xe2\x02\n" +
+	"\x12ChatStreamResponse\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
+	"\x05model\x18\x02 \x01(\tR\x05model\x12\x18\n" +
+	"\acreated\x18\x03 \x01(\x03R\acreated\x12\x14\n" +
+	"\x05index\x18\x04 \x01(\rR\x05index\x12\x14\n" +
+	"\x05delta\x18\x05 \x01(\tR\x05delta\x12(\n" +
+	"\x05token\x18\x06 \x01(\v2\x12.genserve.v1.TokenR\x05token\x125\n" +
+	"\ftop_logprobs\x18\a \x03(\v2\x12.genserve.v1.TokenR\vtopLogprobs\x12C\n" +
+	"\rfinish_reason\x18\b \x01(\x0e2\x19.genserve.v1.FinishReasonH\x00R\ffinishReason\x88\x01\x01\x12(\n" +
+	"\x05usage\x18\t \x01(\v2\x12.genserve.v1.UsageR\x05usageB\x10\n" +
+	"\x0e_finish_reason*\x85\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x01\x12\x1b\n" +
 	"\x17FINISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n" +
-	"\x1bFINISH_REASON_STOP_SEQUENCE\x10\x032\x86\x03\n" +
+	"\x1bFINISH_REASON_STOP_SEQUENCE\x10\x032\x94\x04\n" +
 	"\x15TextGenerationService\x12G\n" +
 	"\bGenerate\x12\x1c.genserve.v1.GenerateRequest\x1a\x1d.genserve.v1.GenerateResponse\x12[\n" +
 	"\x0eGenerateStream\x12\".genserve.v1.GenerateStreamRequest\x1a#.genserve.v1.GenerateStreamResponse0\x01\x12A\n" +
 	"\x06Health\x12\x1a.genserve.v1.HealthRequest\x1a\x1b.genserve.v1.HealthResponse\x12;\n" +
 	"\x04Info\x12\x18.genserve.v1.InfoRequest\x1a\x19.genserve.v1.InfoResponse\x12G\n" +
-	"\bTokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponseB`\n" +
+	"\bTokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponse\x12;\n" +
+	"\x04Chat\x12\x18.genserve.v1.ChatRequest\x1a\x19.genserve.v1.ChatResponse\x12O\n" +
+	"\n" +
+	"ChatStream\x12\x1e.genserve.v1.ChatStreamRequest\x1a\x1f.genserve.v1.ChatStreamResponse0\x01B`\n" +
 	"\x0eai.genserve.v1B\rGenerateProtoP\x01Z=github.com/genserve/genserve/clients/go/genservev1;genservev1b\x06proto3"
 
 var (
@@ -1461,7 +2323,7 @@ func file_genserve_v1_generate_proto_rawDescGZIP() []byte {
 }
 
 var file_genserve_v1_generate_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_genserve_v1_generate_proto_goTypes = []any{
 	(FinishReason)(0),              // 0: genserve.v1.FinishReason
 	(*GenerateParameters)(nil),     // 1: genserve.v1.GenerateParameters
@@ -1481,6 +2343,15 @@ var file_genserve_v1_generate_proto_goTypes = []any{
 	(*TokenizeRequest)(nil),        // 15: genserve.v1.TokenizeRequest
 	(*SimpleToken)(nil),            // 16: genserve.v1.SimpleToken
 	(*TokenizeResponse)(nil),       // 17: genserve.v1.TokenizeResponse
+	(*ChatMessage)(nil),            // 18: genserve.v1.ChatMessage
+	(*ResponseFormat)(nil),         // 19: genserve.v1.ResponseFormat
+	(*ChatRequest)(nil),            // 20: genserve.v1.ChatRequest
+	(*Usage)(nil),                  // 21: genserve.v1.Usage
+	(*TokenLogprob)(nil),           // 22: genserve.v1.TokenLogprob
+	(*ChatChoice)(nil),             // 23: genserve.v1.ChatChoice
+	(*ChatResponse)(nil),           // 24: genserve.v1.ChatResponse
+	(*ChatStreamRequest)(nil),      // 25: genserve.v1.ChatStreamRequest
+	(*ChatStreamResponse)(nil),     // 26: genserve.v1.ChatStreamResponse
 }
 var file_genserve_v1_generate_proto_depIdxs = []int32{
 	2,  // 0: genserve.v1.TopTokens.tokens:type_name -> genserve.v1.Token
@@ -1497,21 +2368,42 @@ var file_genserve_v1_generate_proto_depIdxs = []int32{
 	2,  // 11: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
 	9,  // 12: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
 	16, // 13: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
-	5,  // 14: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
-	8,  // 15: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
-	11, // 16: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
-	13, // 17: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
-	15, // 18: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
-	7,  // 19: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
-	10, // 20: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
-	12, // 21: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
-	14, // 22: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
-	17, // 23: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
-	19, // [19:24] is the sub-list for method output_type
-	14, // [14:19] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	18, // 14: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 15: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	19, // 16: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	2,  // 17: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
+	2,  // 18: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
+	18, // 19: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
+	0,  // 20: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
+	22, // 21: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
+	23, // 22: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
+	21, // 23: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
+	18, // 24: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 25: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	19, // 26: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	2,  // 27: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 28: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
+	0,  // 29: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
+	21, // 30: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
+	5,  // 31: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
+	8,  // 32: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
+	11, // 33: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
+	13, // 34: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
+	15, // 35: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
+	20, // 36: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
+	25, // 37: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
+	7,  // 38: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
+	10, // 39: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
+	12, // 40: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
+	14, // 41: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
+	17, // 42: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
+	24, // 43: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
+	26, // 44: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
+	38, // [38:45] is the sub-list for method output_type
+	31, // [31:38] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_genserve_v1_generate_proto_init() }
@@ -1525,13 +2417,16 @@ func file_genserve_v1_generate_proto_init() {
 	file_genserve_v1_generate_proto_msgTypes[8].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[9].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[14].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[19].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[24].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[25].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_genserve_v1_generate_proto_rawDesc), len(file_genserve_v1_generate_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   17,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -27,6 +27,8 @@ const (
 	TextGenerationService_Health_FullMethodName         = "/genserve.v1.TextGenerationService/Health"
 	TextGenerationService_Info_FullMethodName           = "/genserve.v1.TextGenerationService/Info"
 	TextGenerationService_Tokenize_FullMethodName       = "/genserve.v1.TextGenerationService/Tokenize"
+	TextGenerationService_Chat_FullMethodName           = "/genserve.v1.TextGenerationService/Chat"
+	TextGenerationService_ChatStream_FullMethodName     = "/genserve.v1.TextGenerationService/ChatStream"
 )
 
 // TextGenerationServiceClient is the client API for TextGenerationService service.
@@ -48,6 +50,11 @@ type TextGenerationServiceClient interface {
 	Info(ctx context.Context, in *InfoRequest, opts ...grpc.CallOption) (*InfoResponse, error)
 	// Tokenize splits a text into the model's tokens.
 	Tokenize(ctx context.Context, in *TokenizeRequest, opts ...grpc.CallOption) (*TokenizeResponse, error)
+	// Chat renders a conversation with the model's chat template and answers with n replies.
+	// FAILED_PRECONDITION when the model has no chat template (see --chat-template).
+	Chat(ctx context.Context, in *ChatRequest, opts ...grpc.CallOption) (*ChatResponse, error)
+	// ChatStream is Chat with one message per generated token.
+	ChatStream(ctx context.Context, in *ChatStreamRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ChatStreamResponse], error)
 }
 
 type textGenerationServiceClient struct {
@@ -117,6 +124,35 @@ func (c *textGenerationServiceClient) Tokenize(ctx context.Context, in *Tokenize
 	return out, nil
 }
 
+func (c *textGenerationServiceClient) Chat(ctx context.Context, in *ChatRequest, opts ...grpc.CallOption) (*ChatResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ChatResponse)
+	err := c.cc.Invoke(ctx, TextGenerationService_Chat_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *textGenerationServiceClient) ChatStream(ctx context.Context, in *ChatStreamRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ChatStreamResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &TextGenerationService_ServiceDesc.Streams[1], TextGenerationService_ChatStream_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ChatStreamRequest, ChatStreamResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type TextGenerationService_ChatStreamClient = grpc.ServerStreamingClient[ChatStreamResponse]
+
 // TextGenerationServiceServer is the server API for TextGenerationService service.
 // All implementations must embed UnimplementedTextGenerationServiceServer
 // for forward compatibility.
@@ -136,6 +172,11 @@ type TextGenerationServiceServer interface {
 	Info(context.Context, *InfoRequest) (*InfoResponse, error)
 	// Tokenize splits a text into the model's tokens.
 	Tokenize(context.Context, *TokenizeRequest) (*TokenizeResponse, error)
+	// Chat renders a conversation with the model's chat template and answers with n replies.
+	// FAILED_PRECONDITION when the model has no chat template (see --chat-template).
+	Chat(context.Context, *ChatRequest) (*ChatResponse, error)
+	// ChatStream is Chat with one message per generated token.
+	ChatStream(*ChatStreamRequest, grpc.ServerStreamingServer[ChatStreamResponse]) error
 	mustEmbedUnimplementedTextGenerationServiceServer()
 }
 
@@ -160,6 +201,12 @@ func (UnimplementedTextGenerationServiceServer) Info(context.Context, *InfoReque
 }
 func (UnimplementedTextGenerationServiceServer) Tokenize(context.Context, *TokenizeRequest) (*TokenizeResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Tokenize not implemented")
+}
+func (UnimplementedTextGenerationServiceServer) Chat(context.Context, *ChatRequest) (*ChatResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Chat not implemented")
+}
+func (UnimplementedTextGenerationServiceServer) ChatStream(*ChatStreamRequest, grpc.ServerStreamingServer[ChatStreamResponse]) error {
+	return status.Error(codes.Unimplemented, "method ChatStream not implemented")
 }
 func (UnimplementedTextGenerationServiceServer) mustEmbedUnimplementedTextGenerationServiceServer() {}
 func (UnimplementedTextGenerationServiceServer) testEmbeddedByValue()                               {}
@@ -265,6 +312,35 @@ func _TextGenerationService_Tokenize_Handler(srv interface{}, ctx context.Contex
 	return interceptor(ctx, in, info, handler)
 }
 
+func _TextGenerationService_Chat_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ChatRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(TextGenerationServiceServer).Chat(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: TextGenerationService_Chat_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(TextGenerationServiceServer).Chat(ctx, req.(*ChatRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _TextGenerationService_ChatStream_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(ChatStreamRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(TextGenerationServiceServer).ChatStream(m, &grpc.GenericServerStream[ChatStreamRequest, ChatStreamResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type TextGenerationService_ChatStreamServer = grpc.ServerStreamingServer[ChatStreamResponse]
+
 // TextGenerationService_ServiceDesc is the grpc.ServiceDesc for TextGenerationService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -288,11 +364,20 @@ var TextGenerationService_ServiceDesc = grpc.ServiceDesc{
 			MethodName: "Tokenize",
 			Handler:    _TextGenerationService_Tokenize_Handler,
 		},
+		{
+			MethodName: "Chat",
+			Handler:    _TextGenerationService_Chat_Handler,
+		},
 	},
 	Streams: []grpc.StreamDesc{
 		{
 			StreamName:    "GenerateStream",
 			Handler:       _TextGenerationService_GenerateStream_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "ChatStream",
+			Handler:       _TextGenerationService_ChatStream_Handler,
 			ServerStreams: true,
 		},
 	},

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agenserve/v1/generate.proto\x12\x0bgenserve.v1\"\xca\x04\n\x12GenerateParameters\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tdo_sample\x18\x02 \x01(\x08\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x16\n\ttypical_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x15\n\x08truncate\x18\x0b \x01(\rH\x08\x88\x01\x01\x12\x18\n\x10return_full_text\x18\x0c \x01(\x08\x12\x0f\n\x07\x64\x65tails\x18\r \x01(\x08\x12\x1d\n\x15\x64\x65\x63oder_input_details\x18\x0e \x01(\x08\x12\x19\n\x0ctop_n_tokens\x18\x0f \x01(\rH\t\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x11\n\twatermark\x18\x11 \x01(\x08\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_truncateB\x0f\n\r_top_n_tokensB\n\n\x08_best_of\"T\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07special\x18\x04 \x01(\x08\x42\n\n\x08_logprob\"/\n\tTopTokens\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.genserve.v1.Token\"\x93\x02\n\x07\x44\x65tails\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.genserve.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12#\n\x07prefill\x18\x04 \x03(\x0b\x32\x12.genserve.v1.Token\x12\"\n\x06tokens\x18\x05 \x03(\x0b\x32\x12.genserve.v1.Token\x12*\n\ntop_tokens\x18\x06 \x03(\x0b\x32\x16.genserve.v1.TopTokens\x12\x14\n\x0cinput_length\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\rB\x07\n\x05_seed\"V\n\x0fGenerateRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\x33\n\nparameters\x18\x02 \x01(\x0b\x32\x1f.genserve.v1.GenerateParameters\"O\n\x0eGenerateResult\x12\x16\n\x0egenerated_text\x18\x01 \x01(\t\x12%\n\x07\x64\x65tails\x18\x02 \x01(\x0b\x32\x14.genserve.v1.Details\"@\n\x10GenerateResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.genserve.v1.GenerateResult\"\\\n\x15GenerateStreamRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x33\n\nparameters\x18\x02 \x01(\x0b\x32\x1f.genserve.v1.GenerateParameters\"\xa4\x01\n\rStreamDetails\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.genserve.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cinput_length\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\rB\x07\n\x05_seed\"\xcf\x01\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12!\n\x05token\x18\x02 \x01(\x0b\x32\x12.genserve.v1.Token\x12&\n\ntop_tokens\x18\x03 \x03(\x0b\x32\x12.genserve.v1.Token\x12\x1b\n\x0egenerated_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12+\n\x07\x64\x65tails\x18\x05 \x01(\x0b\x32\x1a.genserve.v1.StreamDetailsB\x11\n\x0f_generated_text\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\r\n\x0bInfoRequest\"\xc6\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_sha\x18\x02 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x03 \x01(\t\x12\x19\n\x11model_device_type\x18\x04 \x01(\t\x12\x11\n\tnum_shard\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x08 \x01(\r\x12\x13\n\x0bmax_best_of\x18\t \x01(\r\x12\x1a\n\x12max_stop_sequences\x18\n \x01(\r\x12\x18\n\x10max_top_n_tokens\x18\x0b \x01(\r\x12\x18\n\x10max_input_tokens\x18\x0c \x01(\r\x12\x18\n\x10max_total_tokens\x18\r \x01(\r\x12 \n\x18max_batch_prefill_tokens\x18\x0e \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x0f \x01(\r\x12\x1d\n\x15max_client_batch_size\x18\x10 \x01(\r\x12\x0f\n\x07version\x18\x11 \x01(\t\x12\x11\n\tspeculate\x18\x12 \x01(\r\"Y\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"D\n\x0bSimpleToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\"<\n\x10TokenizeResponse\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.genserve.v1.SimpleToken*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\x86\x03\n\x15TextGenerationService\x12G\n\x08Generate\x12\x1c.genserve.v1.GenerateRequest\x1a\x1d.genserve.v1.GenerateResponse\x12[\n\x0eGenerateStream\x12\".genserve.v1.GenerateStreamRequest\x1a#.genserve.v1.GenerateStreamResponse0\x01\x12\x41\n\x06Health\x12\x1a.genserve.v1.HealthRequest\x1a\x1b.genserve.v1.HealthResponse\x12;\n\x04Info\x12\x18.genserve.v1.InfoRequest\x1a\x19.genserve.v1.InfoResponse\x12G\n\x08Tokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponseB`\n\x0e\x61i.genserve.v1B\rGenerateProtoP\x01Z=github.com/genserve/genserve/clients/go/genservev1;genservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agenserve/v1/generate.proto\x12\x0bgenserve.v1\"\xfe\x04\n\x12GenerateParameters\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tdo_sample\x18\x02 \x01(\x08\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x16\n\ttypical_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x15\n\x08truncate\x18\x0b \x01(\rH\x08\x88\x01\x01\x12\x18\n\x10return_full_text\x18\x0c \x01(\x08\x12\x0f\n\x07\x64\x65tails\x18\r \x01(\x08\x12\x1d\n\x15\x64\x65\x63oder_input_details\x18\x0e \x01(\x08\x12\x19\n\x0ctop_n_tokens\x18\x0f \x01(\rH\t\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x11\n\twatermark\x18\x11 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x12 \x01(\x02H\x0b\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_truncateB\x0f\n\r_top_n_tokensB\n\n\x08_best_ofB\x13\n\x11_presence_penalty\"T\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07special\x18\x04 \x01(\x08\x42\n\n\x08_logprob\"/\n\tTopTokens\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.genserve.v1.Token\"\x93\x02\n\x07\x44\x65tails\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.genserve.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12#\n\x07prefill\x18\x04 \x03(\x0b\x32\x12.genserve.v1.Token\x12\"\n\x06tokens\x18\x05 \x03(\x0b\x32\x12.genserve.v1.Token\x12*\n\ntop_tokens\x18\x06 \x03(\x0b\x32\x16.genserve.v1.TopTokens\x12\x14\n\x0cinput_length\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\rB\x07\n\x05_seed\"V\n\x0fGenerateRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\x33\n\nparameters\x18\x02 \x01(\x0b\x32\x1f.genserve.v1.GenerateParameters\"O\n\x0eGenerateResult\x12\x16\n\x0egenerated_text\x18\x01 \x01(\t\x12%\n\x07\x64\x65tails\x18\x02 \x01(\x0b\x32\x14.genserve.v1.Details\"@\n\x10GenerateResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.genserve.v1.GenerateResult\"\\\n\x15GenerateStreamRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x33\n\nparameters\x18\x02 \x01(\x0b\x32\x1f.genserve.v1.GenerateParameters\"\xa4\x01\n\rStreamDetails\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.genserve.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cinput_length\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\rB\x07\n\x05_seed\"\xcf\x01\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12!\n\x05token\x18\x02 \x01(\x0b\x32\x12.genserve.v1.Token\x12&\n\ntop_tokens\x18\x03 \x03(\x0b\x32\x12.genserve.v1.Token\x12\x1b\n\x0egenerated_text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12+\n\x07\x64\x65tails\x18\x05 \x01(\x0b\x32\x1a.genserve.v1.StreamDetailsB\x11\n\x0f_generated_text\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\r\n\x0bInfoRequest\"\xfc\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_sha\x18\x02 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x03 \x01(\t\x12\x19\n\x11model_device_type\x18\x04 \x01(\t\x12\x11\n\tnum_shard\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x08 \x01(\r\x12\x13\n\x0bmax_best_of\x18\t \x01(\r\x12\x1a\n\x12max_stop_sequences\x18\n \x01(\r\x12\x18\n\x10max_top_n_tokens\x18\x0b \x01(\r\x12\x18\n\x10max_input_tokens\x18\x0c \x01(\r\x12\x18\n\x10max_total_tokens\x18\r \x01(\r\x12 \n\x18max_batch_prefill_tokens\x18\x0e \x01(\r\x12\x1e\n\x16max_batch_total_tokens\x18\x0f \x01(\r\x12\x1d\n\x15max_client_batch_size\x18\x10 \x01(\r\x12\x0f\n\x07version\x18\x11 \x01(\t\x12\x11\n\tspeculate\x18\x12 \x01(\r\x12\x19\n\x11has_chat_template\x18\x13 \x01(\x08\x12\x19\n\x11served_model_name\x18\x14 \x01(\t\"Y\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"D\n\x0bSimpleToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x01(\r\"<\n\x10TokenizeResponse\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.genserve.v1.SimpleToken\"P\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"\xe5\x02\n\x0b\x43hatRequest\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\x12\x33\n\nparameters\x18\x02 \x01(\x0b\x32\x1f.genserve.v1.GenerateParameters\x12\x0e\n\x01n\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x34\n\x0fresponse_format\x18\x06 \x01(\x0b\x32\x1b.genserve.v1.ResponseFormat\x12\r\n\x05model\x18\x07 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x08 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\t \x01(\x08\x42\x04\n\x02_nB\x0f\n\r_top_logprobsB\x18\n\x16_add_generation_prompt\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"[\n\x0cTokenLogprob\x12!\n\x05token\x18\x01 \x01(\x0b\x32\x12.genserve.v1.Token\x12(\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x12.genserve.v1.Token\"\xa5\x01\n\nChatChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12)\n\x07message\x18\x02 \x01(\x0b\x32\x18.genserve.v1.ChatMessage\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.genserve.v1.FinishReason\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.genserve.v1.TokenLogprob\"\x87\x01\n\x0c\x43hatResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12(\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x17.genserve.v1.ChatChoice\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.genserve.v1.Usage\"\xeb\x02\n\x11\x43hatStreamRequest\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\x12\x33\n\nparameters\x18\x02 \x01(\x0b\x32\x1f.genserve.v1.GenerateParameters\x12\x0e\n\x01n\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x34\n\x0fresponse_format\x18\x06 \x01(\x0b\x32\x1b.genserve.v1.ResponseFormat\x12\r\n\x05model\x18\x07 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x08 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\t \x01(\x08\x42\x04\n\x02_nB\x0f\n\r_top_logprobsB\x18\n\x16_add_generation_prompt\"\x97\x02\n\x12\x43hatStreamResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\r\n\x05index\x18\x04 \x01(\r\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\t\x12!\n\x05token\x18\x06 \x01(\x0b\x32\x12.genserve.v1.Token\x12(\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x12.genserve.v1.Token\x12\x35\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x19.genserve.v1.FinishReasonH\x00\x88\x01\x01\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.genserve.v1.UsageB\x10\n\x0e_finish_reason*\x85\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\x94\x04\n\x15TextGenerationService\x12G\n\x08Generate\x12\x1c.genserve.v1.GenerateRequest\x1a\x1d.genserve.v1.GenerateResponse\x12[\n\x0eGenerateStream\x12\".genserve.v1.GenerateStreamRequest\x1a#.genserve.v1.GenerateStreamResponse0\x01\x12\x41\n\x06Health\x12\x1a.genserve.v1.HealthRequest\x1a\x1b.genserve.v1.HealthResponse\x12;\n\x04Info\x12\x18.genserve.v1.InfoRequest\x1a\x19.genserve.v1.InfoResponse\x12G\n\x08Tokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponse\x12;\n\x04\x43hat\x12\x18.genserve.v1.ChatRequest\x1a\x19.genserve.v1.ChatResponse\x12O\n\nChatStream\x12\x1e.genserve.v1.ChatStreamRequest\x1a\x1f.genserve.v1.ChatStreamResponse0\x01\x42`\n\x0e\x61i.genserve.v1B\rGenerateProtoP\x01Z=github.com/genserve/genserve/clients/go/genservev1;genservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,42 +32,60 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'genserve.v1.generate_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\016ai.genserve.v1B\rGenerateProtoP\001Z=github.com/genserve/genserve/clients/go/genservev1;genservev1'
-  _globals['_FINISHREASON']._serialized_start=2482
-  _globals['_FINISHREASON']._serialized_end=2615
+  _globals['_FINISHREASON']._serialized_start=4234
+  _globals['_FINISHREASON']._serialized_end=4367
   _globals['_GENERATEPARAMETERS']._serialized_start=44
-  _globals['_GENERATEPARAMETERS']._serialized_end=630
-  _globals['_TOKEN']._serialized_start=632
-  _globals['_TOKEN']._serialized_end=716
-  _globals['_TOPTOKENS']._serialized_start=718
-  _globals['_TOPTOKENS']._serialized_end=765
-  _globals['_DETAILS']._serialized_start=768
-  _globals['_DETAILS']._serialized_end=1043
-  _globals['_GENERATEREQUEST']._serialized_start=1045
-  _globals['_GENERATEREQUEST']._serialized_end=1131
-  _globals['_GENERATERESULT']._serialized_start=1133
-  _globals['_GENERATERESULT']._serialized_end=1212
-  _globals['_GENERATERESPONSE']._serialized_start=1214
-  _globals['_GENERATERESPONSE']._serialized_end=1278
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1280
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1372
-  _globals['_STREAMDETAILS']._serialized_start=1375
-  _globals['_STREAMDETAILS']._serialized_end=1539
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1542
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1749
-  _globals['_HEALTHREQUEST']._serialized_start=1751
-  _globals['_HEALTHREQUEST']._serialized_end=1766
-  _globals['_HEALTHRESPONSE']._serialized_start=1768
-  _globals['_HEALTHRESPONSE']._serialized_end=1784
-  _globals['_INFOREQUEST']._serialized_start=1786
-  _globals['_INFOREQUEST']._serialized_end=1799
-  _globals['_INFORESPONSE']._serialized_start=1802
-  _globals['_INFORESPONSE']._serialized_end=2256
-  _globals['_TOKENIZEREQUEST']._serialized_start=2258
-  _globals['_TOKENIZEREQUEST']._serialized_end=2347
-  _globals['_SIMPLETOKEN']._serialized_start=2349
-  _globals['_SIMPLETOKEN']._serialized_end=2417
-  _globals['_TOKENIZERESPONSE']._serialized_start=2419
-  _globals['_TOKENIZERESPONSE']._serialized_end=2479
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2618
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3008
+  _globals['_GENERATEPARAMETERS']._serialized_end=682
+  _globals['_TOKEN']._serialized_start=684
+  _globals['_TOKEN']._serialized_end=768
+  _globals['_TOPTOKENS']._serialized_start=770
+  _globals['_TOPTOKENS']._serialized_end=817
+  _globals['_DETAILS']._serialized_start=820
+  _globals['_DETAILS']._serialized_end=1095
+  _globals['_GENERATEREQUEST']._serialized_start=1097
+  _globals['_GENERATEREQUEST']._serialized_end=1183
+  _globals['_GENERATERESULT']._serialized_start=1185
+  _globals['_GENERATERESULT']._serialized_end=1264
+  _globals['_GENERATERESPONSE']._serialized_start=1266
+  _globals['_GENERATERESPONSE']._serialized_end=1330
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1332
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1424
+  _globals['_STREAMDETAILS']._serialized_start=1427
+  _globals['_STREAMDETAILS']._serialized_end=1591
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1594
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1801
+  _globals['_HEALTHREQUEST']._serialized_start=1803
+  _globals['_HEALTHREQUEST']._serialized_end=1818
+  _globals['_HEALTHRESPONSE']._serialized_start=1820
+  _globals['_HEALTHRESPONSE']._serialized_end=1836
+  _globals['_INFOREQUEST']._serialized_start=1838
+  _globals['_INFOREQUEST']._serialized_end=1851
+  _globals['_INFORESPONSE']._serialized_start=1854
+  _globals['_INFORESPONSE']._serialized_end=2362
+  _globals['_TOKENIZEREQUEST']._serialized_start=2364
+  _globals['_TOKENIZEREQUEST']._serialized_end=2453
+  _globals['_SIMPLETOKEN']._serialized_start=2455
+  _globals['_SIMPLETOKEN']._serialized_end=2523
+  _globals['_TOKENIZERESPONSE']._serialized_start=2525
+  _globals['_TOKENIZERESPONSE']._serialized_end=2585
+  _globals['_CHATMESSAGE']._serialized_start=2587
+  _globals['_CHATMESSAGE']._serialized_end=2667
+  _globals['_RESPONSEFORMAT']._serialized_start=2669
+  _globals['_RESPONSEFORMAT']._serialized_end=2720
+  _globals['_CHATREQUEST']._serialized_start=2723
+  _globals['_CHATREQUEST']._serialized_end=3080
+  _globals['_USAGE']._serialized_start=3082
+  _globals['_USAGE']._serialized_end=3184
+  _globals['_TOKENLOGPROB']._serialized_start=3186
+  _globals['_TOKENLOGPROB']._serialized_end=3277
+  _globals['_CHATCHOICE']._serialized_start=3280
+  _globals['_CHATCHOICE']._serialized_end=3445
+  _globals['_CHATRESPONSE']._serialized_start=3448
+  _globals['_CHATRESPONSE']._serialized_end=3583
+  _globals['_CHATSTREAMREQUEST']._serialized_start=3586
+  _globals['_CHATSTREAMREQUEST']._serialized_end=3949
+  _globals['_CHATSTREAMRESPONSE']._serialized_start=3952
+  _globals['_CHATSTREAMRESPONSE']._serialized_end=4231
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=4370
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=4902
 # @@protoc_insertion_point(module_scope)

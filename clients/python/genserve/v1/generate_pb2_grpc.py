@@ -60,6 +60,16 @@ class TextGenerationServiceStub:
                 request_serializer=genserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=genserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_unary(
+                '/genserve.v1.TextGenerationService/Chat',
+                request_serializer=genserve_dot_v1_dot_generate__pb2.ChatRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_generate__pb2.ChatResponse.FromString,
+                _registered_method=True)
+        self.ChatStream = channel.unary_stream(
+                '/genserve.v1.TextGenerationService/ChatStream',
+                request_serializer=genserve_dot_v1_dot_generate__pb2.ChatStreamRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_generate__pb2.ChatStreamResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -104,6 +114,21 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chat(self, request, context):
+        """Chat renders a conversation with the model's chat template and answers with n replies.
+        FAILED_PRECONDITION when the model has no chat template (see --chat-template).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChatStream(self, request, context):
+        """ChatStream is Chat with one message per generated token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +156,16 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=genserve_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
                     response_serializer=genserve_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=genserve_dot_v1_dot_generate__pb2.ChatRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_generate__pb2.ChatResponse.SerializeToString,
+            ),
+            'ChatStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ChatStream,
+                    request_deserializer=genserve_dot_v1_dot_generate__pb2.ChatStreamRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_generate__pb2.ChatStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +304,60 @@ class TextGenerationService:
             '/genserve.v1.TextGenerationService/Tokenize',
             genserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
             genserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/genserve.v1.TextGenerationService/Chat',
+            genserve_dot_v1_dot_generate__pb2.ChatRequest.SerializeToString,
+            genserve_dot_v1_dot_generate__pb2.ChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChatStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/genserve.v1.TextGenerationService/ChatStream',
+            genserve_dot_v1_dot_generate__pb2.ChatStreamRequest.SerializeToString,
+            genserve_dot_v1_dot_generate__pb2.ChatStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
