@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from genserve.config import VERSION, Config, load_config, runtime_environment
+from genserve.dtype_choice import choose_dtype
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
@@ -79,7 +80,9 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
-    dtype_name = config.dtype or ("bfloat16" if on_cuda else "float32")
+    dtype = choose_dtype(config.dtype, on_cuda)
+    log.info("dtype", dtype=dtype.name, reason=dtype.reason)
+    dtype_name = dtype.name
     num_gpus = torch.cuda.device_count() if on_cuda else 0
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
     runner: ModelRunner

@@ -16,7 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+# "auto" (or unset): genserve.dtype_choice picks for the machine at start-up.
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 
 DEFAULT_PORT = 50051
@@ -154,7 +155,12 @@ FLAGS: tuple[_Flag, ...] = (
         "Default: the embedded SmolLM2-135M-Instruct.",
     ),
     _flag("revision", "Hub revision (branch, tag or commit) of --model-id."),
-    _flag("dtype", "Weights and compute dtype.", choices=("float32", "bfloat16", "float16")),
+    _flag(
+        "dtype",
+        "Weights and compute dtype. auto (default): bfloat16 on CUDA (float16 without bf16) "
+        "and on CPUs that compute bf16 natively (AVX512-BF16/AMX), float32 on other CPUs.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
     _flag("trust_remote_code", "Allow custom tokenizer code shipped with the model.", _SWITCH),
     _flag(
         "max_concurrent_requests", "Requests in flight before RESOURCE_EXHAUSTED.", _positive_int

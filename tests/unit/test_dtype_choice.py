@@ -1,0 +1,43 @@
+"""--dtype auto: bfloat16 only where it is computed natively, float32 on other CPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genserve import dtype_choice
+from genserve.config import load_config
+from genserve.dtype_choice import choose_dtype
+
+
+def test_explicit_dtype_is_kept() -> None:
+    for name in ("float32", "bfloat16", "float16"):
+        assert choose_dtype(name, on_cuda=False).name == name
+        assert choose_dtype(name, on_cuda=True).name == name
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    monkeypatch.setattr(dtype_choice, "cpu_has_native_bf16", lambda: native)
+    for requested in (None, "auto"):
+        choice = choose_dtype(requested, on_cuda=False)
+        assert choice.name == ("bfloat16" if native else "float32")
+        assert choice.reason.startswith("auto")
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_on_cuda(monkeypatch: pytest.MonkeyPatch, bf16: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert choose_dtype(None, on_cuda=True).name == ("bfloat16" if bf16 else "float16")
+
+
+def test_native_bf16_probe_matches_torch() -> None:
+    # Whatever this machine is, the probe agrees with torch's own CPU capability checks.
+    expected = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert dtype_choice.cpu_has_native_bf16() == expected
+
+
+def test_flag_and_env_accept_auto() -> None:
+    assert load_config(["--dtype", "auto"], environ={}).dtype == "auto"
+    assert load_config([], environ={"DTYPE": "auto"}).dtype == "auto"
+    assert load_config([], environ={}).dtype is None
