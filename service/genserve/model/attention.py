@@ -18,7 +18,9 @@ Two backends:
   precision, decodes instead go through genserve's C++ kernel
   (``genserve.kernels.paged_attention_cpu``), which reads K/V in place through the block
   table (no gather copy, no padding to the longest context) with a float32 softmax; float32
-  keeps SDPA, whose results transformers' reference shares.
+  keeps SDPA, whose results transformers' reference shares.  On CUDA, decodes go through
+  genserve's Triton kernel (``genserve.kernels.triton_attention``), which also reads the
+  blocks in place.
 - :class:`FlashPagedAttention` (CUDA with ``flash_attn``, float16/bfloat16, and block size a
   multiple of 256, which its paged kernels require): cache per layer ``[2, num_blocks, block_size,
   num_kv_heads, head_dim]`` and one ``flash_attn_varlen_func`` call with ``block_table`` for
@@ -152,6 +154,7 @@ class TorchAttentionMetadata:
     prefills: list[_Prefill]
     device: torch.device
     use_cpu_kernel: bool = False  # decodes through torch.ops.genserve.paged_decode_attention
+    use_triton_decode: bool = False  # decodes through genserve.kernels.triton_attention
     dtype: torch.dtype | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
@@ -192,6 +195,18 @@ class TorchAttentionMetadata:
                 self.decode_context_lens,
                 scale,
                 -1 if window is None else window,
+            )
+            return out.view(d, num_heads * head_dim)
+        if self.use_triton_decode:
+            from genserve.kernels import triton_attention
+
+            out = triton_attention.paged_decode_attention(
+                q[:d],
+                kv_cache,
+                self.decode_blocks.view(d, self.decode_max_blocks),
+                self.decode_context_lens,
+                scale,
+                window,
             )
             return out.view(d, num_heads * head_dim)
         _, num_kv_heads, _, block_size, _ = kv_cache.shape
@@ -259,10 +274,17 @@ class TorchPagedAttention:
 
     block_dim = 2
 
-    def __init__(self, device: torch.device, use_cpu_kernel: bool = False) -> None:
+    def __init__(
+        self, device: torch.device, use_cpu_kernel: bool = False, use_triton_decode: bool = False
+    ) -> None:
         self.device = device
         self.use_cpu_kernel = use_cpu_kernel
-        self.name = "torch-sdpa+cpu-decode-kernel" if use_cpu_kernel else "torch-sdpa"
+        self.use_triton_decode = use_triton_decode
+        self.name = "torch-sdpa"
+        if use_cpu_kernel:
+            self.name += "+cpu-decode-kernel"
+        elif use_triton_decode:
+            self.name += "+triton-decode"
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -293,6 +315,7 @@ class TorchPagedAttention:
             prefills=prefills,
             device=dev,
             use_cpu_kernel=self.use_cpu_kernel,
+            use_triton_decode=self.use_triton_decode,
         )
 
 
@@ -372,10 +395,13 @@ class FlashPagedAttention:
         )
 
 
-def select_backend(device: torch.device, block_size: int, dtype: torch.dtype) -> AttentionBackend:
+def select_backend(
+    device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int = 128
+) -> AttentionBackend:
     """flash-attn when it can run (CUDA, importable, half precision, a block size its paged
     kernels accept), else the torch backend — with genserve's CPU decode kernel on CPU in
-    half precision when it builds (``genserve.kernels.cpu``)."""
+    half precision when it builds (``genserve.kernels.cpu``), and on CUDA with genserve's
+    Triton decode kernel (``genserve.kernels.triton_attention``) when Triton is installed."""
     if (
         device.type == "cuda"
         and dtype in (torch.float16, torch.bfloat16)
@@ -384,5 +410,13 @@ def select_backend(device: torch.device, block_size: int, dtype: torch.dtype) ->
     ):
         return FlashPagedAttention(device)
     from genserve.kernels import cpu as cpu_kernels
+    from genserve.kernels import triton_attention
 
-    return TorchPagedAttention(device, use_cpu_kernel=cpu_kernels.usable(device, dtype))
+    triton_decode = (
+        device.type == "cuda"
+        and triton_attention.available(device)
+        and triton_attention.supports(block_size, head_dim)
+    )
+    return TorchPagedAttention(
+        device, use_cpu_kernel=cpu_kernels.usable(device, dtype), use_triton_decode=triton_decode
+    )

@@ -155,7 +155,9 @@ class ModelRunner:
 
         Zero-filled: attention masks out unused slots, but 0 * NaN garbage would still
         poison a softmax-weighted sum."""
-        self.backend = select_backend(self.device, block_size, self.dtype)
+        self.backend = select_backend(
+            self.device, block_size, self.dtype, head_dim=self.config.head_dim
+        )
         shape = self.backend.kv_cache_shape(
             num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
         )
