@@ -1,4 +1,18 @@
-// Command genserve-gateway serves genserve's gRPC API as HTTP/JSON (grpc-gateway v2):
+// Command genserve-gateway serves genserve's gRPC API as HTTP/JSON in three dialects, every
+// route translated to the gRPC RPCs:
+//
+// OpenAI (openai.go, openai_chat.go, openai_completions.go), for the openai package:
+//
+//	POST /v1/chat/completions  Chat / ChatStream (stream=true: server-sent events)
+//	POST /v1/completions       Generate / GenerateStream
+//	GET  /v1/models[/{id}]     Info
+//
+// TGI (tgi.go), for huggingface_hub's InferenceClient and TGI's own clients:
+//
+//	POST /generate, POST /generate_stream (SSE), POST / (either, by "stream")
+//	GET /info, GET /health, POST /tokenize
+//
+// genserve's own mapping (grpc-gateway v2):
 //
 //	POST /v1/generate          GenerateRequest  -> GenerateResponse
 //	POST /v1/generate_stream   GenerateStreamRequest -> newline-delimited {"result": ...}
@@ -37,13 +51,16 @@ import (
 func main() {
 	endpoint := flag.String("grpc-endpoint", "localhost:50051", "genserve gRPC address (host:port)")
 	listen := flag.String("listen", ":8080", "HTTP listen address")
+	var origins originList
+	flag.Var(&origins, "cors-allow-origin",
+		"origin allowed to call from a browser (repeatable or comma-separated; * for any)")
 	flag.Parse()
-	if err := run(*endpoint, *listen); err != nil {
+	if err := run(*endpoint, *listen, origins); err != nil {
 		log.Fatalf("genserve-gateway: %v", err)
 	}
 }
 
-func run(endpoint, listen string) error {
+func run(endpoint, listen string, origins originList) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
@@ -71,7 +88,8 @@ func run(endpoint, listen string) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	handler := withCORS(origins, routes(genservev1.NewTextGenerationServiceClient(conn), mux))
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}
 	log.Printf("genserve-gateway: listening on %s, forwarding to %s", lis.Addr(), endpoint)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(lis) }()
@@ -87,4 +105,28 @@ func run(endpoint, listen string) error {
 		return err
 	}
 	return nil
+}
+
+// routes serves the OpenAI and TGI dialects and hands every other path to grpcMux (the
+// /v1/generate... routes and /healthz).
+func routes(svc genservev1.TextGenerationServiceClient, grpcMux http.Handler) http.Handler {
+	b := newBackend(svc)
+	openai, tgi := openAIHandlers{b}, tgiHandlers{b}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", openai.chatCompletions)
+	mux.HandleFunc("POST /v1/completions", openai.completions)
+	mux.HandleFunc("GET /v1/models", openai.listModels)
+	mux.HandleFunc("GET /v1/models/{id...}", openai.getModel)
+	mux.HandleFunc("POST /generate", tgi.generate)
+	mux.HandleFunc("POST /generate_stream", tgi.generateStream)
+	mux.HandleFunc("POST /{$}", tgi.compat)
+	// huggingface_hub users often give base_url=".../v1" (the OpenAI form); its
+	// text_generation then posts to the base URL itself.
+	mux.HandleFunc("POST /v1", tgi.compat)
+	mux.HandleFunc("POST /v1/{$}", tgi.compat)
+	mux.HandleFunc("GET /info", tgi.info)
+	mux.HandleFunc("GET /health", tgi.health)
+	mux.HandleFunc("POST /tokenize", tgi.tokenize)
+	mux.Handle("/", grpcMux)
+	return mux
 }

@@ -1,0 +1,435 @@
+package main
+
+// POST /v1/completions (OpenAI's legacy text completions) over Generate and GenerateStream.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	genservev1 "github.com/genserve/genserve/clients/go/genservev1"
+)
+
+// defaultCompletionTokens is OpenAI's default max_tokens for /v1/completions.
+const defaultCompletionTokens = 16
+
+type completionRequest struct {
+	samplingFields
+	Prompt   json.RawMessage `json:"prompt"`
+	Logprobs *uint32         `json:"logprobs"`
+	Echo     bool            `json:"echo"`
+	BestOf   *uint32         `json:"best_of"`
+	Suffix   *string         `json:"suffix"`
+}
+
+// prompts is the request's prompt: a string or a list of strings.  Token-id prompts are
+// refused: genserve's Generate takes text.
+func (r *completionRequest) prompts() ([]string, error) {
+	var one string
+	if err := json.Unmarshal(r.Prompt, &one); err == nil {
+		return []string{one}, nil
+	}
+	var many []string
+	if err := json.Unmarshal(r.Prompt, &many); err == nil {
+		if len(many) == 0 {
+			return nil, invalidArg("prompt", "prompt must not be an empty list")
+		}
+		return many, nil
+	}
+	if len(r.Prompt) == 0 || string(r.Prompt) == "null" {
+		return nil, invalidArg("prompt", "missing field `prompt`")
+	}
+	return nil, invalidArg("prompt", "prompt must be a string or a list of strings (token ids are not supported)")
+}
+
+// plan is a validated completion request: the prompts, choices per prompt, and the
+// parameters of the gRPC calls.
+type completionPlan struct {
+	prompts []string
+	n       uint32
+	params  *genservev1.GenerateParameters
+	model   string
+}
+
+func (r *completionRequest) plan() (*completionPlan, error) {
+	if r.BestOf != nil && *r.BestOf > 1 {
+		return nil, invalidArg("best_of", "best_of > 1 is not supported by this server's /v1/completions; use n")
+	}
+	if r.Suffix != nil && *r.Suffix != "" {
+		return nil, invalidArg("suffix", "suffix is not supported by this server")
+	}
+	prompts, err := r.prompts()
+	if err != nil {
+		return nil, err
+	}
+	n, err := r.choices()
+	if err != nil {
+		return nil, err
+	}
+	params, err := r.params()
+	if err != nil {
+		return nil, err
+	}
+	if params.MaxNewTokens == nil {
+		v := uint32(defaultCompletionTokens)
+		params.MaxNewTokens = &v
+	}
+	// Details carry the finish reason and token counts every answer reports.
+	params.Details = true
+	if r.Logprobs != nil {
+		if *r.Logprobs > 0 {
+			params.TopNTokens = r.Logprobs
+		}
+		params.DecoderInputDetails = r.Echo
+	}
+	return &completionPlan{prompts: prompts, n: n, params: params}, nil
+}
+
+// paramsFor is the parameters of choice j: with a seed, choice j samples with seed+j, so the
+// n choices differ yet the answer is reproducible.
+func (p *completionPlan) paramsFor(j uint32) *genservev1.GenerateParameters {
+	if p.params.Seed == nil || j == 0 {
+		return p.params
+	}
+	params := cloneParams(p.params)
+	seed := *p.params.Seed + uint64(j)
+	params.Seed = &seed
+	return params
+}
+
+type completionLogprobs struct {
+	TextOffset    []int                `json:"text_offset"`
+	TokenLogprobs []*float32           `json:"token_logprobs"`
+	Tokens        []string             `json:"tokens"`
+	TopLogprobs   []map[string]float32 `json:"top_logprobs"`
+}
+
+func (l *completionLogprobs) add(offset int, t *genservev1.Token, top []*genservev1.Token, withTop bool) {
+	l.TextOffset = append(l.TextOffset, offset)
+	l.TokenLogprobs = append(l.TokenLogprobs, logprobPtr(t))
+	l.Tokens = append(l.Tokens, t.GetText())
+	if !withTop {
+		l.TopLogprobs = append(l.TopLogprobs, nil)
+		return
+	}
+	m := map[string]float32{}
+	if lp := logprobPtr(t); lp != nil {
+		m[t.GetText()] = *lp
+	}
+	for _, alt := range top {
+		if lp := logprobPtr(alt); lp != nil {
+			m[alt.GetText()] = *lp
+		}
+	}
+	l.TopLogprobs = append(l.TopLogprobs, m)
+}
+
+type completionChoice struct {
+	Index        uint32              `json:"index"`
+	Text         string              `json:"text"`
+	Logprobs     *completionLogprobs `json:"logprobs"`
+	FinishReason *string             `json:"finish_reason"`
+}
+
+type completionResponse struct {
+	ID      string             `json:"id"`
+	Object  string             `json:"object"`
+	Created int64              `json:"created"`
+	Model   string             `json:"model"`
+	Choices []completionChoice `json:"choices"`
+	Usage   *openAIUsage       `json:"usage,omitempty"`
+}
+
+// completionChunk is a streamed completion; usage is null on every chunk but the last when
+// stream_options.include_usage is set, and absent otherwise (as OpenAI sends it).
+type completionChunk struct {
+	ID      string             `json:"id"`
+	Object  string             `json:"object"`
+	Created int64              `json:"created"`
+	Model   string             `json:"model"`
+	Choices []completionChoice `json:"choices"`
+	Usage   json.RawMessage    `json:"usage,omitempty"`
+}
+
+// toCompletionChoice builds choice index from a finished generation of prompt.
+func toCompletionChoice(index uint32, prompt string, res *genservev1.GenerateResult, echo, logprobs bool) completionChoice {
+	d := res.GetDetails()
+	reason := openAIFinishReason(d.GetFinishReason())
+	text := res.GetGeneratedText()
+	if echo && !strings.HasPrefix(text, prompt) {
+		text = prompt + text
+	}
+	choice := completionChoice{Index: index, Text: text, FinishReason: &reason}
+	if logprobs {
+		lp := &completionLogprobs{}
+		offset := 0
+		if echo {
+			for _, t := range d.GetPrefill() {
+				lp.add(offset, t, nil, false)
+				offset += len(t.GetText())
+			}
+		}
+		tops := d.GetTopTokens()
+		for i, t := range d.GetTokens() {
+			var top []*genservev1.Token
+			if i < len(tops) {
+				top = tops[i].GetTokens()
+			}
+			lp.add(offset, t, top, true)
+			offset += len(t.GetText())
+		}
+		choice.Logprobs = lp
+	}
+	return choice
+}
+
+// completions is POST /v1/completions.
+func (h openAIHandlers) completions(w http.ResponseWriter, r *http.Request) {
+	var req completionRequest
+	if err := readJSON(w, r, &req); err != nil {
+		writeOpenAIError(w, err)
+		return
+	}
+	plan, err := req.plan()
+	if err != nil {
+		writeOpenAIError(w, err)
+		return
+	}
+	ctx, cancel := contextWithCancel(r)
+	defer cancel()
+	if plan.model, err = h.b.checkModel(ctx, req.Model); err != nil {
+		writeOpenAIError(w, err)
+		return
+	}
+	if req.Stream {
+		h.streamCompletions(ctx, w, &req, plan)
+		return
+	}
+	resp, err := h.unaryCompletions(ctx, &req, plan)
+	if err != nil {
+		writeOpenAIError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, resp)
+}
+
+// unaryCompletions makes one Generate call per choice number j (all prompts batched), in
+// parallel; choice i*n+j is prompt i's j-th completion.
+func (h openAIHandlers) unaryCompletions(ctx context.Context, req *completionRequest, plan *completionPlan) (*completionResponse, error) {
+	results := make([][]*genservev1.GenerateResult, plan.n)
+	errs := make([]error, plan.n)
+	var wg sync.WaitGroup
+	for j := range plan.n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := h.b.svc.Generate(ctx, &genservev1.GenerateRequest{Inputs: plan.prompts, Parameters: plan.paramsFor(j)})
+			if err == nil && len(resp.GetResults()) != len(plan.prompts) {
+				err = errors.New("the server answered with a wrong number of results")
+			}
+			results[j], errs[j] = resp.GetResults(), err
+		}()
+	}
+	wg.Wait()
+	if err := firstError(errs); err != nil {
+		return nil, err
+	}
+	out := &completionResponse{ID: randomID("cmpl-"), Object: "text_completion", Created: time.Now().Unix(), Model: plan.model}
+	var prompt, completion, cached uint32
+	for i, p := range plan.prompts {
+		for j := range plan.n {
+			res := results[j][i]
+			out.Choices = append(out.Choices, toCompletionChoice(uint32(i)*plan.n+j, p, res, req.Echo, req.Logprobs != nil))
+			completion += res.GetDetails().GetGeneratedTokens()
+		}
+		// A prompt is counted once, however many choices it has (as vLLM counts).
+		prompt += results[0][i].GetDetails().GetInputLength()
+		cached += results[0][i].GetDetails().GetCachedTokens()
+	}
+	out.Usage = newUsage(prompt, completion, cached)
+	return out, nil
+}
+
+// firstError keeps the gRPC status of the first failure, so its HTTP code survives.
+func firstError(errs []error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// streamEvent is one message of one of a request's concurrent gRPC streams.
+type streamEvent struct {
+	choice uint32
+	msg    *genservev1.GenerateStreamResponse
+	err    error // set on failure; msg nil and err nil: this stream has ended
+}
+
+// stopHoldback is how many trailing bytes of text might begin a stop sequence: they are
+// held back from a stream until the next token shows whether the stop text is complete
+// (the server cuts it from the final text, so it must never reach the client).
+func stopHoldback(text string, stops []string) int {
+	hold := 0
+	for _, stop := range stops {
+		for k := min(len(stop)-1, len(text)); k > hold; k-- {
+			if strings.HasSuffix(text, stop[:k]) {
+				hold = k
+				break
+			}
+		}
+	}
+	return hold
+}
+
+// choiceStream tracks the text a streamed choice has sent.
+type choiceStream struct {
+	text string // all token text so far
+	sent int    // bytes of text already sent
+}
+
+// next returns the text that can be sent after msg.
+func (c *choiceStream) next(msg *genservev1.GenerateStreamResponse, stops []string) string {
+	if msg.GeneratedText != nil {
+		// Last message: the server's final text (stop sequence removed) is the truth.
+		final := msg.GetGeneratedText()
+		if len(final) < c.sent || final[:c.sent] != c.text[:c.sent] {
+			return ""
+		}
+		delta := final[c.sent:]
+		c.text, c.sent = final, len(final)
+		return delta
+	}
+	c.text += msg.GetToken().GetText()
+	safe := len(c.text) - stopHoldback(c.text, stops)
+	if safe <= c.sent {
+		return ""
+	}
+	delta := c.text[c.sent:safe]
+	c.sent = safe
+	return delta
+}
+
+func (h openAIHandlers) streamCompletions(ctx context.Context, w http.ResponseWriter, req *completionRequest, plan *completionPlan) {
+	events := make(chan streamEvent)
+	total := uint32(len(plan.prompts)) * plan.n
+	for i, p := range plan.prompts {
+		for j := range plan.n {
+			choice := uint32(i)*plan.n + j
+			go pumpGenerateStream(ctx, h.b.svc, p, plan.paramsFor(j), choice, events)
+		}
+	}
+	id, created := randomID("cmpl-"), time.Now().Unix()
+	var usageNull json.RawMessage
+	if req.includeUsage() {
+		usageNull = json.RawMessage("null")
+	}
+	chunk := func(c completionChoice) completionChunk {
+		return completionChunk{ID: id, Object: "text_completion", Created: created, Model: plan.model,
+			Choices: []completionChoice{c}, Usage: usageNull}
+	}
+	states := make([]choiceStream, total)
+	var sse *sseWriter
+	var prompt, completion, cached uint32
+	for ended := uint32(0); ended < total; {
+		var ev streamEvent
+		select {
+		case ev = <-events:
+		case <-ctx.Done():
+			return // the client has gone
+		}
+		if ev.err != nil {
+			if sse == nil {
+				writeOpenAIError(w, ev.err)
+			} else {
+				writeStreamError(sse, ev.err)
+			}
+			return // the deferred cancel ends the other streams
+		}
+		if ev.msg == nil {
+			ended++
+			continue
+		}
+		if sse == nil {
+			sse = startSSE(w, "data: ")
+			if req.Echo {
+				for c := range total {
+					if sse.json(chunk(completionChoice{Index: c, Text: plan.prompts[c/plan.n]})) != nil {
+						return
+					}
+				}
+			}
+		}
+		msg := ev.msg
+		c := completionChoice{Index: ev.choice, Text: states[ev.choice].next(msg, plan.params.Stop)}
+		if req.Logprobs != nil {
+			lp := &completionLogprobs{}
+			lp.add(len(states[ev.choice].text)-len(msg.GetToken().GetText()), msg.GetToken(), msg.GetTopTokens(), true)
+			c.Logprobs = lp
+		}
+		if d := msg.GetDetails(); d != nil && msg.GeneratedText != nil {
+			reason := openAIFinishReason(d.GetFinishReason())
+			c.FinishReason = &reason
+			completion += d.GetGeneratedTokens()
+			if ev.choice%plan.n == 0 {
+				prompt += d.GetInputLength()
+				cached += d.GetCachedTokens()
+			}
+		} else if c.Text == "" && c.Logprobs == nil {
+			continue // nothing to tell yet (a possible stop sequence is held back)
+		}
+		if sse.json(chunk(c)) != nil {
+			return // the client has gone; the deferred cancel ends the gRPC calls
+		}
+	}
+	if sse == nil { // cannot happen: every stream sends at least its last message
+		sse = startSSE(w, "data: ")
+	}
+	if req.includeUsage() {
+		usage, _ := json.Marshal(newUsage(prompt, completion, cached))
+		if sse.json(completionChunk{ID: id, Object: "text_completion", Created: created, Model: plan.model,
+			Choices: []completionChoice{}, Usage: usage}) != nil {
+			return
+		}
+	}
+	_ = sse.raw("[DONE]")
+}
+
+// pumpGenerateStream runs one GenerateStream call and forwards its messages to events,
+// then an end marker; it gives up as soon as ctx is cancelled.
+func pumpGenerateStream(ctx context.Context, svc genservev1.TextGenerationServiceClient, input string,
+	params *genservev1.GenerateParameters, choice uint32, events chan<- streamEvent) {
+	send := func(ev streamEvent) bool {
+		select {
+		case events <- ev:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+	stream, err := svc.GenerateStream(ctx, &genservev1.GenerateStreamRequest{Inputs: input, Parameters: params})
+	if err != nil {
+		send(streamEvent{choice: choice, err: err})
+		return
+	}
+	for {
+		msg, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			send(streamEvent{choice: choice})
+			return
+		}
+		if err != nil {
+			send(streamEvent{choice: choice, err: err})
+			return
+		}
+		if !send(streamEvent{choice: choice, msg: msg}) {
+			return
+		}
+	}
+}
