@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from genserve.testing.tiny_model import make_tiny_model
-from tests.utils.live_server import LiveServer, start_server
+from tests.clients.gateway_process import Gateway, build_gateway, run_gateway
+from tests.utils.live_server import LiveServer, free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,3 +54,33 @@ def busy_server(tiny_model: Path) -> Iterator[LiveServer]:
         tiny_model, "--max-concurrent-requests", "1", "--prometheus-port", "0"
     ) as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def gateway_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The genserve-gateway binary, built once per session."""
+    return build_gateway(tmp_path_factory.mktemp("gateway") / "genserve-gateway")
+
+
+ALLOWED_ORIGIN = "http://app.example"
+
+
+@dataclass
+class DialectGateway:
+    """A genserve with metrics on ``metrics_url`` behind a gateway that allows one CORS origin."""
+
+    server: LiveServer
+    gateway: Gateway
+    metrics_url: str
+
+
+@pytest.fixture(scope="session")
+def dialects(tiny_model: Path, gateway_bin: Path) -> Iterator[DialectGateway]:
+    """genserve + genserve-gateway for the OpenAI and TGI dialect tests."""
+    metrics_port = free_port()
+    args = (*SERVER_ARGS[:-1], str(metrics_port))  # SERVER_ARGS ends with the metrics port
+    with (
+        start_server(tiny_model, *args) as srv,
+        run_gateway(gateway_bin, srv.address, "--cors-allow-origin", ALLOWED_ORIGIN) as gw,
+    ):
+        yield DialectGateway(srv, gw, f"http://127.0.0.1:{metrics_port}/metrics")
