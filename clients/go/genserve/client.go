@@ -115,3 +115,40 @@ func (c *Client) Tokenize(ctx context.Context, text string) ([]*genservev1.Simpl
 	}
 	return resp.GetTokens(), nil
 }
+
+// Chat answers a conversation: the server renders messages with the model's chat template
+// and returns req.N replies (default 1) with their finish reasons and the token usage.  It
+// fails with FAILED_PRECONDITION when the model has no chat template.
+func (c *Client) Chat(ctx context.Context, req *genservev1.ChatRequest) (*genservev1.ChatResponse, error) {
+	return c.svc.Chat(ctx, req)
+}
+
+// ChatStream is Chat with one message per generated token: Delta is the text it adds to
+// choice Index, a choice's last message has FinishReason, and the call's last has Usage.  A
+// failure is yielded once, as (nil, err); breaking out of the loop cancels the call.
+func (c *Client) ChatStream(
+	ctx context.Context, req *genservev1.ChatStreamRequest,
+) iter.Seq2[*genservev1.ChatStreamResponse, error] {
+	return func(yield func(*genservev1.ChatStreamResponse, error) bool) {
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		stream, err := c.svc.ChatStream(ctx, req)
+		if err != nil {
+			yield(nil, err)
+			return
+		}
+		for {
+			msg, err := stream.Recv()
+			if errors.Is(err, io.EOF) {
+				return
+			}
+			if err != nil {
+				yield(nil, err)
+				return
+			}
+			if !yield(msg, nil) {
+				return
+			}
+		}
+	}
+}

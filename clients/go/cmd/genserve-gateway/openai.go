@@ -29,6 +29,10 @@ import (
 type stringOrList []string
 
 func (s *stringOrList) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		*s = nil
+		return nil
+	}
 	var one string
 	if err := json.Unmarshal(b, &one); err == nil {
 		*s = []string{one}

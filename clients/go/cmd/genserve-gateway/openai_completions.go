@@ -30,6 +30,9 @@ type completionRequest struct {
 // prompts is the request's prompt: a string or a list of strings.  Token-id prompts are
 // refused: genserve's Generate takes text.
 func (r *completionRequest) prompts() ([]string, error) {
+	if len(r.Prompt) == 0 || string(r.Prompt) == "null" {
+		return nil, invalidArg("prompt", "missing field `prompt`")
+	}
 	var one string
 	if err := json.Unmarshal(r.Prompt, &one); err == nil {
 		return []string{one}, nil
@@ -40,9 +43,6 @@ func (r *completionRequest) prompts() ([]string, error) {
 			return nil, invalidArg("prompt", "prompt must not be an empty list")
 		}
 		return many, nil
-	}
-	if len(r.Prompt) == 0 || string(r.Prompt) == "null" {
-		return nil, invalidArg("prompt", "missing field `prompt`")
 	}
 	return nil, invalidArg("prompt", "prompt must be a string or a list of strings (token ids are not supported)")
 }

@@ -25,7 +25,7 @@ import (
 )
 
 // protoPosition is protojson's "proto: (line 1:2): " prefix, meaningless to an HTTP client.
-var protoPosition = regexp.MustCompile(`^proto:\s*(\(line \d+:\d+\):\s*)?`)
+var protoPosition = regexp.MustCompile(`^proto:[\s\x{00a0}]*(\(line \d+:\d+\):[\s\x{00a0}]*)?`)
 
 type tgiRequest struct {
 	Inputs     *string         `json:"inputs"`
