@@ -84,6 +84,12 @@ def test_completions_match_grpc(
     assert out.usage is not None
     assert out.usage.completion_tokens <= 7
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    # huggingface_hub sends "dummy" and TGI's docs "tgi" as the model: both mean the served one.
+    for placeholder in ("dummy", "tgi"):
+        again = client.completions.create(
+            model=placeholder, prompt=PROMPT, max_tokens=7, temperature=0
+        )
+        assert again.model == model and again.choices[0].text == choice.text
 
 
 def test_completions_batch_n_logprobs_echo(client: openai.OpenAI, model: str) -> None:
@@ -150,6 +156,8 @@ def test_errors_raise_openai_exceptions(client: openai.OpenAI, model: str) -> No
     assert isinstance(bad.value.body, dict) and bad.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=model, prompt="x", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="concurrent requests"):
+        client.completions.create(model=model, prompt=["x", "y"], n=100)
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.completions.create(model="no-such-model", prompt="x")
     with pytest.raises(openai.NotFoundError):

@@ -18,7 +18,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"strings"
 
 	"google.golang.org/grpc/codes"
 
@@ -120,15 +119,20 @@ func (s *samplingFields) includeUsage() bool {
 	return s.StreamOptions != nil && s.StreamOptions.IncludeUsage
 }
 
+// placeholderModels are names clients send when they do not know the model's: huggingface_hub's
+// InferenceClient(base_url=...) sends "dummy", TGI's documentation uses "tgi".  Like TGI, the
+// gateway takes them to mean the served model.
+var placeholderModels = map[string]bool{"": true, "tgi": true, "dummy": true}
+
 // checkModel refuses a `model` other than the served one (404, as OpenAI and vLLM answer),
-// and returns the name to put in responses.
+// and returns the served name, which responses carry.
 func (b *backend) checkModel(ctx context.Context, requested string) (string, error) {
 	info, err := b.serverInfo(ctx)
 	if err != nil {
 		return "", err
 	}
 	name := modelName(info)
-	if requested != "" && requested != name && requested != info.GetModelId() {
+	if !placeholderModels[requested] && requested != name && requested != info.GetModelId() {
 		return "", &requestError{code: codes.NotFound, param: "model",
 			msg: fmt.Sprintf("The model `%s` does not exist; this server serves `%s`.", requested, name)}
 	}
@@ -203,11 +207,16 @@ func (h openAIHandlers) listModels(w http.ResponseWriter, r *http.Request) {
 
 // getModel is GET /v1/models/{id}; ids may hold slashes (org/name).
 func (h openAIHandlers) getModel(w http.ResponseWriter, r *http.Request) {
-	id := strings.TrimPrefix(r.PathValue("id"), "/")
-	if _, err := h.b.checkModel(outgoingContext(r.Context(), r), id); err != nil {
+	id := r.PathValue("id")
+	info, err := h.b.serverInfo(outgoingContext(r.Context(), r))
+	if err != nil {
 		writeOpenAIError(w, err)
 		return
 	}
-	info, _ := h.b.serverInfo(r.Context())
+	if id != modelName(info) && id != info.GetModelId() {
+		writeOpenAIError(w, &requestError{code: codes.NotFound, param: "model",
+			msg: fmt.Sprintf("The model `%s` does not exist; this server serves `%s`.", id, modelName(info))})
+		return
+	}
 	writeJSON(w, http.StatusOK, h.model(info))
 }

@@ -299,7 +299,7 @@ func (h openAIHandlers) chatCompletions(w http.ResponseWriter, r *http.Request) 
 	}
 	ctx, cancel := contextWithCancel(r)
 	defer cancel()
-	if _, err := h.b.checkModel(ctx, req.Model); err != nil {
+	if preq.Model, err = h.b.checkModel(ctx, req.Model); err != nil {
 		writeOpenAIError(w, err)
 		return
 	}

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -204,6 +205,15 @@ func (h openAIHandlers) completions(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	if plan.model, err = h.b.checkModel(ctx, req.Model); err != nil {
 		writeOpenAIError(w, err)
+		return
+	}
+	// Each (prompt, choice) is one sequence on the server; more than it runs at once would
+	// only come back as 429s.
+	if info, err := h.b.serverInfo(ctx); err == nil &&
+		uint64(len(plan.prompts))*uint64(plan.n) > uint64(info.GetMaxConcurrentRequests()) {
+		writeOpenAIError(w, invalidArg("n", fmt.Sprintf(
+			"%d prompts x n=%d completions exceed the server's %d concurrent requests",
+			len(plan.prompts), plan.n, info.GetMaxConcurrentRequests())))
 		return
 	}
 	if req.Stream {
