@@ -13,6 +13,7 @@ import grpc
 import openai
 import pytest
 from huggingface_hub import InferenceClient
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from genserve.client import Client
@@ -21,7 +22,7 @@ from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.clients.conftest import ALLOWED_ORIGIN, DialectGateway
 
 PROMPT = "Once upon a time"
-MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def chat_served(grpc_stub: pb_grpc.TextGenerationServiceStub) -> None:
 
 def grpc_text(dialects: DialectGateway, prompt: str, max_new_tokens: int) -> str:
     with Client(dialects.server.address, timeout=60) as c:
-        return c.generate(prompt, max_new_tokens=max_new_tokens).generated_text
+        return str(c.generate(prompt, max_new_tokens=max_new_tokens).generated_text)
 
 
 def test_models(client: openai.OpenAI, dialects: DialectGateway) -> None:
@@ -161,7 +162,7 @@ def test_errors_raise_openai_exceptions(client: openai.OpenAI, model: str) -> No
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.completions.create(model="no-such-model", prompt="x")
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="no-such-model", messages=MESSAGES)  # type: ignore[arg-type]
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
 
 
 def test_cors_preflight(dialects: DialectGateway) -> None:
@@ -216,7 +217,9 @@ CANCELLED = ("genserve_request_cancellations_total", "cancelled")
         ("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3000}}),
     ],
 )
-def test_closing_a_stream_frees_kv_blocks(dialects: DialectGateway, path: str, body: dict) -> None:
+def test_closing_a_stream_frees_kv_blocks(
+    dialects: DialectGateway, path: str, body: dict[str, object]
+) -> None:
     before = scrape(dialects.metrics_url)
     req = urllib.request.Request(
         dialects.gateway.url + path, data=json.dumps(body).encode(), method="POST"
@@ -249,14 +252,14 @@ def test_chat_unary_equals_grpc_and_stream(
         model=model,
         messages=MESSAGES,
         max_tokens=12,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     assert out.object == "chat.completion" and out.model == model
     (choice,) = out.choices
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
     expected = grpc_stub.Chat(
         pb.ChatRequest(
-            messages=[pb.ChatMessage(role="user", content=MESSAGES[0]["content"])],
+            messages=[pb.ChatMessage(role="user", content="Tell me a story.")],
             parameters=pb.GenerateParameters(max_new_tokens=12),
         ),
         timeout=60,
@@ -267,7 +270,7 @@ def test_chat_unary_equals_grpc_and_stream(
     chunks = list(
         client.chat.completions.create(
             model=model,
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=12,
             temperature=0,
             stream=True,
@@ -287,7 +290,7 @@ def test_chat_unary_equals_grpc_and_stream(
 def test_chat_logprobs_and_n(client: openai.OpenAI, model: str) -> None:
     out = client.chat.completions.create(
         model=model,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=4,
         temperature=0,
         n=2,
@@ -321,9 +324,11 @@ def test_hf_chat_completion_stream(
         model=model,
         messages=MESSAGES,
         max_tokens=10,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     hf = InferenceClient(base_url=dialects.gateway.url + suffix)
-    chunks = list(hf.chat_completion(MESSAGES, max_tokens=10, temperature=0, stream=True))
+    chunks = list(
+        hf.chat_completion([dict(m) for m in MESSAGES], max_tokens=10, temperature=0, stream=True)
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == unary.choices[0].message.content

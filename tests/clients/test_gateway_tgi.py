@@ -17,7 +17,7 @@ PROMPT = "Once upon a time"
 
 def grpc_text(dialects: DialectGateway, prompt: str, max_new_tokens: int) -> str:
     with Client(dialects.server.address, timeout=60) as client:
-        return client.generate(prompt, max_new_tokens=max_new_tokens).generated_text
+        return str(client.generate(prompt, max_new_tokens=max_new_tokens).generated_text)
 
 
 @pytest.mark.parametrize("suffix", ["", "/v1"])
