@@ -8,6 +8,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import openai
@@ -20,6 +21,9 @@ from genserve.client import Client
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.clients.conftest import ALLOWED_ORIGIN, DialectGateway
+from tests.clients.gateway_process import run_gateway
+from tests.clients.inflight import request_in_flight
+from tests.utils.live_server import LiveServer, free_port
 
 PROMPT = "Once upon a time"
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
@@ -103,6 +107,13 @@ def test_completions_batch_n_logprobs_echo(client: openai.OpenAI, model: str) ->
     assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
     assert "".join(lp.tokens) == out.choices[2].text
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # Sampling (OpenAI's default temperature is 1): with a seed, choice j samples with seed+j,
+    # so the choices differ yet the answer is reproducible.
+    sampled = [
+        [c.text for c in client.completions.create(model=model, prompt="Hi", n=3, seed=5).choices]
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1] and len(set(sampled[0])) > 1
     echoed = client.completions.create(model=model, prompt="Hello", max_tokens=2, echo=True)
     assert echoed.choices[0].text.startswith("Hello")
 
@@ -163,6 +174,29 @@ def test_errors_raise_openai_exceptions(client: openai.OpenAI, model: str) -> No
         client.completions.create(model="no-such-model", prompt="x")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+
+
+def test_overload_and_unavailable(gateway_bin: Path, busy_server: LiveServer) -> None:
+    with (
+        run_gateway(gateway_bin, busy_server.address) as gw,
+        request_in_flight(busy_server.address),
+    ):
+        busy = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            busy.completions.create(model="tgi", prompt="x", max_tokens=1)
+        with pytest.raises(openai.RateLimitError):
+            list(busy.completions.create(model="tgi", prompt="x", max_tokens=1, stream=True))
+        status, reply = gw.json("POST", "/generate", {"inputs": "x"})
+        assert (status, reply["error_type"]) == (429, "overloaded")
+        status, reply = gw.json("POST", "/generate_stream", {"inputs": "x"})
+        assert (status, reply["error_type"]) == (429, "overloaded")
+    with run_gateway(gateway_bin, f"127.0.0.1:{free_port()}") as gw:  # nothing listens there
+        down = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as err:
+            down.models.list()
+        assert err.value.status_code == 503
+        status, reply = gw.json("GET", "/health")
+        assert (status, reply) == (503, {"error": "unhealthy", "error_type": "healthcheck"})
 
 
 def test_cors_preflight(dialects: DialectGateway) -> None:

@@ -68,9 +68,10 @@ type samplingFields struct {
 	StreamOptions     *streamOptions `json:"stream_options"`
 }
 
-// params translates the shared fields to GenerateParameters.  OpenAI's temperature 0 means
-// greedy decoding, which genserve does when no sampling field is set; a top_p of 1 keeps every
-// token, so it is dropped rather than switching sampling on.
+// params translates the shared fields to GenerateParameters with OpenAI's semantics:
+// temperature 0 means greedy decoding, anything else (including no temperature: OpenAI's
+// default is 1) samples, so do_sample is set explicitly (genserve, like TGI, would otherwise
+// take temperature 1 for greedy).  A top_p of 1 keeps every token and is dropped.
 func (s *samplingFields) params() (*genservev1.GenerateParameters, error) {
 	if len(s.LogitBias) > 0 {
 		return nil, invalidArg("logit_bias", "logit_bias is not supported by this server")
@@ -87,6 +88,7 @@ func (s *samplingFields) params() (*genservev1.GenerateParameters, error) {
 	}
 	greedy := s.Temperature != nil && *s.Temperature == 0
 	if !greedy {
+		p.DoSample = true
 		p.Temperature = s.Temperature
 		if s.TopP != nil && *s.TopP != 1 {
 			p.TopP = s.TopP

@@ -120,12 +120,15 @@ func TestSamplingParams(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p.Temperature != nil || p.TopP != nil || p.GetSeed() != 3 || !reflect.DeepEqual(p.GetStop(), []string{"x"}) {
+	if p.GetDoSample() || p.Temperature != nil || p.TopP != nil || p.GetSeed() != 3 || !reflect.DeepEqual(p.GetStop(), []string{"x"}) {
 		t.Errorf("temperature 0 must be greedy: %v", p)
 	}
 	p, _ = (&samplingFields{Temperature: &half, TopP: &one}).params()
-	if p.GetTemperature() != 0.5 || p.TopP != nil {
+	if p.GetTemperature() != 0.5 || p.TopP != nil || !p.GetDoSample() {
 		t.Errorf("top_p 1 is a no-op: %v", p)
+	}
+	if p, _ = (&samplingFields{}).params(); !p.GetDoSample() || p.Temperature != nil {
+		t.Errorf("no temperature samples at the default temperature, as OpenAI: %v", p)
 	}
 	neg := int64(-1)
 	for _, bad := range []samplingFields{{Seed: &neg}, {LogitBias: map[string]any{"1": 2}}, {MaxTokens: proto.Uint32(0)}} {
