@@ -70,29 +70,9 @@ func (c *Client) Generate(
 func (c *Client) GenerateStream(
 	ctx context.Context, input string, params *genservev1.GenerateParameters,
 ) iter.Seq2[*genservev1.GenerateStreamResponse, error] {
-	return func(yield func(*genservev1.GenerateStreamResponse, error) bool) {
-		ctx, cancel := context.WithCancel(ctx)
-		defer cancel()
-		stream, err := c.svc.GenerateStream(
-			ctx, &genservev1.GenerateStreamRequest{Inputs: input, Parameters: params})
-		if err != nil {
-			yield(nil, err)
-			return
-		}
-		for {
-			msg, err := stream.Recv()
-			if errors.Is(err, io.EOF) {
-				return
-			}
-			if err != nil {
-				yield(nil, err)
-				return
-			}
-			if !yield(msg, nil) {
-				return
-			}
-		}
-	}
+	return streamSeq(ctx, func(ctx context.Context) (grpc.ServerStreamingClient[genservev1.GenerateStreamResponse], error) {
+		return c.svc.GenerateStream(ctx, &genservev1.GenerateStreamRequest{Inputs: input, Parameters: params})
+	})
 }
 
 // Health returns nil when the server can generate, and an UNAVAILABLE status error otherwise.
@@ -129,10 +109,20 @@ func (c *Client) Chat(ctx context.Context, req *genservev1.ChatRequest) (*genser
 func (c *Client) ChatStream(
 	ctx context.Context, req *genservev1.ChatStreamRequest,
 ) iter.Seq2[*genservev1.ChatStreamResponse, error] {
-	return func(yield func(*genservev1.ChatStreamResponse, error) bool) {
+	return streamSeq(ctx, func(ctx context.Context) (grpc.ServerStreamingClient[genservev1.ChatStreamResponse], error) {
+		return c.svc.ChatStream(ctx, req)
+	})
+}
+
+// streamSeq runs a server-streaming call as an iterator: messages in order, a failure yielded
+// once as (nil, err), and the call cancelled when the caller stops early.
+func streamSeq[T any](
+	ctx context.Context, start func(context.Context) (grpc.ServerStreamingClient[T], error),
+) iter.Seq2[*T, error] {
+	return func(yield func(*T, error) bool) {
 		ctx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		stream, err := c.svc.ChatStream(ctx, req)
+		stream, err := start(ctx)
 		if err != nil {
 			yield(nil, err)
 			return
