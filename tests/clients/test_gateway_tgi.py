@@ -4,6 +4,7 @@ checked byte for byte where TGI's format matters (server-sent events), against a
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from huggingface_hub import InferenceClient
@@ -113,3 +114,15 @@ def test_validation_errors(dialects: DialectGateway) -> None:
     hf = InferenceClient(base_url=dialects.gateway.url)
     with pytest.raises(ValidationError, match="top_p"):
         hf.text_generation("x", top_p=1.5)
+
+
+def test_request_id_reaches_the_server(dialects: DialectGateway) -> None:
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 1}}
+    status, _, _ = dialects.gateway.request(
+        "POST", "/generate", body, headers={"X-Request-Id": "gateway-req-4242"}
+    )
+    assert status == 200
+    deadline = time.monotonic() + 10
+    while "gateway-req-4242" not in dialects.server.logs():
+        assert time.monotonic() < deadline, "X-Request-Id not forwarded as gRPC metadata"
+        time.sleep(0.05)

@@ -10,8 +10,9 @@ import (
 
 // forwardedHeaders are the HTTP request headers passed on to genserve as gRPC metadata.
 // Authorization carries API keys ("Bearer ..."), so the server, not the gateway, decides who
-// may call; the grpc-gateway routes (/v1/generate...) forward it the same way.
-var forwardedHeaders = []string{"Authorization"}
+// may call (the grpc-gateway routes, /v1/generate..., forward it the same way); X-Request-Id
+// names the request in the server's logs; traceparent/tracestate continue the caller's trace.
+var forwardedHeaders = []string{"Authorization", "X-Request-Id", "Traceparent", "Tracestate"}
 
 // outgoingContext is ctx with the request's forwarded headers as outgoing gRPC metadata
 // (lower-case keys, as gRPC requires).

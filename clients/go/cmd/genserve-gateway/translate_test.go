@@ -274,9 +274,12 @@ func TestCompletionPrompts(t *testing.T) {
 func TestAuthorizationIsForwarded(t *testing.T) {
 	r := httptest.NewRequest("POST", "/v1/completions", nil)
 	r.Header.Set("Authorization", "Bearer k")
+	r.Header.Set("X-Request-Id", "req-1")
+	r.Header.Set("Cookie", "not forwarded")
 	md, _ := metadata.FromOutgoingContext(outgoingContext(context.Background(), r))
-	if got := md.Get("authorization"); !reflect.DeepEqual(got, []string{"Bearer k"}) {
-		t.Errorf("metadata %v", md)
+	want := metadata.Pairs("authorization", "Bearer k", "x-request-id", "req-1")
+	if !reflect.DeepEqual(md, want) {
+		t.Errorf("metadata %v, want %v", md, want)
 	}
 	if _, ok := metadata.FromOutgoingContext(outgoingContext(context.Background(), httptest.NewRequest("GET", "/", nil))); ok {
 		t.Error("metadata added without an Authorization header")
