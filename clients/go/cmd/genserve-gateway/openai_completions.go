@@ -162,7 +162,7 @@ func toCompletionChoice(index uint32, prompt string, res *genservev1.GenerateRes
 	d := res.GetDetails()
 	reason := openAIFinishReason(d.GetFinishReason())
 	text := res.GetGeneratedText()
-	if echo && !strings.HasPrefix(text, prompt) {
+	if echo {
 		text = prompt + text
 	}
 	choice := completionChoice{Index: index, Text: text, FinishReason: &reason}

@@ -325,3 +325,22 @@ func TestCORS(t *testing.T) {
 		}
 	}
 }
+
+func TestCompletionChoiceEchoAndLogprobs(t *testing.T) {
+	res := &genservev1.GenerateResult{GeneratedText: "ab", Details: &genservev1.Details{
+		FinishReason: genservev1.FinishReason_FINISH_REASON_LENGTH,
+		Prefill:      []*genservev1.Token{{Text: "ab"}},
+		Tokens:       []*genservev1.Token{{Text: "a", Logprob: proto.Float32(-1)}, {Text: "b", Logprob: proto.Float32(-2)}},
+		TopTokens: []*genservev1.TopTokens{
+			{Tokens: []*genservev1.Token{{Text: "a", Logprob: proto.Float32(-1)}, {Text: "c", Logprob: proto.Float32(-3)}}},
+			{Tokens: []*genservev1.Token{{Text: "b", Logprob: proto.Float32(-2)}}},
+		},
+	}}
+	// The generated text starts like the prompt: echo still prepends the prompt.
+	c := toCompletionChoice(3, "ab", res, true, true)
+	want := `{"index":3,"text":"abab","logprobs":{"text_offset":[0,2,3],"token_logprobs":[null,-1,-2],` +
+		`"tokens":["ab","a","b"],"top_logprobs":[null,{"a":-1,"c":-3},{"b":-2}]},"finish_reason":"length"}`
+	if got := mustJSON(t, c); got != want {
+		t.Errorf("got  %s\nwant %s", got, want)
+	}
+}
