@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from genserve.chat_template import ChatRenderer, load_template_override
 from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
 from genserve.engine.async_engine import AsyncEngine
@@ -53,6 +54,7 @@ class Loaded:
     tokenizer: Tokenizer
     limits: ServingLimits
     info: pb.InfoResponse
+    chat: ChatRenderer
 
 
 def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
@@ -68,6 +70,8 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     from genserve.worker.model_runner import ModelRunner
     from genserve.worker.shard_plan import resolve_num_shard
 
+    # A bad --chat-template fails the start before minutes of loading, not after.
+    chat_template = load_template_override(config.chat_template, config.tokenizer_config_path)
     resolved = resolve_model(
         config.model_id,
         revision=config.revision,
@@ -98,7 +102,9 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             parallel=ParallelContext.single(),
         )
     try:
-        return _size_and_warm_up(config, resolved, runner, dtype_name, device, num_shard)
+        return _size_and_warm_up(
+            config, resolved, runner, dtype_name, device, num_shard, chat_template
+        )
     except BaseException:
         runner.shutdown()  # a sharded runner stops its workers
         raise
@@ -111,9 +117,12 @@ def _size_and_warm_up(
     dtype_name: str,
     device: torch.device,
     num_shard: int,
+    chat_template: str | None = None,
 ) -> Loaded:
     on_cuda = device.type == "cuda"
     tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
+    chat = ChatRenderer(tokenizer.hf, resolved.model_id, chat_template)
+    log.info("chat_template", loaded=chat.has_template, source=_template_source(config, chat))
     hf_config = json.loads((resolved.local_dir / "config.json").read_text())
     fraction = config.cuda_memory_fraction if on_cuda else config.cpu_memory_fraction
     bytes_per_block = runner.kv_cache_bytes_per_block(config.block_size)
@@ -151,8 +160,18 @@ def _size_and_warm_up(
         max_client_batch_size=config.max_client_batch_size,
         version=VERSION,
         speculate=config.speculate,
+        has_chat_template=chat.has_template,
+        served_model_name=config.served_model_name or resolved.model_id,
     )
-    return Loaded(runner=runner, tokenizer=tokenizer, limits=limits, info=info)
+    return Loaded(runner=runner, tokenizer=tokenizer, limits=limits, info=info, chat=chat)
+
+
+def _template_source(config: Config, chat: ChatRenderer) -> str | None:
+    if config.chat_template:
+        return "--chat-template"
+    if config.tokenizer_config_path is not None:
+        return "--tokenizer-config-path"
+    return "model" if chat.has_template else None
 
 
 def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
@@ -271,6 +290,7 @@ class Service:
                 ),
                 info=loaded.info,
                 max_concurrent_requests=config.max_concurrent_requests,
+                chat=loaded.chat,
             )
         )
         self.engine, self.loaded = engine, loaded

@@ -70,6 +70,9 @@ class Config:
     otlp_service_name: str = "genserve"
     prometheus_port: int | None = 9000
     env: bool = False
+    chat_template: str | None = None
+    tokenizer_config_path: Path | None = None
+    served_model_name: str | None = None
 
 
 def _bool(text: str) -> bool:
@@ -261,6 +264,20 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("otlp_endpoint", "OTLP/gRPC collector URL, e.g. http://collector:4317.", str),
     _flag("otlp_service_name", "service.name of exported spans.", str),
     _flag("prometheus_port", "Port of the Prometheus /metrics endpoint (0: off).", int),
+    _flag(
+        "chat_template",
+        "Chat template for Chat/ChatStream: a Jinja file, or the template text itself "
+        "(SGLang/vLLM). Default: the model's own.",
+    ),
+    _flag(
+        "tokenizer_config_path",
+        "A tokenizer_config.json whose chat_template is used (TGI's flag).",
+        Path,
+    ),
+    _flag(
+        "served_model_name",
+        "The model name clients give as OpenAI's `model` and Info reports. Default: model id.",
+    ),
     # No environment variable, as TGI: "ENV" means something else to POSIX shells.
     _flag("env", "Log the runtime environment at start-up.", _SWITCH, aliases=("-e",), env=("",)),
 )

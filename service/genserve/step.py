@@ -29,10 +29,21 @@ class SamplingParams:
     seed: int = 0  # always set for sampled requests (the engine draws one when absent)
     num_top_tokens: int = 0  # alternatives to return per sampled position
     prompt_logprobs: bool = False  # compute logprobs of the prompt tokens too
+    # 0.0: none (OpenAI/vLLM semantics: once per distinct token of the output, not the prompt)
+    presence_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the logits depend on the tokens so far (such rows never take drafts)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
 
 @dataclass(frozen=True, slots=True)

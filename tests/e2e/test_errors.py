@@ -38,7 +38,11 @@ def _gen(stub: pb_grpc.TextGenerationServiceStub, inputs: list[str], **params: o
         ({"typical_p": 2.0}, "typical_p"),
         ({"repetition_penalty": -0.5}, "repetition_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
-        ({"frequency_penalty": -0.1}, "frequency_penalty"),
+        # OpenAI's and TGI's range is [-2, 2]: a negative penalty is valid, beyond 2 is not.
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"frequency_penalty": 2.1}, "frequency_penalty"),
+        ({"presence_penalty": -2.01}, "presence_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"top_n_tokens": 99}, "top_n_tokens"),
         ({"max_new_tokens": 0}, "max_new_tokens"),

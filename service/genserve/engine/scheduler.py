@@ -326,7 +326,7 @@ class Scheduler:
         gets no drafts (penalties, nothing matched, or fewer than ``num_reserved_blocks``
         blocks would stay free)."""
         p = req.sampling
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0:
+        if p.uses_penalties:
             return None  # penalties change with every accepted token: verify rows would differ
         # The token sampled after the last accepted draft counts against max_new_tokens too.
         room = req.stopping.max_new_tokens - req.num_output_tokens - 1

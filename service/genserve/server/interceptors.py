@@ -7,8 +7,8 @@ for every RPC of ``genserve.v1.TextGenerationService``.
   lines' ``trace_id``/``span_id`` hang off it.  OpenTelemetry's gRPC conventions:
   ``rpc.system``, ``rpc.service``, ``rpc.method``, ``rpc.grpc.status_code``; status ERROR only
   for server-side codes.
-* Metrics (when given; Generate and GenerateStream only): request count, success, failure by
-  reason, duration of successful calls.
+* Metrics (when given; Generate, GenerateStream, Chat, ChatStream): request count, success,
+  failure by reason, duration of successful calls.
 * How a call ended is read the way gRPC reports it: returned → OK; ``context.abort`` → its
   code; cancelled task or closed stream → DEADLINE_EXCEEDED when the deadline has passed,
   else CANCELLED; any other exception → UNKNOWN (an internal error).
@@ -38,7 +38,8 @@ from genserve.tracing import extract_context
 log = structlog.get_logger("genserve.requests")
 
 SERVICE = "genserve.v1.TextGenerationService"
-GENERATION_METHODS = frozenset({"Generate", "GenerateStream"})
+# Chat calls are generation calls too (TGI counts its chat route as a request).
+GENERATION_METHODS = frozenset({"Generate", "GenerateStream", "Chat", "ChatStream"})
 
 _REASONS = {
     grpc.StatusCode.INVALID_ARGUMENT: "validation",

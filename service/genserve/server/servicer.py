@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from genserve.chat_template import ChatRenderer
 from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason
+from genserve.server import chat
 from genserve.server.observe import RequestObserver, bind_call
 from genserve.server.validation import (
     Limits,
@@ -79,6 +81,7 @@ class Serving:
     limits: Limits
     info: pb.InfoResponse
     max_concurrent_requests: int
+    chat: ChatRenderer | None = None  # None: Chat answers FAILED_PRECONDITION
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
@@ -118,13 +121,21 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 f"{limit} (--max-concurrent-requests); retry later",
             )
 
-    def _validate(self, req_id: str, text: str, params: pb.GenerateParameters) -> GenerationRequest:
+    def _validate(
+        self,
+        req_id: str,
+        text: str,
+        params: pb.GenerateParameters,
+        prompt_ids: tuple[int, ...] | None = None,
+    ) -> GenerationRequest:
         serving = self._require()
         try:
             return self.observer.validate(
                 req_id,
                 text,
-                lambda: validate(req_id, text, params, serving.tokenizer, serving.limits),
+                lambda: validate(
+                    req_id, text, params, serving.tokenizer, serving.limits, prompt_ids=prompt_ids
+                ),
             )
         except ValidationError as exc:
             raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -312,3 +323,139 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 for s in spans
             ]
         )
+
+    # ------------------------------------------------------------------ chat
+    def _plan_chat(
+        self, request: chat.ChatRequestPb, base_id: str
+    ) -> tuple[chat.ChatPlan, list[GenerationRequest]]:
+        """Render the conversation once; one engine request per choice (``base_id-i``)."""
+        serving = self._require()
+        try:
+            plan = chat.plan_chat(
+                request,
+                serving.chat,
+                serving.limits,
+                serving.info.served_model_name or serving.info.model_id,
+                serving.info.model_id,
+            )
+        except ValidationError as exc:
+            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except UnsupportedError as exc:
+            raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
+        except chat.ModelNotFoundError as exc:
+            raise _CallFailed(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        except chat.NoTemplateError as exc:
+            raise _CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        num = len(plan.choice_params)
+        reqs = [
+            self._validate(
+                base_id if num == 1 else f"{base_id}-{i}",
+                plan.prompt_text,
+                params,
+                prompt_ids=plan.prompt_ids,
+            )
+            for i, params in enumerate(plan.choice_params)
+        ]
+        return plan, reqs
+
+    async def Chat(
+        self, request: pb.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ChatResponse:
+        base_id = _request_id(context)
+        try:
+            plan, reqs = self._plan_chat(request, base_id)
+            self._admit(len(reqs))
+        except _CallFailed as exc:
+            await context.abort(exc.code, exc.message)
+        self._in_flight += len(reqs)
+        failure: _CallFailed | None = None
+        try:
+            # As Generate: a failed or cancelled call cancels every choice's sequence.
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._collect(r)) for r in reqs]
+        except* _CallFailed as failures:
+            failure = failures.exceptions[0]  # type: ignore[assignment]
+        finally:
+            self._in_flight -= len(reqs)
+        if failure is not None:
+            await context.abort(failure.code, failure.message)
+        tokenizer = self._require().tokenizer
+        response = pb.ChatResponse(id=f"chatcmpl-{base_id}", model=plan.model, created=plan.created)
+        finals: list[FinalInfo] = []
+        for index, collected in enumerate(t.result() for t in tasks):
+            final = collected.final
+            assert final is not None
+            finals.append(final)
+            choice = pb.ChatChoice(
+                index=index,
+                message=pb.ChatMessage(role="assistant", content=final.generated_text),
+                finish_reason=chat.finish_reason(final),
+            )
+            if plan.logprobs:
+                choice.logprobs.extend(
+                    chat.token_logprob(t, top, tokenizer, plan.num_top_logprobs)
+                    for t, top in zip(collected.tokens, collected.top_tokens, strict=True)
+                )
+            response.choices.append(choice)
+        response.usage.CopyFrom(chat.usage(plan, finals))
+        return response
+
+    async def ChatStream(
+        self, request: pb.ChatStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ChatStreamResponse]:
+        base_id = _request_id(context)
+        try:
+            plan, reqs = self._plan_chat(request, base_id)
+            self._admit(len(reqs))
+        except _CallFailed as exc:
+            await context.abort(exc.code, exc.message)
+        self._in_flight += len(reqs)
+        tokenizer = self._require().tokenizer
+        # Choices generate concurrently; their outputs meet in one queue, in arrival order.
+        queue: asyncio.Queue[tuple[int, TokenOutput | None] | _CallFailed] = asyncio.Queue()
+
+        async def pump(index: int, req: GenerationRequest) -> None:
+            try:
+                async for out in self._stream(req):
+                    queue.put_nowait((index, out))
+                queue.put_nowait((index, None))
+            except _CallFailed as exc:
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        finals: list[FinalInfo | None] = [None] * len(reqs)
+        try:
+            remaining = len(reqs)
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, _CallFailed):
+                    await context.abort(item.code, item.message)
+                    return
+                index, out = item
+                if out is None:
+                    remaining -= 1
+                    continue
+                msg = pb.ChatStreamResponse(
+                    id=f"chatcmpl-{base_id}", model=plan.model, created=plan.created, index=index
+                )
+                if out.token is not None:
+                    msg.delta = out.token.text
+                    msg.token.CopyFrom(chat.token_pb(out.token, tokenizer, plan.logprobs))
+                    if plan.num_top_logprobs:
+                        msg.top_logprobs.extend(
+                            chat.token_pb(t, tokenizer, True)
+                            for t in out.top_tokens[: plan.num_top_logprobs]
+                        )
+                if out.final is not None:
+                    finals[index] = out.final
+                    msg.finish_reason = chat.finish_reason(out.final)
+                    if all(f is not None for f in finals):
+                        done = [f for f in finals if f is not None]
+                        msg.usage.CopyFrom(chat.usage(plan, done))
+                yield msg
+        finally:
+            # The caller is gone or the call failed: stop every choice (their KV is freed).
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._in_flight -= len(reqs)

@@ -4,6 +4,7 @@ act on.  Mirrors TGI's router validation (limits, defaults, implied sampling).""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from genserve.engine.outputs import GenerationRequest
@@ -49,6 +50,11 @@ def _check_range(name: str, value: float, low: float, high: float) -> None:
         raise ValidationError(f"`{name}` must be in ({low:g}, {high:g}], got {value:g}")
 
 
+def _check_penalty(name: str, value: float) -> None:
+    if not -2.0 <= value <= 2.0:
+        raise ValidationError(f"`{name}` must be in [-2, 2] (0 disables it), got {value:g}")
+
+
 def _sampling(params: pb.GenerateParameters, limits: Limits) -> tuple[SamplingParams, int | None]:
     temperature = params.temperature if params.HasField("temperature") else 1.0
     if params.HasField("temperature") and temperature < 0:
@@ -66,11 +72,11 @@ def _sampling(params: pb.GenerateParameters, limits: Limits) -> tuple[SamplingPa
             f"`repetition_penalty` must be strictly positive (1.0 disables it), "
             f"got {repetition_penalty:g}"
         )
+    # OpenAI's and TGI's range; a negative penalty favours repetition.
     frequency_penalty = params.frequency_penalty if params.HasField("frequency_penalty") else 0.0
-    if frequency_penalty < 0:
-        raise ValidationError(
-            f"`frequency_penalty` must be >= 0 (0 disables it), got {frequency_penalty:g}"
-        )
+    _check_penalty("frequency_penalty", frequency_penalty)
+    presence_penalty = params.presence_penalty if params.HasField("presence_penalty") else 0.0
+    _check_penalty("presence_penalty", presence_penalty)
     top_n = params.top_n_tokens if params.HasField("top_n_tokens") else 0
     if top_n > limits.max_top_n_tokens:
         raise ValidationError(
@@ -99,6 +105,7 @@ def _sampling(params: pb.GenerateParameters, limits: Limits) -> tuple[SamplingPa
         typical_p=typical_p if sample else 1.0,
         repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
         seed=seed or 0,
         num_top_tokens=top_n,
         prompt_logprobs=params.decoder_input_details,
@@ -112,8 +119,12 @@ def validate(
     params: pb.GenerateParameters,
     tokenizer: Tokenizer,
     limits: Limits,
+    *,
+    prompt_ids: Sequence[int] | None = None,
 ) -> GenerationRequest:
-    """Tokenize and check one input; raises ValidationError or UnsupportedError."""
+    """Tokenize and check one input; raises ValidationError or UnsupportedError.
+    ``prompt_ids``: the input already tokenized (a rendered chat), used instead of
+    encoding ``text``."""
     if params.HasField("best_of") and params.best_of > 1:
         if params.best_of > limits.max_best_of:
             raise ValidationError(
@@ -134,7 +145,7 @@ def validate(
         raise ValidationError("`stop` sequences cannot be empty strings")
     sampling, seed = _sampling(params, limits)
 
-    prompt_ids = tokenizer.encode(text)
+    prompt_ids = tokenizer.encode(text) if prompt_ids is None else list(prompt_ids)
     if params.HasField("truncate"):
         if not 0 < params.truncate <= limits.max_input_tokens:
             raise ValidationError(

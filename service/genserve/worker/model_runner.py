@@ -59,14 +59,19 @@ class _RequestState:
     num_output_tokens: int
     prompt_token_ids: tuple[int, ...]  # kept only when prompt logprobs are wanted
     token_counts: torch.Tensor | None  # [vocab] float32, only with penalties
+    # [vocab] float32 occurrences in the output only, only with a presence penalty
+    output_counts: torch.Tensor | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData, vocab_size: int, device: torch.device) -> _RequestState:
         p = new.sampling
-        counts = None
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0:
+        counts = output_counts = None
+        if p.uses_penalties:
             ids = torch.tensor(new.all_token_ids, dtype=torch.int64, device=device)
             counts = torch.bincount(ids, minlength=vocab_size)[:vocab_size].float()
+        if p.presence_penalty != 0.0:
+            out_ids = ids[new.num_prompt_tokens :]  # a readmission brings its output so far
+            output_counts = torch.bincount(out_ids, minlength=vocab_size)[:vocab_size].float()
         return cls(
             sampling=p,
             num_prompt_tokens=new.num_prompt_tokens,
@@ -76,6 +81,7 @@ class _RequestState:
             if p.prompt_logprobs
             else (),
             token_counts=counts,
+            output_counts=output_counts,
         )
 
 
@@ -289,7 +295,13 @@ class ModelRunner:
             if c.num_draft_tokens and s.token_counts is not None:
                 raise ValueError(f"{c.req_id}: draft tokens for a request with penalties")
             rows += [
-                SamplingRow(s.sampling, s.num_output_tokens + j, s.num_tokens + j, s.token_counts)
+                SamplingRow(
+                    s.sampling,
+                    s.num_output_tokens + j,
+                    s.num_tokens + j,
+                    s.token_counts,
+                    s.output_counts,
+                )
                 for j in range(c.num_draft_tokens + 1)
             ]
         out = self.sampler(logits, rows)
@@ -307,6 +319,8 @@ class ModelRunner:
                 result.append(SampledToken(c.req_id, token_id, out.logprobs[j], out.top_tokens[j]))
                 if state.token_counts is not None:
                     state.token_counts[token_id] += 1
+                if state.output_counts is not None:
+                    state.output_counts[token_id] += 1
             state.num_output_tokens += num_accepted + 1
             state.num_tokens += num_accepted + 1
             row += c.num_draft_tokens + 1

@@ -1,6 +1,7 @@
 """Logits → next tokens for a batch of rows with heterogeneous sampling parameters.
 
-Order of operations (TGI's): repetition penalty → frequency penalty → temperature → top-k →
+Order of operations (TGI's, presence penalty after frequency as vLLM applies them
+together): repetition penalty → frequency penalty → presence penalty → temperature → top-k →
 top-p → typical-p → draw.  Greedy rows take the argmax after the penalties.  Every
 filter is one tensor operation over the rows that use it; rows that leave a parameter at
 its neutral value are not touched.
@@ -55,6 +56,8 @@ class SamplingRow:
     output_index: int
     num_tokens: int = 0
     token_counts: torch.Tensor | None = None
+    # [vocab] float32 occurrences over the output only; required with a presence penalty.
+    output_counts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,7 @@ class SamplerOutput:
 
 
 def _uses_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+    return p.uses_penalties
 
 
 class Sampler:
@@ -123,6 +126,16 @@ class Sampler:
         if bool((freq != 0).any()):
             lengths = torch.tensor([max(r.num_tokens, 1) for r in rows], device=self.device)
             scores = scores - counts / lengths[:, None] * freq[:, None]
+        presence = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)
+        if bool((presence != 0).any()):
+            # OpenAI/vLLM: subtracted once for each distinct token already generated.
+            present = torch.stack(
+                [
+                    _output_counts(r) if r.params.presence_penalty != 0.0 else torch.zeros_like(c)
+                    for r, c in zip(rows, counts, strict=True)
+                ]
+            )
+            scores = scores - (present > 0).to(scores.dtype) * presence[:, None]
         return scores
 
     def _sample(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -178,6 +191,12 @@ def _counts(row: SamplingRow) -> torch.Tensor:
     if row.token_counts is None:
         raise ValueError("a penalised row needs token_counts")
     return row.token_counts
+
+
+def _output_counts(row: SamplingRow) -> torch.Tensor:
+    if row.output_counts is None:
+        raise ValueError("a row with a presence penalty needs output_counts")
+    return row.output_counts
 
 
 def _top_k(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -94,6 +94,7 @@ def _sampling(new: NewRequestData) -> list[Any]:
         p.seed,
         p.num_top_tokens,
         p.prompt_logprobs,
+        p.presence_penalty,
     ]
 
 
@@ -146,8 +147,8 @@ def _new_request(value: Any) -> NewRequestData:
     req_id, token_ids, num_prompt, num_output, sampling = _exactly(
         _list(value, "new_request"), 5, "new_request"
     )
-    (temperature, top_k, top_p, typical_p, rep, freq, seed, num_top, prompt_lp) = _exactly(
-        _list(sampling, "sampling"), 9, "sampling"
+    (temperature, top_k, top_p, typical_p, rep, freq, seed, num_top, prompt_lp, presence) = (
+        _exactly(_list(sampling, "sampling"), 10, "sampling")
     )
     return NewRequestData(
         req_id=_str(req_id),
@@ -164,6 +165,7 @@ def _new_request(value: Any) -> NewRequestData:
             seed=_int(seed),
             num_top_tokens=_int(num_top),
             prompt_logprobs=_bool(prompt_lp),
+            presence_penalty=_float(presence),
         ),
     )
 

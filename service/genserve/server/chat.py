@@ -1,0 +1,189 @@
+"""Chat and ChatStream, pb side: a conversation → one rendered prompt → ``n`` engine requests
+(the same ones Generate builds), and their outputs → OpenAI-shaped replies.
+
+The servicer owns admission, streaming and status codes; this module only checks what is
+chat-specific, renders, and builds messages."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from genserve.chat_template import ROLES, ChatRenderer, ChatTemplateError, NoChatTemplateError
+from genserve.engine.outputs import FinalInfo, TokenInfo
+from genserve.engine.request import FinishReason
+from genserve.server.validation import Limits, UnsupportedError, ValidationError
+from genserve.tokenizer import Tokenizer
+from genserve.v1 import generate_pb2 as pb
+
+# Decoding options of Generate that make no sense for a chat reply (see the proto).
+_REFUSED_FLAGS = ("details", "return_full_text", "decoder_input_details")
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+}
+
+ChatRequestPb = pb.ChatRequest | pb.ChatStreamRequest
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this server does not serve: NOT_FOUND (as vLLM's 404)."""
+
+
+class NoTemplateError(RuntimeError):
+    """FAILED_PRECONDITION: the server has no chat template."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """A checked chat call: the rendered prompt and one parameter set per choice."""
+
+    prompt_text: str
+    prompt_ids: tuple[int, ...]
+    choice_params: tuple[pb.GenerateParameters, ...]
+    logprobs: bool
+    num_top_logprobs: int  # alternatives per token in the reply (0 without logprobs)
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def plan_chat(
+    request: ChatRequestPb,
+    chat: ChatRenderer | None,
+    limits: Limits,
+    served_model_name: str,
+    model_id: str,
+) -> ChatPlan:
+    """Check and render; raises ValidationError, UnsupportedError, ModelNotFoundError or
+    NoTemplateError."""
+    if request.model and request.model not in (served_model_name, model_id):
+        raise ModelNotFoundError(
+            f"The model `{request.model}` does not exist: this server serves "
+            f"`{served_model_name}` (or leave `model` empty)"
+        )
+    if not request.messages:
+        raise ValidationError("`messages` is empty: send at least one message")
+    for i, m in enumerate(request.messages):
+        if m.role not in ROLES:
+            raise ValidationError(
+                f"messages[{i}].role is {m.role!r}; expected one of {', '.join(sorted(ROLES))}"
+            )
+    params = request.parameters
+    for name in _REFUSED_FLAGS:
+        if getattr(params, name):
+            raise ValidationError(
+                f"`parameters.{name}` is not available in Chat: a chat reply always carries "
+                "its finish reason and usage (use `logprobs` for per-token logprobs)"
+            )
+    if params.HasField("truncate"):
+        raise ValidationError(
+            "`parameters.truncate` is not available in Chat: cutting a rendered conversation "
+            "would drop its system prompt; drop old turns instead"
+        )
+    fmt = request.response_format.type
+    if fmt in ("json_object", "json_schema"):
+        raise UnsupportedError(
+            f"response_format {fmt!r}: structured output is not available on this server yet; "
+            "send response_format 'text' (or none)"
+        )
+    if fmt not in ("", "text"):
+        raise ValidationError(
+            f"response_format.type is {fmt!r}; expected 'text', 'json_object' or 'json_schema'"
+        )
+    n = request.n if request.HasField("n") else 1
+    if not 1 <= n <= limits.max_client_batch_size:
+        # Each choice is one engine sequence, like one input of a Generate call, so the same
+        # per-call sequence limit applies.
+        raise ValidationError(
+            f"`n` is {n}; it must be between 1 and {limits.max_client_batch_size} "
+            "(--max-client-batch-size)"
+        )
+    top_n = params.top_n_tokens if params.HasField("top_n_tokens") else 0
+    if request.HasField("top_logprobs"):
+        if not request.logprobs:
+            raise ValidationError("`top_logprobs` needs `logprobs` set to true")
+        if request.top_logprobs > limits.max_top_n_tokens:
+            raise ValidationError(
+                f"`top_logprobs` is {request.top_logprobs}; at most {limits.max_top_n_tokens} "
+                "are allowed (--max-top-n-tokens)"
+            )
+        top_n = max(top_n, request.top_logprobs)
+    if chat is None or not chat.has_template:
+        raise NoTemplateError(str(NoChatTemplateError(model_id)))
+    add_prompt = (
+        request.add_generation_prompt
+        if request.HasField("add_generation_prompt")
+        else (not request.continue_final_message)
+    )
+    try:
+        rendered = chat.render(
+            [_message_dict(m) for m in request.messages],
+            add_generation_prompt=add_prompt,
+            continue_final_message=request.continue_final_message,
+        )
+    except ChatTemplateError as exc:
+        raise ValidationError(str(exc)) from None
+    choices = []
+    for i in range(n):
+        choice = pb.GenerateParameters()
+        choice.CopyFrom(params)
+        if top_n:
+            choice.top_n_tokens = top_n
+        if params.HasField("seed"):
+            # Choice i samples with seed + i: the choices differ, and each is reproducible.
+            choice.seed = (params.seed + i) % (1 << 64)
+        choices.append(choice)
+    return ChatPlan(
+        prompt_text=rendered.text,
+        prompt_ids=rendered.token_ids,
+        choice_params=tuple(choices),
+        logprobs=request.logprobs,
+        num_top_logprobs=top_n if request.logprobs else 0,
+        model=served_model_name,
+    )
+
+
+def _message_dict(m: pb.ChatMessage) -> dict[str, str]:
+    message = {"role": m.role, "content": m.content}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def finish_reason(final: FinalInfo) -> pb.FinishReason:
+    return _FINISH_REASONS.get(final.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+
+
+def token_pb(t: TokenInfo, tokenizer: Tokenizer, with_logprob: bool) -> pb.Token:
+    """The token with its own text (not the text it made final: OpenAI's logprobs list
+    tokens as the tokenizer spells them)."""
+    msg = pb.Token(id=t.token_id, text=tokenizer.token_text(t.token_id), special=t.special)
+    if with_logprob and t.logprob is not None:
+        msg.logprob = t.logprob
+    return msg
+
+
+def token_logprob(
+    t: TokenInfo, top: tuple[TokenInfo, ...], tokenizer: Tokenizer, num_top: int
+) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token=token_pb(t, tokenizer, True),
+        top_logprobs=[token_pb(a, tokenizer, True) for a in top[:num_top]],
+    )
+
+
+def usage(plan: ChatPlan, finals: list[FinalInfo]) -> pb.Usage:
+    """Prompt counted once (as OpenAI does for n > 1); completions summed over choices;
+    cached tokens as the first choice saw them (the prompt as counted)."""
+    prompt = len(plan.prompt_ids)
+    completion = sum(f.num_generated_tokens for f in finals)
+    return pb.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        cached_tokens=finals[0].num_cached_tokens if finals else 0,
+    )
