@@ -45,22 +45,28 @@ def grpc_stub(dialects: DialectGateway) -> Iterator[pb_grpc.TextGenerationServic
         yield pb_grpc.TextGenerationServiceStub(channel)
 
 
+def skip_unless_chat(dialects: DialectGateway) -> None:
+    """Skips a chat test while the server's Chat RPC is not implemented (issue 13's server
+    half lands separately); it runs as soon as Chat answers."""
+    with grpc.insecure_channel(dialects.server.address) as channel:
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        try:
+            stub.Chat(
+                pb.ChatRequest(
+                    messages=[pb.ChatMessage(role="user", content="hi")],
+                    parameters=pb.GenerateParameters(max_new_tokens=1),
+                ),
+                timeout=60,
+            )
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                pytest.skip("this server does not implement Chat yet")
+            raise
+
+
 @pytest.fixture(scope="module")
-def chat_served(grpc_stub: pb_grpc.TextGenerationServiceStub) -> None:
-    """Skips the chat tests while the server's Chat RPC is not implemented (issue 13's server
-    half lands separately); they run as soon as it answers."""
-    try:
-        grpc_stub.Chat(
-            pb.ChatRequest(
-                messages=[pb.ChatMessage(role="user", content="hi")],
-                parameters=pb.GenerateParameters(max_new_tokens=1),
-            ),
-            timeout=60,
-        )
-    except grpc.RpcError as err:
-        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-            pytest.skip("this server does not implement Chat yet")
-        raise
+def chat_served(dialects: DialectGateway) -> None:
+    skip_unless_chat(dialects)
 
 
 def grpc_text(dialects: DialectGateway, prompt: str, max_new_tokens: int) -> str:
@@ -254,11 +260,17 @@ CANCELLED = ("genserve_request_cancellations_total", "cancelled")
             {"prompt": PROMPT, "max_tokens": 3000, "stream": True, "temperature": 0},
         ),
         ("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3000}}),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "max_tokens": 3000, "stream": True, "temperature": 0},
+        ),
     ],
 )
 def test_closing_a_stream_frees_kv_blocks(
     dialects: DialectGateway, path: str, body: dict[str, object]
 ) -> None:
+    if path.endswith("chat/completions"):
+        skip_unless_chat(dialects)
     before = scrape(dialects.metrics_url)
     req = urllib.request.Request(
         dialects.gateway.url + path, data=json.dumps(body).encode(), method="POST"
