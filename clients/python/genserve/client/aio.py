@@ -16,8 +16,10 @@ import grpc.aio
 from genserve.client._common import (
     CHANNEL_OPTIONS,
     DEFAULT_TARGET,
+    ChatMessageLike,
     Deadline,
     Metadata,
+    chat_request,
     generate_request,
     stream_request,
     tokenize_request,
@@ -120,6 +122,68 @@ class AsyncClient:
         request = stream_request(inputs, parameters, params)
         return self._stream(request, timeout)
 
+    async def chat(
+        self,
+        messages: Sequence[ChatMessageLike],
+        *,
+        n: int | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        response_format: Any | None = None,
+        model: str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
+    ) -> Any:
+        """Reply to a conversation rendered with the model's chat template: a
+        ``pb.ChatResponse`` (``choices[i].message.content``, ``finish_reason``, ``usage``).
+        ``messages`` are dicts ``{"role", "content"}`` (OpenAI's shape) or ``pb.ChatMessage``;
+        sampling keywords as :meth:`generate` (max_new_tokens, temperature, seed, stop,
+        presence_penalty ...).  FailedPreconditionError when the server has no chat template."""
+        options = {
+            "n": n,
+            "logprobs": logprobs,
+            "top_logprobs": top_logprobs,
+            "response_format": response_format,
+            "model": model,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
+        request = chat_request(False, messages, parameters, params, options)
+        return await self._unary(self._stub.Chat, request, timeout)
+
+    def chat_stream(
+        self,
+        messages: Sequence[ChatMessageLike],
+        *,
+        n: int | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        response_format: Any | None = None,
+        model: str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
+    ) -> AsyncGenerator[Any, None]:
+        """:meth:`chat` as one ``pb.ChatStreamResponse`` per generated token (``index`` says
+        which choice, ``delta`` the text it adds); each choice's last message has
+        ``finish_reason``, the call's last has ``usage``.  Closing early cancels the call."""
+        options = {
+            "n": n,
+            "logprobs": logprobs,
+            "top_logprobs": top_logprobs,
+            "response_format": response_format,
+            "model": model,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
+        request = chat_request(True, messages, parameters, params, options)
+        return self._stream(request, timeout, self._stub.ChatStream)
+
     async def health(self, *, timeout: float | None = None) -> None:
         """Return when the server can generate; raise UnavailableError otherwise (no retry)."""
         try:
@@ -173,12 +237,14 @@ class AsyncClient:
                     raise error_from_rpc(err) from err
             await asyncio.sleep(delay)
 
-    async def _stream(self, request: Any, timeout: float | None) -> AsyncGenerator[Any, None]:
+    async def _stream(
+        self, request: Any, timeout: float | None, method: Callable[..., Any] | None = None
+    ) -> AsyncGenerator[Any, None]:
         deadline = Deadline(self._timeout_for(timeout))
         attempt = 0
         while True:
             attempt += 1
-            call = self._stub.GenerateStream(
+            call = (method or self._stub.GenerateStream)(
                 request, timeout=deadline.remaining_s(), metadata=self._metadata
             )
             started = False

@@ -29,6 +29,7 @@ class GenerateParams(TypedDict, total=False):
     top_n_tokens: int | None
     best_of: int | None
     watermark: bool | None
+    presence_penalty: float | None
 
 
 _FIELDS = frozenset(GenerateParams.__annotations__)
