@@ -260,21 +260,10 @@ def test_model_name_accepted(stub: pb_grpc.TextGenerationServiceStub) -> None:
         assert reply.choices[0].finish_reason == pb.FINISH_REASON_LENGTH
 
 
-def _wait_all_blocks_free(server: InProcessServer, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.num_free_blocks() == server.num_total_blocks():
-            return
-        time.sleep(0.05)
-    raise AssertionError(
-        f"{server.num_total_blocks() - server.num_free_blocks()} KV blocks still in use"
-    )
-
-
 def test_cancelled_stream_frees_every_choice(
     server: InProcessServer, stub: pb_grpc.TextGenerationServiceStub
 ) -> None:
-    _wait_all_blocks_free(server)
+    server.wait_all_blocks_free()
     call = stub.ChatStream(
         pb.ChatStreamRequest(
             messages=messages(CONVERSATIONS[1]),
@@ -290,7 +279,7 @@ def test_cancelled_stream_frees_every_choice(
             call.cancel()
             break
     assert len(seen) >= 2
-    _wait_all_blocks_free(server)
+    server.wait_all_blocks_free()
     assert server.call(lambda: server.engine.num_in_flight) == 0
     # A unary call whose deadline passes mid-generation frees its choices too.
     code, _ = code_of(
@@ -304,7 +293,7 @@ def test_cancelled_stream_frees_every_choice(
         )
     )
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_all_blocks_free(server)
+    server.wait_all_blocks_free()
     assert server.call(lambda: server.engine.num_in_flight) == 0
 
 

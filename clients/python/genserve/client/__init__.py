@@ -16,7 +16,7 @@ from genserve.client.errors import (
     UnimplementedError,
     error_from_rpc,
 )
-from genserve.client.params import GenerateParams, build_parameters
+from genserve.client.params import ChatParams, GenerateParams, build_parameters
 from genserve.client.retry import NO_RETRY, RetryPolicy
 from genserve.client.sync import Client
 
@@ -24,6 +24,7 @@ __all__ = [
     "NO_RETRY",
     "AsyncClient",
     "CancelledError",
+    "ChatParams",
     "Client",
     "DeadlineExceededError",
     "FailedPreconditionError",

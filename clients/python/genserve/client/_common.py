@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from genserve.client.params import build_parameters
+from genserve.client.params import CHAT_FIELDS, build_parameters
 from genserve.v1 import generate_pb2 as pb
 
 DEFAULT_TARGET = "localhost:50051"
@@ -74,12 +74,13 @@ def chat_request(
     messages: Sequence[ChatMessageLike],
     parameters: Any | None,
     params: Mapping[str, Any],
-    options: Mapping[str, Any],
 ) -> Any:
-    """A ``pb.ChatRequest`` (or ``pb.ChatStreamRequest``); None options keep the defaults.
-    ``response_format`` is a type string ("text", "json_object") or a pb.ResponseFormat."""
+    """A ``pb.ChatRequest`` (or ``pb.ChatStreamRequest``) from :class:`ChatParams` keywords;
+    None keeps a default.  ``response_format`` is a type string or a pb.ResponseFormat."""
     cls = pb.ChatStreamRequest if stream else pb.ChatRequest
-    req = cls(messages=chat_messages(messages), parameters=build_parameters(parameters, params))
+    options = {k: v for k, v in params.items() if k in CHAT_FIELDS}
+    generation = {k: v for k, v in params.items() if k not in CHAT_FIELDS}
+    req = cls(messages=chat_messages(messages), parameters=build_parameters(parameters, generation))
     for name, value in options.items():
         if value is None:
             continue

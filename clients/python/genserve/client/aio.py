@@ -32,7 +32,7 @@ from genserve.v1 import generate_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from typing import Self, Unpack
 
-    from genserve.client.params import GenerateParams
+    from genserve.client.params import ChatParams, GenerateParams
 
 
 class AsyncClient:
@@ -126,62 +126,31 @@ class AsyncClient:
         self,
         messages: Sequence[ChatMessageLike],
         *,
-        n: int | None = None,
-        logprobs: bool | None = None,
-        top_logprobs: int | None = None,
-        response_format: Any | None = None,
-        model: str | None = None,
-        add_generation_prompt: bool | None = None,
-        continue_final_message: bool | None = None,
         parameters: Any | None = None,
         timeout: float | None = None,
-        **params: Unpack[GenerateParams],
+        **params: Unpack[ChatParams],
     ) -> Any:
         """Reply to a conversation rendered with the model's chat template: a
         ``pb.ChatResponse`` (``choices[i].message.content``, ``finish_reason``, ``usage``).
         ``messages`` are dicts ``{"role", "content"}`` (OpenAI's shape) or ``pb.ChatMessage``;
-        sampling keywords as :meth:`generate` (max_new_tokens, temperature, seed, stop,
+        keywords: OpenAI's n, logprobs, top_logprobs, response_format, model ... and the
+        sampling ones of :meth:`generate` (max_new_tokens, temperature, seed, stop,
         presence_penalty ...).  FailedPreconditionError when the server has no chat template."""
-        options = {
-            "n": n,
-            "logprobs": logprobs,
-            "top_logprobs": top_logprobs,
-            "response_format": response_format,
-            "model": model,
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-        }
-        request = chat_request(False, messages, parameters, params, options)
+        request = chat_request(False, messages, parameters, params)
         return await self._unary(self._stub.Chat, request, timeout)
 
     def chat_stream(
         self,
         messages: Sequence[ChatMessageLike],
         *,
-        n: int | None = None,
-        logprobs: bool | None = None,
-        top_logprobs: int | None = None,
-        response_format: Any | None = None,
-        model: str | None = None,
-        add_generation_prompt: bool | None = None,
-        continue_final_message: bool | None = None,
         parameters: Any | None = None,
         timeout: float | None = None,
-        **params: Unpack[GenerateParams],
+        **params: Unpack[ChatParams],
     ) -> AsyncGenerator[Any, None]:
         """:meth:`chat` as one ``pb.ChatStreamResponse`` per generated token (``index`` says
         which choice, ``delta`` the text it adds); each choice's last message has
         ``finish_reason``, the call's last has ``usage``.  Closing early cancels the call."""
-        options = {
-            "n": n,
-            "logprobs": logprobs,
-            "top_logprobs": top_logprobs,
-            "response_format": response_format,
-            "model": model,
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-        }
-        request = chat_request(True, messages, parameters, params, options)
+        request = chat_request(True, messages, parameters, params)
         return self._stream(request, timeout, self._stub.ChatStream)
 
     async def health(self, *, timeout: float | None = None) -> None:

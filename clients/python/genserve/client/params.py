@@ -35,6 +35,23 @@ class GenerateParams(TypedDict, total=False):
 _FIELDS = frozenset(GenerateParams.__annotations__)
 
 
+class ChatParams(GenerateParams, total=False):
+    """The keyword arguments of chat()/chat_stream(): every generation parameter plus
+    OpenAI's chat fields.  ``response_format`` is "text", "json_object" or a
+    ``pb.ResponseFormat``."""
+
+    n: int | None
+    logprobs: bool | None
+    top_logprobs: int | None
+    response_format: Any | None
+    model: str | None
+    add_generation_prompt: bool | None
+    continue_final_message: bool | None
+
+
+CHAT_FIELDS = frozenset(ChatParams.__annotations__) - _FIELDS
+
+
 def build_parameters(base: Any | None, overrides: Mapping[str, Any]) -> Any:
     """A new ``pb.GenerateParameters``: a copy of ``base`` (if given) with every non-None
     keyword of ``overrides`` set.  Raises TypeError for a name that is not a parameter."""
