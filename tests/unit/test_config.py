@@ -91,3 +91,21 @@ def test_chunk_size_and_disabled_chunking() -> None:
         derive_limits(
             Config(disable_chunked_prefill=True, max_batch_prefill_tokens=100), 2048, 10**6, False
         )
+
+
+def test_chat_flags_and_env_vars() -> None:
+    from pathlib import Path
+
+    config = load_config(
+        ["--chat-template", "t.jinja", "--tokenizer-config-path", "/m/tokenizer_config.json",
+         "--served-model-name", "smol"],
+        environ={},
+    )  # fmt: skip
+    assert config.chat_template == "t.jinja"
+    assert config.tokenizer_config_path == Path("/m/tokenizer_config.json")
+    assert config.served_model_name == "smol"
+    env = {"CHAT_TEMPLATE": "{{ x }}", "SERVED_MODEL_NAME": "m", "TOKENIZER_CONFIG_PATH": "/c"}
+    config = load_config(["--served-model-name", "flag"], environ=env)
+    assert config.chat_template == "{{ x }}" and config.tokenizer_config_path == Path("/c")
+    assert config.served_model_name == "flag"  # the flag wins
+    assert load_config([], environ={}).served_model_name is None  # the model id, at start-up

@@ -327,3 +327,26 @@ def test_kv_cache_sizing_and_clean_warmup(tiny_model_factory: TinyModelFactory) 
     assert 0 < runner.available_kv_memory_bytes(0.5) < runner.available_kv_memory_bytes(1.0)
     runner.shutdown()
     runner.shutdown()
+
+
+def test_presence_penalty_survives_preemption(tiny_model_factory: TinyModelFactory) -> None:
+    """A readmitted request rebuilds its output-only counts from the tokens it brings back,
+    so a presence-penalised sequence continues as if it had never been preempted."""
+    model_dir = tiny_model_factory("llama")
+    penalised = SamplingParams(presence_penalty=-2.0)  # negative: the tiny model repeats
+    prompts = random_prompts([30], seed=5)
+    driver = Driver(make_runner(model_dir), budget=64)
+    req = driver.add("p", prompts[0], 20, params=penalised)
+    for _ in range(8):
+        driver.step()
+    assert 0 < len(req.out) < 20
+    driver.preempt(req)
+    driver.run()
+    alone = Driver(make_runner(model_dir), budget=1000)
+    ref = alone.add("p", prompts[0], 20, params=penalised)
+    alone.run()
+    assert [s.token_id for s in req.out] == [s.token_id for s in ref.out]
+    plain = Driver(make_runner(model_dir), budget=1000)
+    unpenalised = plain.add("p", prompts[0], 20)
+    plain.run()
+    assert [s.token_id for s in ref.out] != [s.token_id for s in unpenalised.out]

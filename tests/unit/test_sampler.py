@@ -204,3 +204,85 @@ def test_extreme_uniform_draws_stay_on_allowed_tokens(monkeypatch: pytest.Monkey
         monkeypatch.setattr(sampler_module, "row_uniform", lambda seed, index, u=u: u)
         out = Sampler(CPU)(x, [row(temperature=1.0, top_k=4, seed=1)])
         assert out.token_ids == [expected]
+
+
+def presence_row(
+    prompt: list[int], output: list[int], presence: float, **kw: object
+) -> SamplingRow:
+    """A row as the runner builds it: counts over prompt + output, and over the output only."""
+    counts = torch.bincount(torch.tensor(prompt + output), minlength=VOCAB).float()
+    out_counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=VOCAB).float()
+    params = SamplingParams(presence_penalty=presence, **kw)  # type: ignore[arg-type]
+    return SamplingRow(
+        params,
+        output_index=len(output),
+        num_tokens=len(prompt) + len(output),
+        token_counts=counts,
+        output_counts=out_counts,
+    )
+
+
+def reference_presence(scores: torch.Tensor, output: list[int], presence: float) -> torch.Tensor:
+    """vLLM's documented semantics, written out: every token id that occurs in the generated
+    output loses ``presence`` once, however often it occurred; prompt tokens are untouched."""
+    expected = scores.clone()
+    for token_id in set(output):
+        expected[token_id] -= presence
+    return expected
+
+
+@pytest.mark.parametrize("presence", [1.5, -1.0, 2.0, -2.0])
+def test_presence_penalty_matches_reference(presence: float) -> None:
+    x = logits(1, seed=11)
+    top = x[0].topk(6).indices.tolist()
+    prompt = [top[0], top[0], top[5]]  # in the prompt only: not penalised
+    output = [top[1], top[1], top[1], top[2]]  # token 1 three times, token 2 once
+    out = Sampler(CPU)(x, [presence_row(prompt, output, presence, num_top_tokens=0)])
+    expected = reference_presence(x[0], output, presence)
+    assert out.token_ids == [int(expected.argmax())]
+    # Compare the whole penalised distribution through the sampler's own step.
+    penalised = Sampler(CPU)._apply_penalties(x.clone(), [presence_row(prompt, output, presence)])
+    assert torch.allclose(penalised[0], expected, atol=1e-6)
+    # Logprobs stay the raw model's.
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(x, -1)[0, out.token_ids[0]].item())
+
+
+def test_presence_penalty_counts_distinct_output_tokens_once() -> None:
+    x = torch.zeros(1, VOCAB)
+    x[0, 10], x[0, 20] = 1.0, 0.5
+    # Token 10 generated five times loses 0.6 once (presence, not frequency): 0.4 < 0.5.
+    assert Sampler(CPU)(x, [presence_row([], [10] * 5, presence=0.6)]).token_ids == [20]
+    # ... and 0.4 once is still more than 0.45 for a penalty of 0.45 with any count.
+    assert Sampler(CPU)(x, [presence_row([], [10] * 5, presence=0.45)]).token_ids == [10]
+
+
+def test_presence_penalty_ignores_prompt_tokens() -> None:
+    x = torch.zeros(1, VOCAB)
+    x[0, 10], x[0, 30], x[0, 20] = 1.0, 0.9, 0.8
+    # 30 occurs only in the prompt and keeps 0.9; 10 was generated and drops to 0.45.  Over
+    # prompt + output (not the OpenAI semantics) 30 would drop to 0.35 and 20 would win.
+    assert Sampler(CPU)(x, [presence_row([30, 30], [10], presence=0.55)]).token_ids == [30]
+
+
+def test_negative_frequency_penalty_favours_repeats() -> None:
+    x = torch.zeros(1, VOCAB)
+    x[0, 10], x[0, 20] = 0.9, 1.0
+    # TGI semantics with a negative penalty: score += 0.4 * 2/4 for token 10 -> 1.1.
+    assert Sampler(CPU)(x, [penalised_row([10, 10, 5, 6], frequency=-0.4)]).token_ids == [10]
+
+
+def test_presence_penalty_in_a_mixed_batch() -> None:
+    """Penalised and plain rows in one batch: only the penalised row changes."""
+    x = logits(3, seed=12)
+    greedy = x.argmax(-1).tolist()
+    rows = [
+        row(),
+        presence_row([], [greedy[1]], 2.0),
+        row(temperature=0.7, seed=3),
+    ]
+    out = Sampler(CPU)(x, rows)
+    alone = Sampler(CPU)(x[2:], [row(temperature=0.7, seed=3)])
+    assert out.token_ids[0] == greedy[0]
+    expected = reference_presence(x[1], [greedy[1]], 2.0)
+    assert out.token_ids[1] == int(expected.argmax())
+    assert out.token_ids[2] == alone.token_ids[0]

@@ -42,6 +42,7 @@ STEP = SchedulerOutput(
                 seed=2**63 - 1,
                 num_top_tokens=3,
                 prompt_logprobs=True,
+                presence_penalty=-0.5,
             ),
         ),
         NewRequestData("c", (1,), 1, 0, SamplingParams()),

@@ -227,3 +227,25 @@ def test_drafts_leave_the_blocks_later_requests_need_this_step() -> None:
     roomy.add("b", prompts["b"], 4)
     roomy.step()
     assert all(c.num_draft_tokens > 0 for c in roomy.step().chunks)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(temperature=0.7, seed=3, presence_penalty=-1.0),
+    ],
+)
+def test_no_drafts_with_presence_or_negative_penalties(sampling: SamplingParams) -> None:
+    """A penalty changes the logits with every accepted token, so verify rows would not be
+    what one-token steps see: such requests never draft (exactness of speculation)."""
+    drafted = {}
+    for name, params in (("plain", SamplingParams()), ("penalised", sampling)):
+        sched = Scheduler(spec_config())
+        sched.add_request(Request("p", [5, 6, 5, 6, 5], params, StoppingCriteria(8)))
+        out = sched.schedule()  # prefill
+        sched.update_from_output(out, RunnerOutput(out.step_id, (SampledToken("p", 6, -1.0),)))
+        drafted[name] = sched.schedule().chunks[0].num_draft_tokens
+    assert drafted["plain"] > 0  # the same request without the penalty would draft
+    assert drafted["penalised"] == 0

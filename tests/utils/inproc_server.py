@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +58,16 @@ class InProcessServer:
 
     def num_total_blocks(self) -> int:
         return self.call(lambda: self.engine.scheduler.stats().num_total_blocks)
+
+    def wait_all_blocks_free(self, timeout: float = 10.0) -> None:
+        """Wait until no KV block is in use (ended requests have returned theirs)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.num_free_blocks() == self.num_total_blocks():
+                return
+            time.sleep(0.05)
+        in_use = self.num_total_blocks() - self.num_free_blocks()
+        raise AssertionError(f"{in_use} KV blocks still in use")
 
     def stop(self) -> None:
         try:

@@ -164,6 +164,23 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         except EngineUnavailableError as exc:
             raise _CallFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
+    async def _collect_all(self, reqs: list[GenerationRequest]) -> list[_Collected]:
+        """Generate admitted sequences concurrently (counted in flight meanwhile); raises the
+        first _CallFailed.  A TaskGroup cancels the sibling sequences when one fails or the
+        call is cancelled, so none keeps generating for a caller that is gone."""
+        self._in_flight += len(reqs)
+        failure: _CallFailed | None = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._collect(r)) for r in reqs]
+        except* _CallFailed as failures:
+            failure = failures.exceptions[0]  # type: ignore[assignment]
+        finally:
+            self._in_flight -= len(reqs)
+        if failure is not None:
+            raise failure
+        return [t.result() for t in tasks]
+
     async def _collect(self, req: GenerationRequest) -> _Collected:
         collected = _Collected()
         async for out in self._stream(req):
@@ -216,20 +233,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             self._admit(len(reqs))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
-        self._in_flight += len(reqs)
-        failure: _CallFailed | None = None
         try:
-            # A TaskGroup cancels the sibling sequences when one fails or the call is
-            # cancelled, so none keeps generating for a caller that is gone.
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._collect(r)) for r in reqs]
-        except* _CallFailed as failures:
-            failure = failures.exceptions[0]  # type: ignore[assignment]
-        finally:
-            self._in_flight -= len(reqs)
-        if failure is not None:
-            await context.abort(failure.code, failure.message)
-        results = [t.result() for t in tasks]
+            results = await self._collect_all(reqs)
+        except _CallFailed as exc:
+            await context.abort(exc.code, exc.message)
         response = pb.GenerateResponse()
         for text, req, collected in zip(request.inputs, reqs, results, strict=True):
             assert collected.final is not None
@@ -367,22 +374,14 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             self._admit(len(reqs))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
-        self._in_flight += len(reqs)
-        failure: _CallFailed | None = None
         try:
-            # As Generate: a failed or cancelled call cancels every choice's sequence.
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._collect(r)) for r in reqs]
-        except* _CallFailed as failures:
-            failure = failures.exceptions[0]  # type: ignore[assignment]
-        finally:
-            self._in_flight -= len(reqs)
-        if failure is not None:
-            await context.abort(failure.code, failure.message)
+            results = await self._collect_all(reqs)
+        except _CallFailed as exc:
+            await context.abort(exc.code, exc.message)
         tokenizer = self._require().tokenizer
         response = pb.ChatResponse(id=f"chatcmpl-{base_id}", model=plan.model, created=plan.created)
         finals: list[FinalInfo] = []
-        for index, collected in enumerate(t.result() for t in tasks):
+        for index, collected in enumerate(results):
             final = collected.final
             assert final is not None
             finals.append(final)

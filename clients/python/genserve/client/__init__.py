@@ -7,14 +7,16 @@ from genserve.client.aio import AsyncClient
 from genserve.client.errors import (
     CancelledError,
     DeadlineExceededError,
+    FailedPreconditionError,
     GenserveError,
     InvalidArgumentError,
+    NotFoundError,
     OverloadedError,
     UnavailableError,
     UnimplementedError,
     error_from_rpc,
 )
-from genserve.client.params import GenerateParams, build_parameters
+from genserve.client.params import ChatParams, GenerateParams, build_parameters
 from genserve.client.retry import NO_RETRY, RetryPolicy
 from genserve.client.sync import Client
 
@@ -22,11 +24,14 @@ __all__ = [
     "NO_RETRY",
     "AsyncClient",
     "CancelledError",
+    "ChatParams",
     "Client",
     "DeadlineExceededError",
+    "FailedPreconditionError",
     "GenerateParams",
     "GenserveError",
     "InvalidArgumentError",
+    "NotFoundError",
     "OverloadedError",
     "RetryPolicy",
     "UnavailableError",

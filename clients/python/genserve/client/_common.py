@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from genserve.client.params import build_parameters
+from genserve.client.params import CHAT_FIELDS, build_parameters
 from genserve.v1 import generate_pb2 as pb
 
 DEFAULT_TARGET = "localhost:50051"
@@ -46,6 +46,50 @@ def stream_request(inputs: str, parameters: Any | None, params: Mapping[str, Any
     if not isinstance(inputs, str):
         raise TypeError("generate_stream takes one prompt (a str)")
     return pb.GenerateStreamRequest(inputs=inputs, parameters=build_parameters(parameters, params))
+
+
+ChatMessageLike = Mapping[str, str] | Any  # {"role", "content"[, "name", "tool_call_id"]} or pb
+
+
+def chat_messages(messages: Sequence[ChatMessageLike]) -> list[Any]:
+    """``pb.ChatMessage`` list from dicts (OpenAI's shape) or messages already built."""
+    if isinstance(messages, str | Mapping):
+        raise TypeError("messages must be a sequence of messages (dicts or pb.ChatMessage)")
+    out = []
+    for m in messages:
+        if isinstance(m, pb.ChatMessage):
+            out.append(m)
+        elif isinstance(m, Mapping):
+            unknown = set(m) - {"role", "content", "name", "tool_call_id"}
+            if unknown:
+                raise TypeError(f"unknown chat message field(s): {', '.join(sorted(unknown))}")
+            out.append(pb.ChatMessage(**m))
+        else:
+            raise TypeError(f"a chat message is a dict or pb.ChatMessage, not {type(m).__name__}")
+    return out
+
+
+def chat_request(
+    stream: bool,
+    messages: Sequence[ChatMessageLike],
+    parameters: Any | None,
+    params: Mapping[str, Any],
+) -> Any:
+    """A ``pb.ChatRequest`` (or ``pb.ChatStreamRequest``) from :class:`ChatParams` keywords;
+    None keeps a default.  ``response_format`` is a type string or a pb.ResponseFormat."""
+    cls = pb.ChatStreamRequest if stream else pb.ChatRequest
+    options = {k: v for k, v in params.items() if k in CHAT_FIELDS}
+    generation = {k: v for k, v in params.items() if k not in CHAT_FIELDS}
+    req = cls(messages=chat_messages(messages), parameters=build_parameters(parameters, generation))
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name == "response_format":
+            fmt = pb.ResponseFormat(type=value) if isinstance(value, str) else value
+            req.response_format.CopyFrom(fmt)
+        else:
+            setattr(req, name, value)
+    return req
 
 
 def tokenize_request(text: str, add_special_tokens: bool | None) -> Any:

@@ -40,6 +40,15 @@ class UnimplementedError(GenserveError):
     """UNIMPLEMENTED: the server does not (yet) support what was asked, e.g. best_of."""
 
 
+class FailedPreconditionError(GenserveError):
+    """FAILED_PRECONDITION: the server is not set up for the call, e.g. Chat on a model
+    without a chat template (the message names the flag that fixes it)."""
+
+
+class NotFoundError(GenserveError):
+    """NOT_FOUND: e.g. Chat naming a ``model`` the server does not serve."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[GenserveError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
@@ -47,6 +56,8 @@ _BY_CODE: dict[grpc.StatusCode, type[GenserveError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: CancelledError,
     grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
 }
 
 

@@ -29,9 +29,27 @@ class GenerateParams(TypedDict, total=False):
     top_n_tokens: int | None
     best_of: int | None
     watermark: bool | None
+    presence_penalty: float | None
 
 
 _FIELDS = frozenset(GenerateParams.__annotations__)
+
+
+class ChatParams(GenerateParams, total=False):
+    """The keyword arguments of chat()/chat_stream(): every generation parameter plus
+    OpenAI's chat fields.  ``response_format`` is "text", "json_object" or a
+    ``pb.ResponseFormat``."""
+
+    n: int | None
+    logprobs: bool | None
+    top_logprobs: int | None
+    response_format: Any | None
+    model: str | None
+    add_generation_prompt: bool | None
+    continue_final_message: bool | None
+
+
+CHAT_FIELDS = frozenset(ChatParams.__annotations__) - _FIELDS
 
 
 def build_parameters(base: Any | None, overrides: Mapping[str, Any]) -> Any:

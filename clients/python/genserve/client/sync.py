@@ -11,8 +11,10 @@ import grpc
 from genserve.client._common import (
     CHANNEL_OPTIONS,
     DEFAULT_TARGET,
+    ChatMessageLike,
     Deadline,
     Metadata,
+    chat_request,
     generate_request,
     stream_request,
     tokenize_request,
@@ -25,7 +27,7 @@ from genserve.v1 import generate_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from typing import Self, Unpack
 
-    from genserve.client.params import GenerateParams
+    from genserve.client.params import ChatParams, GenerateParams
 
 
 class Client:
@@ -120,6 +122,37 @@ class Client:
         request = stream_request(inputs, parameters, params)
         return self._stream(request, timeout)
 
+    def chat(
+        self,
+        messages: Sequence[ChatMessageLike],
+        *,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[ChatParams],
+    ) -> Any:
+        """Reply to a conversation rendered with the model's chat template: a
+        ``pb.ChatResponse`` (``choices[i].message.content``, ``finish_reason``, ``usage``).
+        ``messages`` are dicts ``{"role", "content"}`` (OpenAI's shape) or ``pb.ChatMessage``;
+        keywords: OpenAI's n, logprobs, top_logprobs, response_format, model ... and the
+        sampling ones of :meth:`generate` (max_new_tokens, temperature, seed, stop,
+        presence_penalty ...).  FailedPreconditionError when the server has no chat template."""
+        request = chat_request(False, messages, parameters, params)
+        return self._unary(self._stub.Chat, request, timeout)
+
+    def chat_stream(
+        self,
+        messages: Sequence[ChatMessageLike],
+        *,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[ChatParams],
+    ) -> Iterator[Any]:
+        """:meth:`chat` as one ``pb.ChatStreamResponse`` per generated token (``index`` says
+        which choice, ``delta`` the text it adds); each choice's last message has
+        ``finish_reason``, the call's last has ``usage``.  Closing early cancels the call."""
+        request = chat_request(True, messages, parameters, params)
+        return self._stream(request, timeout, self._stub.ChatStream)
+
     def health(self, *, timeout: float | None = None) -> None:
         """Return when the server can generate; raise UnavailableError otherwise.  Never
         retried: it is a probe."""
@@ -170,12 +203,14 @@ class Client:
                     raise error_from_rpc(err) from err
             time.sleep(delay)
 
-    def _stream(self, request: Any, timeout: float | None) -> Iterator[Any]:
+    def _stream(
+        self, request: Any, timeout: float | None, method: Callable[..., Any] | None = None
+    ) -> Iterator[Any]:
         deadline = Deadline(self._timeout_for(timeout))
         attempt = 0
         while True:
             attempt += 1
-            call = self._stub.GenerateStream(
+            call = (method or self._stub.GenerateStream)(
                 request, timeout=deadline.remaining_s(), metadata=self._metadata
             )
             started = False

@@ -1,5 +1,9 @@
 package ai.genserve.client;
 
+import ai.genserve.v1.ChatMessage;
+import ai.genserve.v1.ChatRequest;
+import ai.genserve.v1.ChatResponse;
+import ai.genserve.v1.ChatStreamRequest;
 import ai.genserve.v1.GenerateParameters;
 import ai.genserve.v1.GenerateRequest;
 import ai.genserve.v1.GenerateResult;
@@ -128,6 +132,43 @@ public final class GenserveClient implements AutoCloseable {
             observer.onCompleted();
           }
         });
+  }
+
+  /**
+   * Replies to a conversation rendered with the model's chat template (n choices, usage, logprobs
+   * when asked). FAILED_PRECONDITION when the server has no chat template.
+   */
+  public ChatResponse chat(ChatRequest request) {
+    try {
+      return blocking().chat(request);
+    } catch (StatusRuntimeException e) {
+      throw GenserveException.from(e);
+    }
+  }
+
+  /** {@link #chat(ChatRequest)} for {@code messages} with {@code params} (null: defaults). */
+  public ChatResponse chat(List<ChatMessage> messages, GenerateParameters params) {
+    ChatRequest.Builder request = ChatRequest.newBuilder().addAllMessages(messages);
+    if (params != null) {
+      request.setParameters(params);
+    }
+    return chat(request.build());
+  }
+
+  /** Streams a chat reply, one message per token; close the stream to stop early. */
+  public ChatStream chatStream(ChatStreamRequest request) {
+    Context.CancellableContext context = Context.current().withCancellation();
+    Context previous = context.attach();
+    try {
+      return new ChatStream(blocking().chatStream(request), context);
+    } finally {
+      context.detach(previous);
+    }
+  }
+
+  /** A chat message, e.g. {@code message("user", "Hello")}. */
+  public static ChatMessage message(String role, String content) {
+    return ChatMessage.newBuilder().setRole(role).setContent(content).build();
   }
 
   /** Returns when the server can generate; throws (UNAVAILABLE) otherwise. */

@@ -1,0 +1,80 @@
+"""The Python client's chat methods (sync and asyncio) against a real genserve process."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+import pytest
+
+from genserve.client import (
+    AsyncClient,
+    Client,
+    InvalidArgumentError,
+    NotFoundError,
+    UnimplementedError,
+)
+from genserve.v1 import generate_pb2 as pb
+from tests.utils.live_server import LiveServer
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hello."},
+]
+
+
+def test_chat_and_chat_stream(server: LiveServer) -> None:
+    with Client(server.address, timeout=60) as client:
+        reply = client.chat(MESSAGES, max_new_tokens=12, logprobs=True, top_logprobs=2)
+        assert isinstance(reply, pb.ChatResponse)
+        (choice,) = reply.choices
+        assert choice.message.role == "assistant" and choice.message.content
+        assert len(choice.logprobs) == reply.usage.completion_tokens == 12
+        assert all(len(lp.top_logprobs) == 2 for lp in choice.logprobs)
+        assert reply.model == client.info().served_model_name
+        # pb messages work as well as dicts; the stream adds up to the unary reply.
+        pb_messages = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES]
+        chunks = list(client.chat_stream(pb_messages, max_new_tokens=12))
+        assert "".join(c.delta for c in chunks) == choice.message.content
+        assert chunks[-1].HasField("finish_reason") and chunks[-1].usage.completion_tokens == 12
+        two = client.chat(MESSAGES, n=2, max_new_tokens=6, temperature=0.8, seed=9)
+        assert [c.index for c in two.choices] == [0, 1]
+        assert two.usage.completion_tokens == 12
+        # Closing a stream early is fine (the call is cancelled).
+        stream = client.chat_stream(MESSAGES, max_new_tokens=200)
+        next(iter(stream))
+        stream.close()  # type: ignore[attr-defined]
+
+
+def test_chat_errors_are_typed(server: LiveServer) -> None:
+    with Client(server.address, timeout=60) as client:
+        with pytest.raises(InvalidArgumentError, match="messages"):
+            client.chat([])
+        with pytest.raises(InvalidArgumentError, match="role"):
+            client.chat([{"role": "robot", "content": "x"}])
+        with pytest.raises(UnimplementedError, match="structured output"):
+            client.chat(MESSAGES, response_format="json_object")
+        with pytest.raises(NotFoundError, match="no-such-model"):
+            client.chat(MESSAGES, model="no-such-model")
+        with pytest.raises(InvalidArgumentError, match="presence_penalty"):
+            list(client.chat_stream(MESSAGES, presence_penalty=5.0))
+        with pytest.raises(TypeError, match="unknown chat message field"):
+            client.chat([{"role": "user", "content": "x", "color": "red"}])
+        with pytest.raises(TypeError, match="sequence of messages"):
+            client.chat("hello")  # type: ignore[arg-type]
+
+
+def test_async_chat(server: LiveServer) -> None:
+    async def main() -> tuple[str, str]:
+        async with AsyncClient(server.address, timeout=60) as client:
+            reply = await client.chat(MESSAGES, max_new_tokens=10, presence_penalty=0.5)
+            text = ""
+            async with aclosing(
+                client.chat_stream(MESSAGES, max_new_tokens=10, presence_penalty=0.5)
+            ) as stream:
+                async for chunk in stream:
+                    text += chunk.delta
+            return reply.choices[0].message.content, text
+
+    unary, streamed = asyncio.run(main())
+    assert unary == streamed and unary
