@@ -34,7 +34,7 @@ from genserve.server.security import security_interceptors, server_credentials, 
 from genserve.server.servicer import Serving, TextGenerationServicer
 from genserve.server.validation import Limits
 from genserve.tokenizer import Tokenizer
-from genserve.tracing import configure_tracing
+from genserve.tracing import configure_tracing, set_propagators
 from genserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:  # torch and the model load lazily: the port opens before they import
@@ -212,6 +212,7 @@ class Service:
         self.config = config
         # Observability: metrics unless --prometheus-port 0, traces only with --otlp-endpoint.
         self.metrics = Metrics() if config.prometheus_port else None
+        set_propagators(config.otel_propagators)
         self.tracing = configure_tracing(config.otlp_endpoint, config.otlp_service_name, VERSION)
         tracer = self.tracing.tracer if self.tracing is not None else None
         observer = RequestObserver(self.metrics, tracer, log_requests=config.log_requests)

@@ -88,6 +88,7 @@ class Config:
     max_connection_idle: float = 300.0
     max_connection_age: float = 0.0
     max_connection_age_grace: float = 30.0
+    otel_propagators: tuple[str, ...] = ("tracecontext", "baggage", "b3")
 
 
 def _bool(text: str) -> bool:
@@ -122,6 +123,19 @@ def _fraction(text: str) -> float:
 
 def _service_list(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+_PROPAGATOR_NAMES = ("tracecontext", "baggage", "b3", "b3multi", "none")
+
+
+def _propagators(text: str) -> tuple[str, ...]:
+    names = _service_list(text)
+    unknown = [name for name in names if name not in _PROPAGATOR_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown propagator(s) {', '.join(unknown)}; known: {', '.join(_PROPAGATOR_NAMES)}"
+        )
+    return names
 
 
 def _seconds(text: str) -> float:
@@ -337,6 +351,13 @@ FLAGS: tuple[_Flag, ...] = (
         "max_connection_age_grace",
         "Seconds calls on a connection past --max-connection-age may still run.",
         _seconds,
+    ),
+    _flag(
+        "otel_propagators",
+        "Trace headers continued from callers, comma-separated: tracecontext, baggage, b3 "
+        "(reads b3 and x-b3-*), b3multi, none.",
+        _propagators,
+        env=("OTEL_PROPAGATORS",),
     ),
 )
 
