@@ -86,3 +86,12 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
     log "nginx missing and not installable here (not root or no apt-get): proxy tests will skip"
   fi
 fi
+
+# kustomize renders deploy/kubernetes overlays for the manifest tests (kubectl is not here).
+KUSTOMIZE_VERSION=v5.7.1
+want="$KUSTOMIZE_VERSION"
+if ! current kustomize "$want" || [ ! -x "$bin/kustomize" ]; then
+  log "go install sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION -> .tools/bin"
+  (cd "$tools" && GOBIN="$bin" GOFLAGS=-mod=mod go install "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION")
+  record kustomize "$want"
+fi
