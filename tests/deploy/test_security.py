@@ -3,7 +3,10 @@ throw-away certificates made by the ``cryptography`` package."""
 
 from __future__ import annotations
 
+import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +20,7 @@ from genserve.client import Client, GenserveError, tls_credentials
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.utils.certs import Authority
-from tests.utils.live_server import LiveServer, start_server
+from tests.utils.live_server import LiveServer, free_port, start_server
 
 API_KEY = "s3cret-key-7f1c2b"  # a distinctive string: the log check looks for it
 
@@ -211,3 +214,56 @@ def test_mtls_client_certificate_from_another_ca_is_refused(
 ) -> None:
     rogue = tls_credentials(pki.ca, pki.rogue_client_cert, pki.rogue_client_key)
     assert _code(lambda: _info(mtls_server.address, rogue)) == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture(scope="module")
+def gateway_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gateway") / "genserve-gateway"
+    subprocess.run(
+        ["go", "build", "-o", str(out), "./cmd/genserve-gateway"],
+        cwd=Path(__file__).resolve().parents[2] / "clients" / "go",
+        check=True,
+        timeout=600,
+    )
+    return out
+
+
+def _gateway_status(gateway_bin: Path, server: LiveServer, *flags: str) -> int:
+    """HTTP status of GET /v1/info through a gateway started with ``flags``."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(gateway_bin), "--grpc-endpoint", server.address, "--listen", f"127.0.0.1:{port}",
+         *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/info", timeout=30) as r:
+                    return int(r.status)
+            except urllib.error.HTTPError as exc:
+                return int(exc.code)
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "gateway not up"
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_gateway_speaks_mutual_tls_to_genserve(
+    gateway_bin: Path, mtls_server: LiveServer, pki: Pki
+) -> None:
+    good = (
+        "--grpc-tls-ca", str(pki.ca),
+        "--grpc-tls-cert", str(pki.client_cert),
+        "--grpc-tls-key", str(pki.client_key),
+        "--grpc-tls-server-name", "localhost",
+    )  # fmt: skip
+    assert _gateway_status(gateway_bin, mtls_server, *good) == 200
+    # Without its certificate, or plaintext, the gateway gets no answer: 503.
+    no_cert = ("--grpc-tls-ca", str(pki.ca))
+    assert _gateway_status(gateway_bin, mtls_server, *no_cert) == 503
+    assert _gateway_status(gateway_bin, mtls_server) == 503
