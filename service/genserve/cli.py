@@ -28,6 +28,7 @@ from genserve.limits import LimitsError, ServingLimits, derive_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.server.app import GrpcApp
+from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
 from genserve.server.observe import RequestObserver
 from genserve.server.security import security_interceptors, server_credentials, server_options
@@ -220,6 +221,7 @@ class Service:
         self.app = GrpcApp(
             self.servicer,
             interceptors=[
+                RequestDecodingInterceptor(),
                 *security_interceptors(config),
                 ObservabilityInterceptor(self.metrics, tracer),
             ],
