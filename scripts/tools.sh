@@ -62,3 +62,36 @@ if ! current python-protoc "$want" || [ ! -x "$bin/python-protoc" ]; then
   chmod +x "$bin/python-protoc"
   record python-protoc "$want"
 fi
+
+# ghz, the gRPC load tester (reflection-only load tests, the soak command).  Its own pinned
+# go install: it is a standalone binary, and its dependency set would drag the tool module's.
+GHZ_VERSION=v0.121.0
+want="$GHZ_VERSION"
+if ! current ghz "$want" || [ ! -x "$bin/ghz" ]; then
+  log "go install github.com/bojand/ghz/cmd/ghz@$GHZ_VERSION -> .tools/bin"
+  (cd "$tools" && GOBIN="$bin" GOFLAGS=-mod=mod go install "github.com/bojand/ghz/cmd/ghz@$GHZ_VERSION")
+  record ghz "$want"
+fi
+
+# nginx, the gRPC proxy sidecar of the proxy tests (deploy/nginx/): Debian's package, installed
+# when missing and we are root with apt (CI).  Never fatal: the proxy tests skip, saying why,
+# where it cannot be installed.
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "apt-get install nginx-light"
+    # RUNLEVEL=1: the package must not start a system nginx on port 80; tests run their own.
+    (apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light) >&2 \
+      || log "nginx could not be installed: the proxy tests will skip"
+  else
+    log "nginx missing and not installable here (not root or no apt-get): proxy tests will skip"
+  fi
+fi
+
+# kustomize renders deploy/kubernetes overlays for the manifest tests (kubectl is not here).
+KUSTOMIZE_VERSION=v5.7.1
+want="$KUSTOMIZE_VERSION"
+if ! current kustomize "$want" || [ ! -x "$bin/kustomize" ]; then
+  log "go install sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION -> .tools/bin"
+  (cd "$tools" && GOBIN="$bin" GOFLAGS=-mod=mod go install "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION")
+  record kustomize "$want"
+fi

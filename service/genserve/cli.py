@@ -29,12 +29,14 @@ from genserve.limits import LimitsError, ServingLimits, derive_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.server.app import GrpcApp
+from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
 from genserve.server.observe import RequestObserver
+from genserve.server.security import security_interceptors, server_credentials, server_options
 from genserve.server.servicer import Serving, TextGenerationServicer
 from genserve.server.validation import Limits
 from genserve.tokenizer import Tokenizer
-from genserve.tracing import configure_tracing
+from genserve.tracing import configure_tracing, set_propagators
 from genserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:  # torch and the model load lazily: the port opens before they import
@@ -230,12 +232,19 @@ class Service:
         self.config = config
         # Observability: metrics unless --prometheus-port 0, traces only with --otlp-endpoint.
         self.metrics = Metrics() if config.prometheus_port else None
+        set_propagators(config.otel_propagators)
         self.tracing = configure_tracing(config.otlp_endpoint, config.otlp_service_name, VERSION)
         tracer = self.tracing.tracer if self.tracing is not None else None
         observer = RequestObserver(self.metrics, tracer, log_requests=config.log_requests)
         self.servicer = TextGenerationServicer(observer)
         self.app = GrpcApp(
-            self.servicer, interceptors=[ObservabilityInterceptor(self.metrics, tracer)]
+            self.servicer,
+            interceptors=[
+                RequestDecodingInterceptor(),
+                *security_interceptors(config),
+                ObservabilityInterceptor(self.metrics, tracer),
+            ],
+            options=server_options(config),
         )
         self.metrics_server: MetricsServer | None = None
         self.port = 0
@@ -255,8 +264,15 @@ class Service:
                 self.metrics, self.config.hostname, self.config.prometheus_port
             )
             log.info("metrics_endpoint_started", port=self.metrics_server.port, path="/metrics")
-        self.port = await self.app.start(self.config.hostname, self.config.port)
-        log.info("listening", address=f"{self.config.hostname}:{self.port}", health="NOT_SERVING")
+        credentials = server_credentials(self.config)
+        self.port = await self.app.start(self.config.hostname, self.config.port, credentials)
+        log.info(
+            "listening",
+            address=f"{self.config.hostname}:{self.port}",
+            health="NOT_SERVING",
+            tls="mutual" if self.config.tls_client_ca_file else bool(credentials),
+            api_key=self.config.api_key is not None,
+        )
         self._loading = asyncio.ensure_future(_load_in_thread(self.config, self._on_shard_failure))
         return self.port
 

@@ -12,7 +12,7 @@ import argparse
 import ipaddress
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +21,13 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 
 DEFAULT_PORT = 50051
+# Services answered without --api-key: probes (kubelet, grpc_health_probe, mesh sidecars)
+# carry no credentials, and reflection serves only the public schema (grpcurl, ghz).
+DEFAULT_API_KEY_EXEMPT: tuple[str, ...] = (
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+)
 VERSION = "0.1.0"
 
 
@@ -73,6 +80,18 @@ class Config:
     chat_template: str | None = None
     tokenizer_config_path: Path | None = None
     served_model_name: str | None = None
+    # Deployment: authentication, TLS, transport limits (server/security.py, server/app.py).
+    api_key: str | None = field(default=None, repr=False)  # never printed with the config
+    api_key_exempt: tuple[str, ...] = DEFAULT_API_KEY_EXEMPT
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+    max_message_size: int = 64 * 1024 * 1024
+    keepalive_min_ping_interval: float = 10.0
+    max_connection_idle: float = 300.0
+    max_connection_age: float = 0.0
+    max_connection_age_grace: float = 30.0
+    otel_propagators: tuple[str, ...] = ("tracecontext", "baggage", "b3")
 
 
 def _bool(text: str) -> bool:
@@ -102,6 +121,30 @@ def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _service_list(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+_PROPAGATOR_NAMES = ("tracecontext", "baggage", "b3", "b3multi", "none")
+
+
+def _propagators(text: str) -> tuple[str, ...]:
+    names = _service_list(text)
+    unknown = [name for name in names if name not in _PROPAGATOR_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown propagator(s) {', '.join(unknown)}; known: {', '.join(_PROPAGATOR_NAMES)}"
+        )
+    return names
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {value}")
     return value
 
 
@@ -280,6 +323,59 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     # No environment variable, as TGI: "ENV" means something else to POSIX shells.
     _flag("env", "Log the runtime environment at start-up.", _SWITCH, aliases=("-e",), env=("",)),
+    _flag(
+        "api_key",
+        "Require 'authorization: Bearer KEY' metadata on every RPC (UNAUTHENTICATED otherwise) "
+        "except the --api-key-exempt services. Prefer the environment variable: flags show in ps.",
+    ),
+    _flag(
+        "api_key_exempt",
+        "Comma-separated services answered without the API key (health probes, reflection); "
+        "empty: none.",
+        _service_list,
+    ),
+    _flag("tls_cert_file", "PEM server certificate chain: serve TLS instead of plaintext.", Path),
+    _flag("tls_key_file", "PEM private key of --tls-cert-file.", Path),
+    _flag(
+        "tls_client_ca_file",
+        "PEM CA bundle: require client certificates signed by it (mutual TLS).",
+        Path,
+    ),
+    _flag(
+        "max_message_size",
+        "Largest gRPC message in bytes, either way; larger ones get RESOURCE_EXHAUSTED.",
+        _positive_int,
+        aliases=("--payload-limit",),
+        env=("MAX_MESSAGE_SIZE", "PAYLOAD_LIMIT"),
+    ),
+    _flag(
+        "keepalive_min_ping_interval",
+        "Seconds a client must leave between HTTP/2 pings; faster pingers, or pings on a "
+        "connection with no call, get GOAWAY (too_many_pings).",
+        _seconds,
+    ),
+    _flag(
+        "max_connection_idle",
+        "Seconds a connection may stay without calls before GOAWAY (0: forever).",
+        _seconds,
+    ),
+    _flag(
+        "max_connection_age",
+        "Seconds before a connection gets GOAWAY, to spread clients over replicas (0: forever).",
+        _seconds,
+    ),
+    _flag(
+        "max_connection_age_grace",
+        "Seconds calls on a connection past --max-connection-age may still run.",
+        _seconds,
+    ),
+    _flag(
+        "otel_propagators",
+        "Trace headers continued from callers, comma-separated: tracecontext, baggage, b3 "
+        "(reads b3 and x-b3-*), b3multi, none.",
+        _propagators,
+        env=("OTEL_PROPAGATORS",),
+    ),
 )
 
 
@@ -298,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(*flag.names, dest=flag.dest, action="store_true", help=help_text)
             continue
         if default is not None and not isinstance(default, bool):
-            help_text += f" [default: {default}]"
+            shown = ",".join(default) if isinstance(default, tuple) else default
+            help_text += f" [default: {shown}]"
         parser.add_argument(
             *flag.names,
             dest=flag.dest,

@@ -21,12 +21,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
+from opentelemetry.propagators.b3 import B3MultiFormat, B3SingleFormat
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace import Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 INSTRUMENTATION_NAME = "genserve"
-_PROPAGATOR = TraceContextTextMapPropagator()
+# OTEL_PROPAGATORS names.  Both B3 flavours *read* the single ``b3`` header and the
+# ``x-b3-*`` headers (Envoy/Istio send the latter); they differ only in what they write.
+_PROPAGATORS: dict[str, type[TextMapPropagator]] = {
+    "tracecontext": TraceContextTextMapPropagator,
+    "baggage": W3CBaggagePropagator,
+    "b3": B3SingleFormat,
+    "b3multi": B3MultiFormat,
+}
+DEFAULT_PROPAGATORS: tuple[str, ...] = ("tracecontext", "baggage", "b3")
+_PROPAGATOR: TextMapPropagator = CompositePropagator(
+    [_PROPAGATORS[name]() for name in DEFAULT_PROPAGATORS]
+)
 # Offset from time.monotonic() to the Unix epoch, fixed once: spans built after the fact get
 # wall-clock timestamps consistent with live spans (which the SDK stamps with time.time_ns()).
 _EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
@@ -69,11 +84,24 @@ def configure_tracing(
     return Tracing(tracer=tracer, provider=provider)
 
 
+def set_propagators(names: Iterable[str]) -> None:
+    """Which trace headers incoming calls are continued from (``--otel-propagators`` /
+    ``OTEL_PROPAGATORS``: tracecontext, baggage, b3, b3multi; ``none`` for none).  The first
+    propagator that finds a valid parent wins in list order."""
+    global _PROPAGATOR
+    chosen = [name for name in names if name != "none"]
+    unknown = sorted(set(chosen) - set(_PROPAGATORS))
+    if unknown:
+        raise ValueError(f"unknown propagators {unknown}; known: {sorted(_PROPAGATORS)}, none")
+    _PROPAGATOR = CompositePropagator([_PROPAGATORS[name]() for name in chosen])
+
+
 def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
-    """The caller's trace context from gRPC invocation metadata (empty if there is none)."""
+    """The caller's trace context from gRPC invocation metadata (empty if there is none):
+    W3C ``traceparent``/``tracestate``/``baggage`` and B3 (``b3``, ``x-b3-*``) by default."""
     carrier: dict[str, str] = {}
     for key, value in metadata or ():
-        if isinstance(value, str) and key in ("traceparent", "tracestate"):
+        if isinstance(value, str):  # binary (-bin) metadata carries no trace headers
             carrier[key] = value
     return _PROPAGATOR.extract(carrier)
 

@@ -57,6 +57,8 @@ class LiveServer:
         self.proc = proc
         self.port = port
         self.log_path = log_path
+        # TLS servers: the channel credentials health checks use (None: plaintext).
+        self.credentials: grpc.ChannelCredentials | None = None
 
     @property
     def address(self) -> str:
@@ -71,7 +73,11 @@ class LiveServer:
 
     def health_status(self, service: str = "", timeout_s: float = 2.0) -> int | None:
         """grpc.health.v1 status for ``service``, or None when the port does not answer."""
-        with grpc.insecure_channel(self.address) as channel:
+        if self.credentials is None:
+            channel = grpc.insecure_channel(self.address)
+        else:
+            channel = grpc.secure_channel(self.address, self.credentials)
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             try:
                 request = health_pb2.HealthCheckRequest(service=service)
@@ -133,6 +139,7 @@ def start_server(
     wait_serving: bool = True,
     timeout_s: float = 300.0,
     port: int | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[LiveServer]:
     """Start ``genserve --model-id MODEL_DIR --hostname 127.0.0.1 --port FREE EXTRA_ARGS...``
     and yield it once health says SERVING (or, with ``wait_serving=False``, once the port
@@ -142,6 +149,7 @@ def start_server(
     (then SIGKILL)."""
     for attempt in range(3):
         server = _launch(model_dir, extra_args, env, free_port() if port is None else port)
+        server.credentials = credentials
         try:
             server.wait_for(want_serving=wait_serving, timeout_s=timeout_s)
             break

@@ -64,7 +64,7 @@ func run(endpoint, listen string, origins originList) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(endpoint, grpcTransport(insecure.NewCredentials()))
 	if err != nil {
 		return err
 	}

@@ -4,6 +4,7 @@ Requests and responses are the generated protobuf messages of ``genserve.v1``; f
 :class:`GenserveError` subclasses carrying the gRPC status code and message."""
 
 from genserve.client.aio import AsyncClient
+from genserve.client.auth import api_key_metadata, tls_credentials
 from genserve.client.errors import (
     CancelledError,
     DeadlineExceededError,
@@ -36,6 +37,8 @@ __all__ = [
     "RetryPolicy",
     "UnavailableError",
     "UnimplementedError",
+    "api_key_metadata",
     "build_parameters",
     "error_from_rpc",
+    "tls_credentials",
 ]

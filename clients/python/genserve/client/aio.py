@@ -24,6 +24,7 @@ from genserve.client._common import (
     stream_request,
     tokenize_request,
 )
+from genserve.client.auth import api_key_metadata
 from genserve.client.errors import UnavailableError, error_from_rpc, status_of
 from genserve.client.retry import RetryPolicy
 from genserve.v1 import generate_pb2 as pb
@@ -49,6 +50,7 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         channel: grpc.aio.Channel | None = None,
         metadata: Metadata = (),
+        api_key: str | None = None,
     ) -> None:
         self._owns_channel = channel is None
         if channel is None:
@@ -61,7 +63,7 @@ class AsyncClient:
         self._stub = pb_grpc.TextGenerationServiceStub(channel)
         self._timeout = timeout
         self._retry = retry if retry is not None else RetryPolicy()
-        self._metadata = tuple(metadata)
+        self._metadata = (*metadata, *api_key_metadata(api_key))  # api_key: --api-key servers
 
     async def close(self) -> None:
         if self._owns_channel:
