@@ -39,6 +39,7 @@ from genserve.v1 import generate_pb2 as pb
 if TYPE_CHECKING:  # torch and the model load lazily: the port opens before they import
     import torch
 
+    from genserve.engine.grammar import GrammarCompiler
     from genserve.model.loader import ResolvedModel
     from genserve.worker.model_runner import ModelRunner
 
@@ -53,6 +54,7 @@ class Loaded:
     tokenizer: Tokenizer
     limits: ServingLimits
     info: pb.InfoResponse
+    grammars: GrammarCompiler | None = None
 
 
 def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
@@ -151,8 +153,16 @@ def _size_and_warm_up(
         max_client_batch_size=config.max_client_batch_size,
         version=VERSION,
         speculate=config.speculate,
+        grammar_support=not config.disable_grammar_support,
     )
-    return Loaded(runner=runner, tokenizer=tokenizer, limits=limits, info=info)
+    grammars = None
+    if not config.disable_grammar_support:
+        from genserve.engine.grammar import GrammarCompiler
+
+        # Masks span the logits (the model's vocab_size), which may exceed the tokenizer's.
+        vocab = int(hf_config.get("vocab_size") or tokenizer.vocab_size)
+        grammars = GrammarCompiler(tokenizer.hf, vocab, sorted(tokenizer.eos_token_ids))
+    return Loaded(runner=runner, tokenizer=tokenizer, limits=limits, info=info, grammars=grammars)
 
 
 def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
@@ -271,6 +281,7 @@ class Service:
                 ),
                 info=loaded.info,
                 max_concurrent_requests=config.max_concurrent_requests,
+                grammars=loaded.grammars,
             )
         )
         self.engine, self.loaded = engine, loaded

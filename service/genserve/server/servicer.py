@@ -9,13 +9,16 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 
 from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
+from genserve.engine.grammar_spec import GrammarError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason
+from genserve.server.grammar_params import GrammarUnsupportedError, attach_grammar
 from genserve.server.observe import RequestObserver, bind_call
 from genserve.server.validation import (
     Limits,
@@ -27,6 +30,9 @@ from genserve.server.validation import (
 from genserve.tokenizer import Tokenizer
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import GrammarCompiler
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +85,7 @@ class Serving:
     limits: Limits
     info: pb.InfoResponse
     max_concurrent_requests: int
+    grammars: GrammarCompiler | None = None  # None: --disable-grammar-support
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
@@ -129,6 +136,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         except ValidationError as exc:
             raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except UnsupportedError as exc:
+            raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
+
+    async def _with_grammar(
+        self, req: GenerationRequest, params: pb.GenerateParameters
+    ) -> GenerationRequest:
+        """Compile the request's grammar (off the event loop, cached) before it is queued."""
+        try:
+            return await attach_grammar(req, params, self._require().grammars)
+        except GrammarError as exc:
+            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except GrammarUnsupportedError as exc:
             raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
 
     def _failure_for(self, final: FinalInfo) -> _CallFailed | None:
@@ -202,6 +220,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 self._validate(base_id if num == 1 else f"{base_id}-{i}", text, params)
                 for i, text in enumerate(request.inputs)
             ]
+            reqs = [await self._with_grammar(r, params) for r in reqs]
             self._admit(len(reqs))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
@@ -237,6 +256,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         params = request.parameters
         try:
             req = self._validate(_request_id(context), request.inputs, params)
+            req = await self._with_grammar(req, params)
             self._admit(1)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
