@@ -81,3 +81,22 @@ def test_constrained_rows_get_no_drafts_and_unconstrained_steps_no_bitmask() -> 
     h2.add("free", [1, 2, 3], max_new_tokens=4)
     h2.run()
     assert all(s.grammar_bitmask is None and not s.grammar_req_ids for s in h2.steps)
+
+
+def test_bitmask_stays_on_rank_0() -> None:
+    """Only rank 0 samples: the step broadcast to tensor-parallel workers leaves the mask out."""
+    from genserve.step import ScheduledChunk, SchedulerOutput
+    from genserve.worker.shard_messages import StepMessage, decode, encode
+
+    step = SchedulerOutput(
+        step_id=3,
+        chunks=(ScheduledChunk("g", (5,), 4, (0,), True),),
+        grammar_bitmask=torch.full((1, 2), -1, dtype=torch.int32),
+        grammar_req_ids=("g",),
+    )
+    kind, payload = encode(StepMessage(step))
+    assert b"grammar" not in payload
+    received = decode(kind, payload)
+    assert isinstance(received, StepMessage)
+    assert received.step.chunks == step.chunks
+    assert received.step.grammar_bitmask is None and received.step.grammar_req_ids == ()
