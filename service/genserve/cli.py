@@ -42,6 +42,7 @@ from genserve.v1 import generate_pb2 as pb
 if TYPE_CHECKING:  # torch and the model load lazily: the port opens before they import
     import torch
 
+    from genserve.engine.grammar import GrammarCompiler
     from genserve.model.loader import ResolvedModel
     from genserve.worker.model_runner import ModelRunner
 
@@ -57,6 +58,7 @@ class Loaded:
     limits: ServingLimits
     info: pb.InfoResponse
     chat: ChatRenderer
+    grammars: GrammarCompiler | None = None
 
 
 def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
@@ -164,8 +166,18 @@ def _size_and_warm_up(
         speculate=config.speculate,
         has_chat_template=chat.has_template,
         served_model_name=config.served_model_name or resolved.model_id,
+        grammar_support=not config.disable_grammar_support,
     )
-    return Loaded(runner=runner, tokenizer=tokenizer, limits=limits, info=info, chat=chat)
+    grammars = None
+    if not config.disable_grammar_support:
+        from genserve.engine.grammar import GrammarCompiler
+
+        # Masks span the logits (the model's vocab_size), which may exceed the tokenizer's.
+        vocab = int(hf_config.get("vocab_size") or tokenizer.vocab_size)
+        grammars = GrammarCompiler(tokenizer.hf, vocab, sorted(tokenizer.eos_token_ids))
+    return Loaded(
+        runner=runner, tokenizer=tokenizer, limits=limits, info=info, chat=chat, grammars=grammars
+    )
 
 
 def _template_source(config: Config, chat: ChatRenderer) -> str | None:
@@ -307,6 +319,7 @@ class Service:
                 info=loaded.info,
                 max_concurrent_requests=config.max_concurrent_requests,
                 chat=loaded.chat,
+                grammars=loaded.grammars,
             )
         )
         self.engine, self.loaded = engine, loaded

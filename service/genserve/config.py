@@ -56,6 +56,7 @@ class Config:
     disable_chunked_prefill: bool = False
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
+    disable_grammar_support: bool = False
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
@@ -212,6 +213,11 @@ FLAGS: tuple[_Flag, ...] = (
         "max_concurrent_requests", "Requests in flight before RESOURCE_EXHAUSTED.", _positive_int
     ),
     _flag("max_best_of", "Largest best_of a client may ask for.", _positive_int),
+    _flag(
+        "disable_grammar_support",
+        "Refuse GenerateParameters.grammar (structured output) with UNIMPLEMENTED.",
+        _SWITCH,
+    ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),
     _flag("max_top_n_tokens", "Largest top_n_tokens per request.", int),
     _flag(

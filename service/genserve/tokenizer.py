@@ -41,6 +41,11 @@ class Tokenizer:
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (xgrammar reads the vocabulary from it)."""
+        return self._hf
+
+    @property
     def backend(self) -> FastTokenizer:
         return self._tok
 

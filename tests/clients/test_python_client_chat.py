@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import aclosing
 
 import pytest
@@ -52,8 +53,8 @@ def test_chat_errors_are_typed(server: LiveServer) -> None:
             client.chat([])
         with pytest.raises(InvalidArgumentError, match="role"):
             client.chat([{"role": "robot", "content": "x"}])
-        with pytest.raises(UnimplementedError, match="structured output"):
-            client.chat(MESSAGES, response_format="json_object")
+        with pytest.raises(InvalidArgumentError, match="json_schema"):
+            client.chat(MESSAGES, response_format="json_schema")
         with pytest.raises(NotFoundError, match="no-such-model"):
             client.chat(MESSAGES, model="no-such-model")
         with pytest.raises(InvalidArgumentError, match="presence_penalty"):
@@ -78,3 +79,14 @@ def test_async_chat(server: LiveServer) -> None:
 
     unary, streamed = asyncio.run(main())
     assert unary == streamed and unary
+
+
+def test_chat_response_format_json_schema_constrains_every_choice(server: LiveServer) -> None:
+    schema = {"type": "string", "enum": ["red", "green", "blue"]}
+    fmt = pb.ResponseFormat(type="json_schema", json_schema=json.dumps(schema))
+    with Client(server.address, timeout=120) as client:
+        reply = client.chat(MESSAGES, response_format=fmt, n=2, seed=3, temperature=1.0,
+                            max_new_tokens=16)  # fmt: skip
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        assert json.loads(choice.message.content) in schema["enum"]

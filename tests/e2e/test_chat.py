@@ -207,14 +207,20 @@ Params = pb.GenerateParameters
             "role",
         ),
         (
+            # This in-process server has no grammar compiler, as with
+            # --disable-grammar-support: response_format is a grammar, so it is refused.
             {"response_format": pb.ResponseFormat(type="json_object")},
             grpc.StatusCode.UNIMPLEMENTED,
-            "structured output",
+            "disable-grammar-support",
         ),
+        ({"response_format": pb.ResponseFormat(type="json_schema")}, INVALID, "json_schema"),
         (
-            {"response_format": pb.ResponseFormat(type="json_schema", json_schema="{}")},
-            grpc.StatusCode.UNIMPLEMENTED,
-            "structured output",
+            {
+                "response_format": pb.ResponseFormat(type="json_object"),
+                "parameters": Params(grammar=pb.Grammar(regex="a+")),
+            },
+            INVALID,
+            "not both",
         ),
         ({"response_format": pb.ResponseFormat(type="xml")}, INVALID, "xml"),
         ({"logprobs": True, "top_logprobs": 99}, INVALID, "top_logprobs"),

@@ -120,8 +120,10 @@ type GenerateParameters struct {
 	// Subtracted once from the logit of every token already generated (OpenAI / vLLM
 	// semantics: over the output, not the prompt); must be in [-2, 2].
 	PresencePenalty *float32 `protobuf:"fixed32,18,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Constrain the output to a grammar (structured output); unset: unconstrained.
+	Grammar       *Grammar `protobuf:"bytes,19,opt,name=grammar,proto3" json:"grammar,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateParameters) Reset() {
@@ -278,6 +280,13 @@ func (x *GenerateParameters) GetPresencePenalty() float32 {
 		return *x.PresencePenalty
 	}
 	return 0
+}
+
+func (x *GenerateParameters) GetGrammar() *Grammar {
+	if x != nil {
+		return x.Grammar
+	}
+	return nil
 }
 
 // Token is one token with its log-probability.
@@ -998,8 +1007,10 @@ type InfoResponse struct {
 	HasChatTemplate bool `protobuf:"varint,19,opt,name=has_chat_template,json=hasChatTemplate,proto3" json:"has_chat_template,omitempty"`
 	// The name clients give as OpenAI's `model` (--served-model-name, default model_id).
 	ServedModelName string `protobuf:"bytes,20,opt,name=served_model_name,json=servedModelName,proto3" json:"served_model_name,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Whether GenerateParameters.grammar is accepted (false with --disable-grammar-support).
+	GrammarSupport bool `protobuf:"varint,25,opt,name=grammar_support,json=grammarSupport,proto3" json:"grammar_support,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1170,6 +1181,13 @@ func (x *InfoResponse) GetServedModelName() string {
 		return x.ServedModelName
 	}
 	return ""
+}
+
+func (x *InfoResponse) GetGrammarSupport() bool {
+	if x != nil {
+		return x.GrammarSupport
+	}
+	return false
 }
 
 type TokenizeRequest struct {
@@ -2094,11 +2112,195 @@ func (x *ChatStreamResponse) GetUsage() *Usage {
 	return nil
 }
 
+// Grammar constrains generation so that the output matches it (xgrammar). At each step only
+// tokens that keep the output a valid prefix are allowed, and end-of-sequence only where the
+// output is complete. TGI's {"type": "json", "value": schema} maps to json_schema, its
+// {"type": "regex"} to regex; OpenAI's response_format json_schema / json_object likewise.
+type Grammar struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Kind:
+	//
+	//	*Grammar_JsonSchema
+	//	*Grammar_JsonObject
+	//	*Grammar_Regex
+	//	*Grammar_Ebnf
+	//	*Grammar_Choice
+	Kind          isGrammar_Kind `protobuf_oneof:"kind"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Grammar) Reset() {
+	*x = Grammar{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Grammar) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Grammar) ProtoMessage() {}
+
+func (x *Grammar) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Grammar.ProtoReflect.Descriptor instead.
+func (*Grammar) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *Grammar) GetKind() isGrammar_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return nil
+}
+
+func (x *Grammar) GetJsonSchema() string {
+	if x != nil {
+		if x, ok := x.Kind.(*Grammar_JsonSchema); ok {
+			return x.JsonSchema
+		}
+	}
+	return ""
+}
+
+func (x *Grammar) GetJsonObject() bool {
+	if x != nil {
+		if x, ok := x.Kind.(*Grammar_JsonObject); ok {
+			return x.JsonObject
+		}
+	}
+	return false
+}
+
+func (x *Grammar) GetRegex() string {
+	if x != nil {
+		if x, ok := x.Kind.(*Grammar_Regex); ok {
+			return x.Regex
+		}
+	}
+	return ""
+}
+
+func (x *Grammar) GetEbnf() string {
+	if x != nil {
+		if x, ok := x.Kind.(*Grammar_Ebnf); ok {
+			return x.Ebnf
+		}
+	}
+	return ""
+}
+
+func (x *Grammar) GetChoice() *GrammarChoice {
+	if x != nil {
+		if x, ok := x.Kind.(*Grammar_Choice); ok {
+			return x.Choice
+		}
+	}
+	return nil
+}
+
+type isGrammar_Kind interface {
+	isGrammar_Kind()
+}
+
+type Grammar_JsonSchema struct {
+	// A JSON Schema document (JSON text); the output is JSON valid under it.
+	JsonSchema string `protobuf:"bytes,1,opt,name=json_schema,json=jsonSchema,proto3,oneof"`
+}
+
+type Grammar_JsonObject struct {
+	// Any JSON object (OpenAI's response_format {"type": "json_object"}); must be true.
+	JsonObject bool `protobuf:"varint,2,opt,name=json_object,json=jsonObject,proto3,oneof"`
+}
+
+type Grammar_Regex struct {
+	// A regular expression the whole output matches.
+	Regex string `protobuf:"bytes,3,opt,name=regex,proto3,oneof"`
+}
+
+type Grammar_Ebnf struct {
+	// A context-free grammar in EBNF (GBNF / xgrammar syntax) with a `root` rule.
+	Ebnf string `protobuf:"bytes,4,opt,name=ebnf,proto3,oneof"`
+}
+
+type Grammar_Choice struct {
+	// The output is exactly one of these strings.
+	Choice *GrammarChoice `protobuf:"bytes,5,opt,name=choice,proto3,oneof"`
+}
+
+func (*Grammar_JsonSchema) isGrammar_Kind() {}
+
+func (*Grammar_JsonObject) isGrammar_Kind() {}
+
+func (*Grammar_Regex) isGrammar_Kind() {}
+
+func (*Grammar_Ebnf) isGrammar_Kind() {}
+
+func (*Grammar_Choice) isGrammar_Kind() {}
+
+// GrammarChoice lists the strings a `choice` grammar allows (at least one, none empty).
+type GrammarChoice struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Values        []string               `protobuf:"bytes,1,rep,name=values,proto3" json:"values,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GrammarChoice) Reset() {
+	*x = GrammarChoice{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GrammarChoice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GrammarChoice) ProtoMessage() {}
+
+func (x *GrammarChoice) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GrammarChoice.ProtoReflect.Descriptor instead.
+func (*GrammarChoice) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *GrammarChoice) GetValues() []string {
+	if x != nil {
+		return x.Values
+	}
+	return nil
+}
+
 var File_genserve_v1_generate_proto protoreflect.FileDescriptor
 
 const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\xd2\x06\n" +
+	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\x82\a\n" +
 	"\x12GenerateParameters\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12\x1b\n" +
 	"\tdo_sample\x18\x02 \x01(\bR\bdoSample\x12%\n" +
@@ -2120,7 +2322,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\abest_of\x18\x10 \x01(\rH\n" +
 	"R\x06bestOf\x88\x01\x01\x12\x1c\n" +
 	"\twatermark\x18\x11 \x01(\bR\twatermark\x12.\n" +
-	"\x10presence_penalty\x18\x12 \x01(\x02H\vR\x0fpresencePenalty\x88\x01\x01B\x11\n" +
+	"\x10presence_penalty\x18\x12 \x01(\x02H\vR\x0fpresencePenalty\x88\x01\x01\x12.\n" +
+	"\agrammar\x18\x13 \x01(\v2\x14.genserve.v1.GrammarR\agrammarB\x11\n" +
 	"\x0f_max_new_tokensB\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_kB\b\n" +
@@ -2187,7 +2390,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xa7\x06\n" +
+	"\vInfoRequest\"\xd0\x06\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2211,7 +2414,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\aversion\x18\x11 \x01(\tR\aversion\x12\x1c\n" +
 	"\tspeculate\x18\x12 \x01(\rR\tspeculate\x12*\n" +
 	"\x11has_chat_template\x18\x13 \x01(\bR\x0fhasChatTemplate\x12*\n" +
-	"\x11served_model_name\x18\x14 \x01(\tR\x0fservedModelName\"s\n" +
+	"\x11served_model_name\x18\x14 \x01(\tR\x0fservedModelName\x12'\n" +
+	"\x0fgrammar_support\x18\x19 \x01(\bR\x0egrammarSupport\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +
@@ -2293,7 +2497,18 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\ftop_logprobs\x18\a \x03(\v2\x12.genserve.v1.TokenR\vtopLogprobs\x12C\n" +
 	"\rfinish_reason\x18\b \x01(\x0e2\x19.genserve.v1.FinishReasonH\x00R\ffinishReason\x88\x01\x01\x12(\n" +
 	"\x05usage\x18\t \x01(\v2\x12.genserve.v1.UsageR\x05usageB\x10\n" +
-	"\x0e_finish_reason*\x85\x01\n" +
+	"\x0e_finish_reason\"\xbb\x01\n" +
+	"\aGrammar\x12!\n" +
+	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
+	"jsonSchema\x12!\n" +
+	"\vjson_object\x18\x02 \x01(\bH\x00R\n" +
+	"jsonObject\x12\x16\n" +
+	"\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x14\n" +
+	"\x04ebnf\x18\x04 \x01(\tH\x00R\x04ebnf\x124\n" +
+	"\x06choice\x18\x05 \x01(\v2\x1a.genserve.v1.GrammarChoiceH\x00R\x06choiceB\x06\n" +
+	"\x04kind\"'\n" +
+	"\rGrammarChoice\x12\x16\n" +
+	"\x06values\x18\x01 \x03(\tR\x06values*\x85\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x01\x12\x1b\n" +
@@ -2323,7 +2538,7 @@ func file_genserve_v1_generate_proto_rawDescGZIP() []byte {
 }
 
 var file_genserve_v1_generate_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
 var file_genserve_v1_generate_proto_goTypes = []any{
 	(FinishReason)(0),              // 0: genserve.v1.FinishReason
 	(*GenerateParameters)(nil),     // 1: genserve.v1.GenerateParameters
@@ -2352,58 +2567,62 @@ var file_genserve_v1_generate_proto_goTypes = []any{
 	(*ChatResponse)(nil),           // 24: genserve.v1.ChatResponse
 	(*ChatStreamRequest)(nil),      // 25: genserve.v1.ChatStreamRequest
 	(*ChatStreamResponse)(nil),     // 26: genserve.v1.ChatStreamResponse
+	(*Grammar)(nil),                // 27: genserve.v1.Grammar
+	(*GrammarChoice)(nil),          // 28: genserve.v1.GrammarChoice
 }
 var file_genserve_v1_generate_proto_depIdxs = []int32{
-	2,  // 0: genserve.v1.TopTokens.tokens:type_name -> genserve.v1.Token
-	0,  // 1: genserve.v1.Details.finish_reason:type_name -> genserve.v1.FinishReason
-	2,  // 2: genserve.v1.Details.prefill:type_name -> genserve.v1.Token
-	2,  // 3: genserve.v1.Details.tokens:type_name -> genserve.v1.Token
-	3,  // 4: genserve.v1.Details.top_tokens:type_name -> genserve.v1.TopTokens
-	1,  // 5: genserve.v1.GenerateRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	4,  // 6: genserve.v1.GenerateResult.details:type_name -> genserve.v1.Details
-	6,  // 7: genserve.v1.GenerateResponse.results:type_name -> genserve.v1.GenerateResult
-	1,  // 8: genserve.v1.GenerateStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	0,  // 9: genserve.v1.StreamDetails.finish_reason:type_name -> genserve.v1.FinishReason
-	2,  // 10: genserve.v1.GenerateStreamResponse.token:type_name -> genserve.v1.Token
-	2,  // 11: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
-	9,  // 12: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
-	16, // 13: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
-	18, // 14: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
-	1,  // 15: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	19, // 16: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
-	2,  // 17: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
-	2,  // 18: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
-	18, // 19: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
-	0,  // 20: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
-	22, // 21: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
-	23, // 22: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
-	21, // 23: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
-	18, // 24: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
-	1,  // 25: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	19, // 26: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
-	2,  // 27: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
-	2,  // 28: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
-	0,  // 29: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
-	21, // 30: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
-	5,  // 31: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
-	8,  // 32: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
-	11, // 33: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
-	13, // 34: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
-	15, // 35: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
-	20, // 36: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
-	25, // 37: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
-	7,  // 38: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
-	10, // 39: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
-	12, // 40: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
-	14, // 41: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
-	17, // 42: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
-	24, // 43: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
-	26, // 44: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
-	38, // [38:45] is the sub-list for method output_type
-	31, // [31:38] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	27, // 0: genserve.v1.GenerateParameters.grammar:type_name -> genserve.v1.Grammar
+	2,  // 1: genserve.v1.TopTokens.tokens:type_name -> genserve.v1.Token
+	0,  // 2: genserve.v1.Details.finish_reason:type_name -> genserve.v1.FinishReason
+	2,  // 3: genserve.v1.Details.prefill:type_name -> genserve.v1.Token
+	2,  // 4: genserve.v1.Details.tokens:type_name -> genserve.v1.Token
+	3,  // 5: genserve.v1.Details.top_tokens:type_name -> genserve.v1.TopTokens
+	1,  // 6: genserve.v1.GenerateRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	4,  // 7: genserve.v1.GenerateResult.details:type_name -> genserve.v1.Details
+	6,  // 8: genserve.v1.GenerateResponse.results:type_name -> genserve.v1.GenerateResult
+	1,  // 9: genserve.v1.GenerateStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	0,  // 10: genserve.v1.StreamDetails.finish_reason:type_name -> genserve.v1.FinishReason
+	2,  // 11: genserve.v1.GenerateStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 12: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
+	9,  // 13: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
+	16, // 14: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
+	18, // 15: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 16: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	19, // 17: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	2,  // 18: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
+	2,  // 19: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
+	18, // 20: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
+	0,  // 21: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
+	22, // 22: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
+	23, // 23: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
+	21, // 24: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
+	18, // 25: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 26: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	19, // 27: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	2,  // 28: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 29: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
+	0,  // 30: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
+	21, // 31: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
+	28, // 32: genserve.v1.Grammar.choice:type_name -> genserve.v1.GrammarChoice
+	5,  // 33: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
+	8,  // 34: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
+	11, // 35: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
+	13, // 36: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
+	15, // 37: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
+	20, // 38: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
+	25, // 39: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
+	7,  // 40: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
+	10, // 41: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
+	12, // 42: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
+	14, // 43: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
+	17, // 44: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
+	24, // 45: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
+	26, // 46: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
+	40, // [40:47] is the sub-list for method output_type
+	33, // [33:40] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_genserve_v1_generate_proto_init() }
@@ -2420,13 +2639,20 @@ func file_genserve_v1_generate_proto_init() {
 	file_genserve_v1_generate_proto_msgTypes[19].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[24].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[25].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[26].OneofWrappers = []any{
+		(*Grammar_JsonSchema)(nil),
+		(*Grammar_JsonObject)(nil),
+		(*Grammar_Regex)(nil),
+		(*Grammar_Ebnf)(nil),
+		(*Grammar_Choice)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_genserve_v1_generate_proto_rawDesc), len(file_genserve_v1_generate_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   26,
+			NumMessages:   28,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

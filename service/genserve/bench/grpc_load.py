@@ -64,13 +64,17 @@ def generate_parameters(prompt: Prompt) -> generate_pb2.GenerateParameters:
     """Greedy, or sampled at the prompt's temperature with a seed of its own (so a run is
     repeatable and every request draws differently)."""
     if prompt.temperature <= 0:
-        return generate_pb2.GenerateParameters(max_new_tokens=prompt.max_new_tokens)
-    return generate_pb2.GenerateParameters(
-        max_new_tokens=prompt.max_new_tokens,
-        do_sample=True,
-        temperature=prompt.temperature,
-        seed=prompt.prompt_id + 1,
-    )
+        params = generate_pb2.GenerateParameters(max_new_tokens=prompt.max_new_tokens)
+    else:
+        params = generate_pb2.GenerateParameters(
+            max_new_tokens=prompt.max_new_tokens,
+            do_sample=True,
+            temperature=prompt.temperature,
+            seed=prompt.prompt_id + 1,
+        )
+    if prompt.json_schema:
+        params.grammar.json_schema = prompt.json_schema
+    return params
 
 
 async def stream_one(

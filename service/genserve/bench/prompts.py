@@ -61,6 +61,8 @@ class Prompt:
     max_new_tokens: int
     # 0: greedy.  Above 0: sampled at this temperature, seeded with ``prompt_id``.
     temperature: float = 0.0
+    # Structured output: a JSON schema the output must follow ("" : unconstrained).
+    json_schema: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,6 +173,7 @@ class AsyncEngine:
                 prompt_token_ids=list(req.prompt_token_ids),
                 sampling=req.sampling,
                 stopping=req.stopping,
+                grammar=req.grammar.new_state() if req.grammar is not None else None,
             )
         )
         self._wake.set()

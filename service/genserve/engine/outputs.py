@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from genserve.engine.request import FinishReason, StoppingCriteria
 from genserve.step import SamplingParams
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import CompiledGrammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +22,7 @@ class GenerationRequest:
     stopping: StoppingCriteria
     stop: tuple[str, ...] = ()
     seed: int | None = None  # reported back in details; None for greedy requests
+    grammar: CompiledGrammar | None = None  # structured output (compiled before queueing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from genserve.step import SamplingParams
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import GrammarState
 
 
 class FinishReason(enum.Enum):
@@ -46,6 +50,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Extra keys that make otherwise equal token blocks different cache entries (adapter id, ...).
     cache_salt: str | None = None
+    # Structured output: the matcher, advanced with every kept output token (survives
+    # preemption with the output tokens themselves, so nothing is replayed).
+    grammar: GrammarState | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     # Positions whose KV is in this request's blocks (computed or taken from the prefix cache).

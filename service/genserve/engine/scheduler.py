@@ -42,6 +42,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import structlog
+
 from genserve.engine.request import FinishReason, Request, RequestStatus
 from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.engine.scheduler_output import EngineCoreOutput, SchedulerStats
@@ -58,6 +60,8 @@ from genserve.step import (
 )
 
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerConfig", "SchedulerStats"]
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -304,12 +308,33 @@ class Scheduler:
         num_tokens = sum(len(c.token_ids) for c in chunks)
         num_prefill = self.config.max_batch_prefill_tokens - budget
         self._last_step = (len(chunks), num_tokens, num_prefill)
+        bitmask, grammar_ids = self._grammar_bitmask(chunks)
         return SchedulerOutput(
             step_id=self._step_id,
             chunks=tuple(chunks),
             new_requests=tuple(new_requests),
             finished_req_ids=finished,
+            grammar_bitmask=bitmask,
+            grammar_req_ids=grammar_ids,
         )
+
+    def _grammar_bitmask(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[object | None, tuple[str, ...]]:
+        """One packed bitmask row per sampling chunk of a constrained request."""
+        states = []
+        for c in chunks:
+            grammar = self._requests[c.req_id].grammar
+            if c.sample and grammar is not None:
+                states.append((c.req_id, grammar))
+        if not states:
+            return None, ()
+        from genserve.engine.grammar import allocate_bitmask  # only constrained steps pay
+
+        bitmask = allocate_bitmask(len(states), states[0][1].vocab_size)
+        for row, (_, grammar) in enumerate(states):
+            grammar.fill_bitmask(bitmask, row)
+        return bitmask, tuple(req_id for req_id, _ in states)
 
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens a running request gets this step: its decode token, or a prompt chunk
@@ -328,6 +353,8 @@ class Scheduler:
         p = req.sampling
         if p.uses_penalties:
             return None  # penalties change with every accepted token: verify rows would differ
+        if req.grammar is not None:
+            return None  # structured output: the mask depends on each accepted token
         # The token sampled after the last accepted draft counts against max_new_tokens too.
         room = req.stopping.max_new_tokens - req.num_output_tokens - 1
         max_drafts = min(self._draft_lengths.allowed(req.req_id), room)
@@ -474,6 +501,8 @@ class Scheduler:
             for token in tokens:
                 req.output_token_ids.append(token.token_id)
                 kept += 1
+                if req.grammar is not None and not req.grammar.accept(token.token_id):
+                    log.warning("grammar_rejected_token", req_id=req.req_id, token=token.token_id)
                 reason = _stop_reason(req, token.token_id)
                 if reason is not None:
                     break  # tokens after a stop are dropped

@@ -83,12 +83,11 @@ def plan_chat(
             "would drop its system prompt; drop old turns instead"
         )
     fmt = request.response_format.type
-    if fmt in ("json_object", "json_schema"):
-        raise UnsupportedError(
-            f"response_format {fmt!r}: structured output is not available on this server yet; "
-            "send response_format 'text' (or none)"
-        )
-    if fmt not in ("", "text"):
+    if fmt in ("json_object", "json_schema") and params.HasField("grammar"):
+        raise ValidationError("give either `response_format` or `parameters.grammar`, not both")
+    if fmt == "json_schema" and not request.response_format.json_schema:
+        raise ValidationError("response_format 'json_schema' needs `json_schema` (JSON text)")
+    if fmt not in ("", "text", "json_object", "json_schema"):
         raise ValidationError(
             f"response_format.type is {fmt!r}; expected 'text', 'json_object' or 'json_schema'"
         )
@@ -134,6 +133,11 @@ def plan_chat(
         if params.HasField("seed"):
             # Choice i samples with seed + i: the choices differ, and each is reproducible.
             choice.seed = (params.seed + i) % (1 << 64)
+        # OpenAI's response_format is a grammar on every choice.
+        if fmt == "json_object":
+            choice.grammar.json_object = True
+        elif fmt == "json_schema":
+            choice.grammar.json_schema = request.response_format.json_schema
         choices.append(choice)
     return ChatPlan(
         prompt_text=rendered.text,

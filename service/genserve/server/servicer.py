@@ -9,15 +9,18 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 
 from genserve.chat_template import ChatRenderer
 from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
+from genserve.engine.grammar_spec import GrammarError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason
 from genserve.server import chat
+from genserve.server.grammar_params import GrammarUnsupportedError, attach_grammar
 from genserve.server.observe import RequestObserver, bind_call
 from genserve.server.validation import (
     Limits,
@@ -29,6 +32,9 @@ from genserve.server.validation import (
 from genserve.tokenizer import Tokenizer
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import GrammarCompiler
 
 log = structlog.get_logger(__name__)
 
@@ -82,6 +88,7 @@ class Serving:
     info: pb.InfoResponse
     max_concurrent_requests: int
     chat: ChatRenderer | None = None  # None: Chat answers FAILED_PRECONDITION
+    grammars: GrammarCompiler | None = None  # None: --disable-grammar-support
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
@@ -140,6 +147,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         except ValidationError as exc:
             raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except UnsupportedError as exc:
+            raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
+
+    async def _with_grammar(
+        self, req: GenerationRequest, params: pb.GenerateParameters
+    ) -> GenerationRequest:
+        """Compile the request's grammar (off the event loop, cached) before it is queued."""
+        try:
+            return await attach_grammar(req, params, self._require().grammars)
+        except GrammarError as exc:
+            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except GrammarUnsupportedError as exc:
             raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
 
     def _failure_for(self, final: FinalInfo) -> _CallFailed | None:
@@ -230,6 +248,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 self._validate(base_id if num == 1 else f"{base_id}-{i}", text, params)
                 for i, text in enumerate(request.inputs)
             ]
+            reqs = [await self._with_grammar(r, params) for r in reqs]
             self._admit(len(reqs))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
@@ -255,6 +274,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         params = request.parameters
         try:
             req = self._validate(_request_id(context), request.inputs, params)
+            req = await self._with_grammar(req, params)
             self._admit(1)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
@@ -365,12 +385,22 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         ]
         return plan, reqs
 
+    async def _plan_chat_with_grammar(
+        self, request: pb.ChatRequest | pb.ChatStreamRequest, base_id: str
+    ) -> tuple[chat.ChatPlan, list[GenerationRequest]]:
+        plan, reqs = self._plan_chat(request, base_id)
+        reqs = [
+            await self._with_grammar(r, p)
+            for r, p in zip(reqs, plan.choice_params, strict=True)
+        ]
+        return plan, reqs
+
     async def Chat(
         self, request: pb.ChatRequest, context: grpc.aio.ServicerContext
     ) -> pb.ChatResponse:
         base_id = _request_id(context)
         try:
-            plan, reqs = self._plan_chat(request, base_id)
+            plan, reqs = await self._plan_chat_with_grammar(request, base_id)
             self._admit(len(reqs))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
@@ -404,7 +434,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
     ) -> AsyncIterator[pb.ChatStreamResponse]:
         base_id = _request_id(context)
         try:
-            plan, reqs = self._plan_chat(request, base_id)
+            plan, reqs = await self._plan_chat_with_grammar(request, base_id)
             self._admit(len(reqs))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)

@@ -268,7 +268,7 @@ class ModelRunner:
             row_index = torch.tensor(rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, V]
             if self.parallel.is_driver:
-                sampled = self._sample(logits, [chunks[i] for i in sample_chunks])
+                sampled = self._sample(logits, [chunks[i] for i in sample_chunks], step)
         prompt_parts = self._prompt_logprob_parts(chunks, offsets)
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_parts) if prompt_parts else ()
         return RunnerOutput(step.step_id, sampled, prompt_logprobs)
@@ -279,8 +279,28 @@ class ModelRunner:
             raise KeyError(f"request {req_id!r} was scheduled but never registered")
         return state
 
+    @staticmethod
+    def _grammar_rows(
+        chunks: list[ScheduledChunk], step: SchedulerOutput | None
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """The step's grammar bitmask and the logits row of each of its rows (constrained
+        chunks never carry drafts, so each has one row)."""
+        if step is None or step.grammar_bitmask is None:
+            return None, []
+        first_row: dict[str, int] = {}
+        row = 0
+        for c in chunks:
+            first_row[c.req_id] = row
+            row += c.num_draft_tokens + 1
+        bitmask = step.grammar_bitmask
+        assert isinstance(bitmask, torch.Tensor)
+        return bitmask, [first_row[r] for r in step.grammar_req_ids]
+
     def _sample(
-        self, logits: torch.Tensor, chunks: list[ScheduledChunk]
+        self,
+        logits: torch.Tensor,
+        chunks: list[ScheduledChunk],
+        step: SchedulerOutput | None = None,
     ) -> tuple[SampledToken, ...]:
         """One row of ``logits`` per sampling position: one per chunk, ``num_draft_tokens +
         1`` for a speculative chunk.  Drafts are accepted while each equals the token sampled
@@ -304,7 +324,7 @@ class ModelRunner:
                 )
                 for j in range(c.num_draft_tokens + 1)
             ]
-        out = self.sampler(logits, rows)
+        out = self.sampler(logits, rows, *self._grammar_rows(chunks, step))
         result: list[SampledToken] = []
         row = 0
         for c, state in zip(chunks, states, strict=True):

@@ -1,0 +1,164 @@
+"""Grammar-constrained decoding (structured output) on xgrammar.
+
+This is the only module that imports xgrammar.  Three parts:
+
+* :class:`~genserve.engine.grammar_spec.GrammarSpec` (what the client asked for) is defined
+  apart, without xgrammar or torch, so the server can parse requests before the model loads.
+* :class:`GrammarCompiler` — compiles specs against the model's vocabulary in a thread pool
+  (never on the event loop) and keeps the compiled grammars in a bounded LRU keyed by the
+  spec's text, so a schema sent with every request compiles once.  A bad schema, regex or
+  grammar raises :class:`GrammarError` with xgrammar's message, before the request is queued.
+* :class:`GrammarState` — one request's matcher.  It lives on the engine's request object
+  (rank 0), is advanced with each token the scheduler keeps, and fills that request's row of
+  the step's packed bitmask.  A preempted request keeps its output tokens and so its matcher:
+  recomputing the KV changes nothing the grammar has seen.
+
+The vocabulary is the model's logits width, which may exceed the tokenizer's (padding rows of
+the embedding): xgrammar is told that size, and ids the tokenizer lacks are never allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from genserve.engine.grammar_spec import GrammarError, GrammarKind, GrammarSpec, choice_ebnf
+
+# Compiled grammars kept per server; a JSON schema's compiled form is typically tens of KB.
+DEFAULT_CACHE_SIZE = 256
+
+
+class CompiledGrammar:
+    """A compiled grammar; opaque outside this module."""
+
+    __slots__ = ("_compiled", "spec")
+
+    def __init__(self, spec: GrammarSpec, compiled: Any) -> None:
+        self.spec = spec
+        self._compiled = compiled
+
+    def new_state(self) -> GrammarState:
+        return GrammarState(
+            xgr.GrammarMatcher(self._compiled), self._compiled.tokenizer_info.vocab_size
+        )
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    __slots__ = ("_matcher", "vocab_size")
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False if the grammar does not allow it (state kept)."""
+        return bool(self._matcher.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]``."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its end (EOS) was accepted."""
+        return bool(self._matcher.is_terminated())
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """A packed int32 bitmask ``[num_rows, ceil(vocab / 32)]`` (bit set: token allowed)."""
+    return xgr.allocate_token_bitmask(num_rows, vocab_size)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the logits of disallowed tokens to -inf in place, for ``rows`` of ``logits`` only
+    (``bitmask[i]`` belongs to ``logits[rows[i]]``); other rows are not read or written."""
+    if len(rows) == logits.shape[0]:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        return
+    # xgrammar's ``indices`` selects bitmask rows by logits row, so scatter the packed rows
+    # to logits' row numbers (a few hundred bytes per row).
+    full = torch.full(
+        (logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype, device=bitmask.device
+    )
+    full[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer and vocabulary width."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        max_threads: int = 2,
+    ) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
+        self.vocab_size = vocab_size
+        # xgrammar's own cache is off: ours is bounded by entries and keyed by the spec.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+
+    def compile_sync(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile (or take from the cache); raises :class:`GrammarError`."""
+        cached = self._cache.get(spec)
+        if cached is not None:
+            self._cache.move_to_end(spec)
+            return cached
+        compiled = CompiledGrammar(spec, self._compile(spec))
+        self._cache[spec] = compiled
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """:meth:`compile_sync` in the compile thread (a cache hit returns at once)."""
+        cached = self._cache.get(spec)
+        if cached is not None:
+            self._cache.move_to_end(spec)
+            return cached
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.compile_sync, spec)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        try:
+            if spec.kind is GrammarKind.JSON_SCHEMA:
+                json.loads(spec.text)  # a clear message for text that is not JSON at all
+                return self._compiler.compile_json_schema(spec.text, any_whitespace=False)
+            if spec.kind is GrammarKind.JSON_OBJECT:
+                return self._compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False
+                )
+            if spec.kind is GrammarKind.REGEX:
+                return self._compiler.compile_regex(spec.text)
+            if spec.kind is GrammarKind.EBNF:
+                return self._compiler.compile_grammar(spec.text)
+            values = json.loads(spec.text)
+            return self._compiler.compile_grammar(choice_ebnf(values))
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"grammar.{spec.kind.value} is not valid JSON: {exc}") from None
+        except (RuntimeError, ValueError, TypeError) as exc:
+            message = _LOG_PREFIX.sub("", str(exc)).strip()
+            raise GrammarError(f"invalid grammar.{spec.kind.value}: {message}") from None
+
+
+# xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:line: ", noise to a client.
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")

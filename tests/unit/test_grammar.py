@@ -1,0 +1,135 @@
+"""Grammar-constrained sampling on xgrammar with the default model's real tokenizer: the
+packed bitmask changes only the constrained rows of a batch, the compiler caches by text and
+reports bad grammars, and masks span logits wider than the tokenizer's vocabulary."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from genserve.engine.grammar import GrammarCompiler, allocate_bitmask
+from genserve.engine.grammar_spec import GrammarError, GrammarKind, GrammarSpec
+from genserve.model.loader import resolve_model
+from genserve.step import SamplingParams
+from genserve.tokenizer import Tokenizer
+from genserve.worker.sampler import Sampler, SamplingRow
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    model_dir: Path = resolve_model(None).local_dir
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer.hf, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids))
+
+
+def _mask_rows(compiler: GrammarCompiler, specs: list[GrammarSpec]) -> torch.Tensor:
+    bitmask = allocate_bitmask(len(specs), compiler.vocab_size)
+    for row, spec in enumerate(specs):
+        compiler.compile_sync(spec).new_state().fill_bitmask(bitmask, row)
+    return bitmask
+
+
+def test_mask_changes_only_the_constrained_rows(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, compiler.vocab_size)
+    original = logits.clone()
+    digits = GrammarSpec(GrammarKind.REGEX, "[0-9]+")
+    bitmask = _mask_rows(compiler, [digits, digits])
+    greedy = SamplingRow(SamplingParams(), 0)
+    sampled = SamplingRow(SamplingParams(temperature=1.0, seed=3), 0)
+    rows = [greedy, greedy, sampled, sampled]
+    out = Sampler(torch.device("cpu"))(logits, rows, bitmask, [1, 3])
+    assert torch.equal(logits, original)  # the model's logits are not modified
+    unconstrained = Sampler(torch.device("cpu"))(original, rows)
+    # Rows 0 and 2 are exactly what they are without any grammar in the batch.
+    assert out.token_ids[0] == unconstrained.token_ids[0]
+    assert out.token_ids[2] == unconstrained.token_ids[2]
+    assert out.logprobs[0] == unconstrained.logprobs[0]
+    for row in (1, 3):
+        assert re.fullmatch("[0-9]+", tokenizer.token_text(out.token_ids[row]))
+    # The greedy constrained row takes the best allowed token.
+    allowed = [
+        t for t in range(tokenizer.vocab_size) if re.fullmatch("[0-9]+", tokenizer.token_text(t))
+    ]
+    best = max(allowed, key=lambda t: float(original[1, t]))
+    assert out.token_ids[1] == best
+    # Reported logprobs stay those of the unmodified distribution.
+    assert out.logprobs[1] == pytest.approx(float(torch.log_softmax(original[1], -1)[best]))
+
+
+def test_eos_allowed_only_where_the_grammar_is_complete(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    eos = min(tokenizer.eos_token_ids)
+    state = compiler.compile_sync(GrammarSpec.choice(["yes", "yesterday"])).new_state()
+    bitmask = allocate_bitmask(1, compiler.vocab_size)
+
+    def allowed() -> set[int]:
+        state.fill_bitmask(bitmask, 0)
+        logits = torch.zeros(1, compiler.vocab_size)
+        from genserve.engine.grammar import apply_bitmask
+
+        apply_bitmask(logits, bitmask, [0])
+        return set((logits[0] == 0).nonzero()[:, 0].tolist())
+
+    assert eos not in allowed()
+    for token in tokenizer.encode("yes", add_special_tokens=False):
+        assert state.accept(token)
+    after_yes = allowed()
+    assert eos in after_yes and len(after_yes) > 1  # complete, or go on to "yesterday"
+    assert state.accept(eos) and state.is_terminated
+    assert not state.accept(tokenizer.encode("x", add_special_tokens=False)[0])
+
+
+def test_compiled_grammars_are_cached_by_text_and_bounded(tokenizer: Tokenizer) -> None:
+    small = GrammarCompiler(
+        tokenizer.hf, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids), cache_size=2
+    )
+    a, b, c = (GrammarSpec(GrammarKind.REGEX, r) for r in ("a+", "b+", "c+"))
+    first = small.compile_sync(a)
+    assert small.compile_sync(GrammarSpec(GrammarKind.REGEX, "a+")) is first
+    small.compile_sync(b)
+    small.compile_sync(c)  # evicts a, the least recently used
+    assert small.compile_sync(a) is not first
+    small.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (GrammarSpec(GrammarKind.JSON_SCHEMA, "{bad"), "not valid JSON"),
+        (GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "nope"})), "nope"),
+        (GrammarSpec(GrammarKind.REGEX, "(ab"), "parenthesis"),
+        (GrammarSpec(GrammarKind.EBNF, "root ::= missing"), "missing"),
+    ],
+)
+def test_bad_grammars_raise_with_xgrammars_message(
+    compiler: GrammarCompiler, spec: GrammarSpec, message: str
+) -> None:
+    with pytest.raises(GrammarError, match=message) as err:
+        compiler.compile_sync(spec)
+    assert not str(err.value).split(": ", 1)[1].startswith("[")  # log prefix stripped
+
+
+def test_logits_wider_than_the_tokenizer(tokenizer: Tokenizer) -> None:
+    """Padded vocabularies (logits wider than the tokenizer): ids past the tokenizer are
+    never allowed, whatever the grammar."""
+    wide = tokenizer.vocab_size + 64
+    compiler = GrammarCompiler(tokenizer.hf, wide, sorted(tokenizer.eos_token_ids))
+    bitmask = _mask_rows(compiler, [GrammarSpec(GrammarKind.JSON_OBJECT)])
+    logits = torch.zeros(1, wide)
+    logits[0, tokenizer.vocab_size :] = 100.0  # the padding would win if allowed
+    out = Sampler(torch.device("cpu"))(logits, [SamplingRow(SamplingParams(), 0)], bitmask, [0])
+    assert out.token_ids[0] < tokenizer.vocab_size
+    assert tokenizer.token_text(out.token_ids[0]).startswith("{")
+    compiler.shutdown()
