@@ -21,6 +21,7 @@ import structlog
 
 from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
+from genserve.engine.adapter_manager import start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
@@ -151,6 +152,9 @@ def _size_and_warm_up(
         max_client_batch_size=config.max_client_batch_size,
         version=VERSION,
         speculate=config.speculate,
+        max_active_adapters=config.max_active_adapters,
+        max_loras_per_batch=config.max_loras_per_batch or config.max_active_adapters,
+        default_adapter_id=config.adapter_id or "",
     )
     return Loaded(runner=runner, tokenizer=tokenizer, limits=limits, info=info)
 
@@ -170,6 +174,7 @@ def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
             max_waiting_tokens=config.max_waiting_tokens,
             num_speculative_tokens=config.speculate,
             speculate_max_batch_size=config.speculate_max_batch_size,
+            max_loras_per_batch=config.max_loras_per_batch,
         )
     )
 
@@ -248,6 +253,7 @@ class Service:
         config = self.config
         engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
         engine.step_observers.append(self.servicer.observer.on_step)
+        engine.adapters = await start_adapters(config, loaded.runner.config, loaded.info)
         if self.metrics is not None:
             self.metrics.scheduler.bind(engine.scheduler.stats, asyncio.get_running_loop())
             self.metrics.set_info(

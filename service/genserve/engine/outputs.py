@@ -18,6 +18,7 @@ class GenerationRequest:
     stopping: StoppingCriteria
     stop: tuple[str, ...] = ()
     seed: int | None = None  # reported back in details; None for greedy requests
+    adapter_id: str | None = None  # LoRA adapter asked for; None: the server's default
 
 
 @dataclass(frozen=True, slots=True)

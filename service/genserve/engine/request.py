@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from genserve.step import SamplingParams
+from genserve.step import AdapterRef, SamplingParams
 
 
 class FinishReason(enum.Enum):
@@ -46,6 +46,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Extra keys that make otherwise equal token blocks different cache entries (adapter id, ...).
     cache_salt: str | None = None
+    adapter: AdapterRef | None = None  # LoRA adapter and its runner slot; None: base model
 
     output_token_ids: list[int] = field(default_factory=list)
     # Positions whose KV is in this request's blocks (computed or taken from the prefix cache).

@@ -16,6 +16,7 @@ import structlog
 from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason
+from genserve.model.lora import AdapterError
 from genserve.server.observe import RequestObserver, bind_call
 from genserve.server.validation import (
     Limits,
@@ -27,6 +28,7 @@ from genserve.server.validation import (
 from genserve.tokenizer import Tokenizer
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
+from genserve.worker.adapters import AdapterNotFoundError
 
 log = structlog.get_logger(__name__)
 
@@ -152,6 +154,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                     yield out
         except EngineUnavailableError as exc:
             raise _CallFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except AdapterNotFoundError as exc:
+            raise _CallFailed(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        except AdapterError as exc:
+            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     async def _collect(self, req: GenerationRequest) -> _Collected:
         collected = _Collected()
@@ -292,7 +298,14 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoResponse:
         try:
-            return self._require().info
+            serving = self._require()
+            adapters = serving.engine.adapters
+            if adapters is None:
+                return serving.info
+            info = pb.InfoResponse()
+            info.CopyFrom(serving.info)
+            info.loaded_adapters.extend(adapters.loaded)  # changes as adapters come and go
+            return info
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
             raise  # abort() raises; this keeps the type checker informed
