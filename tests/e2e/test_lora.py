@@ -138,3 +138,20 @@ def test_bad_adapters_get_their_status_and_the_server_keeps_serving(
     assert "q_proj" in str(shape.value.details())
 
     assert _generate(lora_stub, "still serving", "ko2").details.generated_tokens > 0
+
+
+def test_python_client_passes_adapter_id(
+    lora_server: InProcessServer, lora_stub: pb_grpc.TextGenerationServiceStub
+) -> None:
+    from genserve.client import Client, GenserveError, InvalidArgumentError
+
+    prompt = "the quick brown fox"
+    with Client(lora_server.address, timeout=60) as client:
+        tuned = client.generate(prompt, max_new_tokens=MAX_NEW, adapter_id="all4rs")
+        base = client.generate(prompt, max_new_tokens=MAX_NEW)
+        with pytest.raises(GenserveError) as missing:
+            client.generate(prompt, max_new_tokens=2, adapter_id="/no/such/adapter")
+    assert not isinstance(missing.value, InvalidArgumentError)
+    assert tuned.generated_text == _generate(lora_stub, prompt, "all4rs").generated_text
+    assert base.generated_text == _generate(lora_stub, prompt, None).generated_text
+    assert tuned.generated_text != base.generated_text

@@ -29,6 +29,7 @@ class GenerateParams(TypedDict, total=False):
     top_n_tokens: int | None
     best_of: int | None
     watermark: bool | None
+    adapter_id: str | None  # LoRA adapter (LoRAX); None: the server's default adapter
 
 
 _FIELDS = frozenset(GenerateParams.__annotations__)
