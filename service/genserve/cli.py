@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from genserve.adapter_metrics import AdapterCollector
 from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
 from genserve.engine.adapter_manager import start_adapters
@@ -254,6 +255,8 @@ class Service:
         engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
         engine.step_observers.append(self.servicer.observer.on_step)
         engine.adapters = await start_adapters(config, loaded.runner.config, loaded.info)
+        if self.metrics is not None:
+            self.metrics.registry.register(AdapterCollector(engine.adapters))
         if self.metrics is not None:
             self.metrics.scheduler.bind(engine.scheduler.stats, asyncio.get_running_loop())
             self.metrics.set_info(

@@ -41,6 +41,7 @@ class AdapterStats:
     """Per adapter id, for metrics and Info."""
 
     requests: int = 0
+    generated_tokens: int = 0
     loads: int = 0
     load_seconds: float = 0.0
     evictions: int = 0
@@ -115,8 +116,10 @@ class AdapterManager:
             self._slot_freed.clear()
             await self._slot_freed.wait()
 
-    def release(self, ref: AdapterRef) -> None:
-        """The request holding ``ref`` has finished (or failed)."""
+    def release(self, ref: AdapterRef, num_generated: int = 0) -> None:
+        """The request holding ``ref`` has finished (or failed) after ``num_generated``
+        tokens."""
+        self.stats.setdefault(ref.adapter_id, AdapterStats()).generated_tokens += num_generated
         resident = self._resident.get(ref.adapter_id)
         if resident is not None and resident.in_flight > 0:
             resident.in_flight -= 1

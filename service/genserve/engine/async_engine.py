@@ -167,12 +167,14 @@ class AsyncEngine:
         if req.req_id in self._streams:
             raise ValueError(f"duplicate request id {req.req_id!r}")
         adapter = await self._acquire_adapter(req.adapter_id)
+        num_generated = 0
         try:
             async for out in self._generate(req, adapter):
+                num_generated += out.token is not None
                 yield out
         finally:
             if adapter is not None and self.adapters is not None:
-                self.adapters.release(adapter)
+                self.adapters.release(adapter, num_generated)
 
     async def _acquire_adapter(self, requested: str | None) -> AdapterRef | None:
         """The request's LoRA adapter pinned into a runner slot (loaded off this loop's
