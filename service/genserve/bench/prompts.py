@@ -61,6 +61,7 @@ class Prompt:
     max_new_tokens: int
     # 0: greedy.  Above 0: sampled at this temperature, seeded with ``prompt_id``.
     temperature: float = 0.0
+    adapter_id: str = ""  # LoRA adapter (the adapters scenario); "": the base model
 
 
 @dataclass(frozen=True, slots=True)
