@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from genserve.adapter_metrics import AdapterCollector
 from genserve.chat_template import ChatRenderer, load_template_override
 from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
+from genserve.engine.adapter_manager import start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
@@ -167,6 +169,9 @@ def _size_and_warm_up(
         has_chat_template=chat.has_template,
         served_model_name=config.served_model_name or resolved.model_id,
         grammar_support=not config.disable_grammar_support,
+        max_active_adapters=config.max_active_adapters,
+        max_loras_per_batch=config.max_loras_per_batch or config.max_active_adapters,
+        default_adapter_id=config.adapter_id or "",
     )
     grammars = None
     if not config.disable_grammar_support:
@@ -203,6 +208,7 @@ def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
             max_waiting_tokens=config.max_waiting_tokens,
             num_speculative_tokens=config.speculate,
             speculate_max_batch_size=config.speculate_max_batch_size,
+            max_loras_per_batch=config.max_loras_per_batch,
         )
     )
 
@@ -295,6 +301,9 @@ class Service:
         config = self.config
         engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
         engine.step_observers.append(self.servicer.observer.on_step)
+        engine.adapters = await start_adapters(config, loaded.runner.config, loaded.info)
+        if self.metrics is not None:
+            self.metrics.registry.register(AdapterCollector(engine.adapters))
         if self.metrics is not None:
             self.metrics.scheduler.bind(engine.scheduler.stats, asyncio.get_running_loop())
             self.metrics.set_info(

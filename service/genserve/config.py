@@ -19,6 +19,7 @@ from typing import Any, Literal
 # "auto" (or unset): genserve.dtype_choice picks for the machine at start-up.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
+AdapterSource = Literal["local", "hub"]
 
 DEFAULT_PORT = 50051
 # Services answered without --api-key: probes (kubelet, grpc_health_probe, mesh sidecars)
@@ -93,6 +94,12 @@ class Config:
     max_connection_age: float = 0.0
     max_connection_age_grace: float = 30.0
     otel_propagators: tuple[str, ...] = ("tracecontext", "baggage", "b3")
+    # LoRA adapters (genserve.engine.adapter_manager)
+    lora_adapters: str | None = None
+    adapter_id: str | None = None
+    adapter_source: AdapterSource = "local"
+    max_active_adapters: int = 8
+    max_loras_per_batch: int | None = None
 
 
 def _bool(text: str) -> bool:
@@ -326,6 +333,27 @@ FLAGS: tuple[_Flag, ...] = (
     _flag(
         "served_model_name",
         "The model name clients give as OpenAI's `model` and Info reports. Default: model id.",
+    ),
+    _flag(
+        "lora_adapters",
+        "LoRA adapters to preload (TGI): id=path,id2=path2 (PEFT directories) or hub ids.",
+    ),
+    _flag("adapter_id", "LoRA adapter for requests that name none (LoRAX). Default: none."),
+    _flag(
+        "adapter_source",
+        "Where adapter ids not in --lora-adapters are found: local (a directory path) or hub "
+        "(the local Hugging Face cache; no network).",
+        choices=("local", "hub"),
+    ),
+    _flag(
+        "max_active_adapters",
+        "LoRA adapters held in memory; beyond it the least recently used idle one is evicted.",
+        _positive_int,
+    ),
+    _flag(
+        "max_loras_per_batch",
+        "Distinct LoRA adapters in one step (SGLang). Default: --max-active-adapters.",
+        _positive_int,
     ),
     # No environment variable, as TGI: "ENV" means something else to POSIX shells.
     _flag("env", "Log the runtime environment at start-up.", _SWITCH, aliases=("-e",), env=("",)),

@@ -47,6 +47,16 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """The LoRA adapter a request uses: ``adapter_id`` read from ``path`` (a PEFT
+    directory), held in the runner's LoRA slot ``slot`` (the scheduler assigns slots)."""
+
+    slot: int
+    adapter_id: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class NewRequestData:
     """Sent once when a request is (re)admitted: after preemption it is sent again.
 
@@ -59,6 +69,7 @@ class NewRequestData:
     num_prompt_tokens: int
     num_output_tokens: int
     sampling: SamplingParams
+    adapter: AdapterRef | None = None  # None: the base model
 
 
 @dataclass(frozen=True, slots=True)

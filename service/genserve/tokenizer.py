@@ -42,17 +42,13 @@ class Tokenizer:
 
     @property
     def hf(self) -> Any:
-        """The transformers tokenizer (xgrammar reads the vocabulary from it)."""
+        """The transformers tokenizer: its chat-template machinery renders conversations and
+        xgrammar reads the vocabulary from it."""
         return self._hf
 
     @property
     def backend(self) -> FastTokenizer:
         return self._tok
-
-    @property
-    def hf(self) -> Any:
-        """The transformers tokenizer (its chat-template machinery renders conversations)."""
-        return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -13,7 +13,6 @@ from genserve.client import (
     Client,
     InvalidArgumentError,
     NotFoundError,
-    UnimplementedError,
 )
 from genserve.v1 import generate_pb2 as pb
 from tests.utils.live_server import LiveServer

@@ -121,7 +121,10 @@ type GenerateParameters struct {
 	// semantics: over the output, not the prompt); must be in [-2, 2].
 	PresencePenalty *float32 `protobuf:"fixed32,18,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
 	// Constrain the output to a grammar (structured output); unset: unconstrained.
-	Grammar       *Grammar `protobuf:"bytes,19,opt,name=grammar,proto3" json:"grammar,omitempty"`
+	Grammar *Grammar `protobuf:"bytes,19,opt,name=grammar,proto3" json:"grammar,omitempty"`
+	// The LoRA adapter to apply (PEFT format; see --lora-adapters / --adapter-id).  Unset or
+	// empty: the server's default adapter (--adapter-id), else the base model.
+	AdapterId     *string `protobuf:"bytes,40,opt,name=adapter_id,json=adapterId,proto3,oneof" json:"adapter_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -287,6 +290,13 @@ func (x *GenerateParameters) GetGrammar() *Grammar {
 		return x.Grammar
 	}
 	return nil
+}
+
+func (x *GenerateParameters) GetAdapterId() string {
+	if x != nil && x.AdapterId != nil {
+		return *x.AdapterId
+	}
+	return ""
 }
 
 // Token is one token with its log-probability.
@@ -1009,8 +1019,16 @@ type InfoResponse struct {
 	ServedModelName string `protobuf:"bytes,20,opt,name=served_model_name,json=servedModelName,proto3" json:"served_model_name,omitempty"`
 	// Whether GenerateParameters.grammar is accepted (false with --disable-grammar-support).
 	GrammarSupport bool `protobuf:"varint,25,opt,name=grammar_support,json=grammarSupport,proto3" json:"grammar_support,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// LoRA: adapters held in memory at most (--max-active-adapters); 0 when LoRA is off.
+	MaxActiveAdapters uint32 `protobuf:"varint,30,opt,name=max_active_adapters,json=maxActiveAdapters,proto3" json:"max_active_adapters,omitempty"`
+	// LoRA: ids of the adapters loaded now, most recently used first.
+	LoadedAdapters []string `protobuf:"bytes,31,rep,name=loaded_adapters,json=loadedAdapters,proto3" json:"loaded_adapters,omitempty"`
+	// LoRA: distinct adapters in one engine step at most (--max-loras-per-batch).
+	MaxLorasPerBatch uint32 `protobuf:"varint,32,opt,name=max_loras_per_batch,json=maxLorasPerBatch,proto3" json:"max_loras_per_batch,omitempty"`
+	// LoRA: the adapter requests naming none get (--adapter-id); empty for the base model.
+	DefaultAdapterId string `protobuf:"bytes,33,opt,name=default_adapter_id,json=defaultAdapterId,proto3" json:"default_adapter_id,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1188,6 +1206,34 @@ func (x *InfoResponse) GetGrammarSupport() bool {
 		return x.GrammarSupport
 	}
 	return false
+}
+
+func (x *InfoResponse) GetMaxActiveAdapters() uint32 {
+	if x != nil {
+		return x.MaxActiveAdapters
+	}
+	return 0
+}
+
+func (x *InfoResponse) GetLoadedAdapters() []string {
+	if x != nil {
+		return x.LoadedAdapters
+	}
+	return nil
+}
+
+func (x *InfoResponse) GetMaxLorasPerBatch() uint32 {
+	if x != nil {
+		return x.MaxLorasPerBatch
+	}
+	return 0
+}
+
+func (x *InfoResponse) GetDefaultAdapterId() string {
+	if x != nil {
+		return x.DefaultAdapterId
+	}
+	return ""
 }
 
 type TokenizeRequest struct {
@@ -2300,7 +2346,7 @@ var File_genserve_v1_generate_proto protoreflect.FileDescriptor
 
 const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\x82\a\n" +
+	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\xb5\a\n" +
 	"\x12GenerateParameters\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12\x1b\n" +
 	"\tdo_sample\x18\x02 \x01(\bR\bdoSample\x12%\n" +
@@ -2323,7 +2369,9 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"R\x06bestOf\x88\x01\x01\x12\x1c\n" +
 	"\twatermark\x18\x11 \x01(\bR\twatermark\x12.\n" +
 	"\x10presence_penalty\x18\x12 \x01(\x02H\vR\x0fpresencePenalty\x88\x01\x01\x12.\n" +
-	"\agrammar\x18\x13 \x01(\v2\x14.genserve.v1.GrammarR\agrammarB\x11\n" +
+	"\agrammar\x18\x13 \x01(\v2\x14.genserve.v1.GrammarR\agrammar\x12\"\n" +
+	"\n" +
+	"adapter_id\x18( \x01(\tH\fR\tadapterId\x88\x01\x01B\x11\n" +
 	"\x0f_max_new_tokensB\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_kB\b\n" +
@@ -2337,7 +2385,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\r_top_n_tokensB\n" +
 	"\n" +
 	"\b_best_ofB\x13\n" +
-	"\x11_presence_penalty\"p\n" +
+	"\x11_presence_penaltyB\r\n" +
+	"\v_adapter_id\"p\n" +
 	"\x05Token\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\rR\x02id\x12\x12\n" +
 	"\x04text\x18\x02 \x01(\tR\x04text\x12\x1d\n" +
@@ -2390,7 +2439,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xd0\x06\n" +
+	"\vInfoRequest\"\x86\b\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2415,7 +2464,11 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\tspeculate\x18\x12 \x01(\rR\tspeculate\x12*\n" +
 	"\x11has_chat_template\x18\x13 \x01(\bR\x0fhasChatTemplate\x12*\n" +
 	"\x11served_model_name\x18\x14 \x01(\tR\x0fservedModelName\x12'\n" +
-	"\x0fgrammar_support\x18\x19 \x01(\bR\x0egrammarSupport\"s\n" +
+	"\x0fgrammar_support\x18\x19 \x01(\bR\x0egrammarSupport\x12.\n" +
+	"\x13max_active_adapters\x18\x1e \x01(\rR\x11maxActiveAdapters\x12'\n" +
+	"\x0floaded_adapters\x18\x1f \x03(\tR\x0eloadedAdapters\x12-\n" +
+	"\x13max_loras_per_batch\x18  \x01(\rR\x10maxLorasPerBatch\x12,\n" +
+	"\x12default_adapter_id\x18! \x01(\tR\x10defaultAdapterId\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +

@@ -216,7 +216,12 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the process exit code (1 when any request failed)."""
-    config = parse_args(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["adapters"]:  # the multi-LoRA scenario has its own options
+        from genserve.bench.adapters import main as adapters_main
+
+        return adapters_main(args[1:])
+    config = parse_args(args)
     from genserve.bench.suite import run_suite
 
     try:

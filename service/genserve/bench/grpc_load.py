@@ -63,15 +63,13 @@ def _finish_reason_name(value: int) -> str:
 def generate_parameters(prompt: Prompt) -> generate_pb2.GenerateParameters:
     """Greedy, or sampled at the prompt's temperature with a seed of its own (so a run is
     repeatable and every request draws differently)."""
-    if prompt.temperature <= 0:
-        params = generate_pb2.GenerateParameters(max_new_tokens=prompt.max_new_tokens)
-    else:
-        params = generate_pb2.GenerateParameters(
-            max_new_tokens=prompt.max_new_tokens,
-            do_sample=True,
-            temperature=prompt.temperature,
-            seed=prompt.prompt_id + 1,
-        )
+    params = generate_pb2.GenerateParameters(max_new_tokens=prompt.max_new_tokens)
+    if prompt.adapter_id:
+        params.adapter_id = prompt.adapter_id
+    if prompt.temperature > 0:
+        params.do_sample = True
+        params.temperature = prompt.temperature
+        params.seed = prompt.prompt_id + 1
     if prompt.json_schema:
         params.grammar.json_schema = prompt.json_schema
     return params
@@ -264,8 +262,13 @@ async def fetch_info(address: str, timeout_s: float = 10.0) -> dict[str, object]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.TextGenerationServiceStub(channel)
         info = await stub.Info(generate_pb2.InfoRequest(), timeout=timeout_s)
-    # Every field, zeros included (a zero limit is information too).
-    return {field.name: getattr(info, field.name) for field in info.DESCRIPTOR.fields}
+    # Every field, zeros included (a zero limit is information too); repeated fields (e.g.
+    # loaded_adapters) as lists, so the dict stays JSON-serialisable.
+    values = {field.name: getattr(info, field.name) for field in info.DESCRIPTOR.fields}
+    return {
+        name: v if isinstance(v, str | int | float | bool) else list(v)
+        for name, v in values.items()
+    }
 
 
 def server_token_counter(

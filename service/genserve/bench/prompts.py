@@ -63,6 +63,7 @@ class Prompt:
     temperature: float = 0.0
     # Structured output: a JSON schema the output must follow ("" : unconstrained).
     json_schema: str = ""
+    adapter_id: str = ""  # LoRA adapter (the adapters scenario); "": the base model
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from genserve.engine.adapter_manager import AdapterManager
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import EngineCoreOutput, Scheduler
-from genserve.step import PromptLogprobs, Runner, RunnerOutput, SchedulerOutput
+from genserve.step import AdapterRef, PromptLogprobs, Runner, RunnerOutput, SchedulerOutput
 from genserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from genserve.worker.adapters import AdapterNotFoundError
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +78,8 @@ class AsyncEngine:
         self._dead_reason: str | None = None
         self._idle = asyncio.Event()  # set whenever the last stream ends
         self.step_observers: list[Callable[[StepObservation], None]] = []
+        # LoRA adapters (set by the launcher); None: requests naming an adapter are refused.
+        self.adapters: AdapterManager | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -162,6 +166,29 @@ class AsyncEngine:
             raise EngineUnavailableError(self._dead_reason or "the engine is not serving")
         if req.req_id in self._streams:
             raise ValueError(f"duplicate request id {req.req_id!r}")
+        adapter = await self._acquire_adapter(req.adapter_id)
+        num_generated = 0
+        try:
+            async for out in self._generate(req, adapter):
+                num_generated += out.token is not None
+                yield out
+        finally:
+            if adapter is not None and self.adapters is not None:
+                self.adapters.release(adapter, num_generated)
+
+    async def _acquire_adapter(self, requested: str | None) -> AdapterRef | None:
+        """The request's LoRA adapter pinned into a runner slot (loaded off this loop's
+        critical path: validation runs in a thread while the batch keeps stepping)."""
+        adapter_id = self.adapters.effective_id(requested) if self.adapters else requested
+        if not adapter_id:
+            return None
+        if self.adapters is None:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r}: LoRA is not enabled")
+        return await self.adapters.acquire(adapter_id)
+
+    async def _generate(
+        self, req: GenerationRequest, adapter: AdapterRef | None
+    ) -> AsyncIterator[TokenOutput]:
         stream = _Stream(
             request=req,
             detokenizer=self._tokenizer.detokenizer(req.prompt_token_ids, req.stop),
@@ -174,6 +201,10 @@ class AsyncEngine:
                 sampling=req.sampling,
                 stopping=req.stopping,
                 grammar=req.grammar.new_state() if req.grammar is not None else None,
+                # The adapter is part of every block hash: the same prompt under two
+                # adapters never shares KV.
+                cache_salt=f"lora:{adapter.adapter_id}" if adapter else None,
+                adapter=adapter,
             )
         )
         self._wake.set()

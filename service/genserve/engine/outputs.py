@@ -23,6 +23,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None  # reported back in details; None for greedy requests
     grammar: CompiledGrammar | None = None  # structured output (compiled before queueing)
+    adapter_id: str | None = None  # LoRA adapter asked for; None: the server's default
 
 
 @dataclass(frozen=True, slots=True)

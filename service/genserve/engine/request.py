@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from genserve.step import SamplingParams
+from genserve.step import AdapterRef, SamplingParams
 
 if TYPE_CHECKING:
     from genserve.engine.grammar import GrammarState
@@ -53,6 +53,7 @@ class Request:
     # Structured output: the matcher, advanced with every kept output token (survives
     # preemption with the output tokens themselves, so nothing is replayed).
     grammar: GrammarState | None = None
+    adapter: AdapterRef | None = None  # LoRA adapter and its runner slot; None: base model
 
     output_token_ids: list[int] = field(default_factory=list)
     # Positions whose KV is in this request's blocks (computed or taken from the prefix cache).

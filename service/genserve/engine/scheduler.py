@@ -405,9 +405,18 @@ class Scheduler:
         # KV headroom for the growth of the running (and just admitted) requests.
         reserve_tokens = sum(self._policy.growth_estimate(r) for r in self._running)
         admissions: list[_Admission] = []
+        adapters = {r.adapter.adapter_id for r in self._running if r.adapter is not None}
         for req in self._waiting:
             if len(admissions) >= slots or budget <= 0:
                 break
+            if req.adapter is not None and req.adapter.adapter_id not in adapters:
+                if cfg.max_loras_per_batch is not None and (
+                    len(adapters) >= cfg.max_loras_per_batch
+                ):
+                    # Head-of-line, not skip-ahead: later requests of running adapters
+                    # would otherwise keep this adapter waiting forever.
+                    break
+                adapters.add(req.adapter.adapter_id)
             computed_blocks, num_cached = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_cached
             if cfg.chunked_prefill_enabled:
@@ -456,6 +465,7 @@ class Scheduler:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
                 sampling=req.sampling,
+                adapter=req.adapter,
             )
         )
         self._runner_known.add(req.req_id)

@@ -64,6 +64,8 @@ class SchedulerConfig:
     # Longest and shortest n-gram the proposer matches.
     speculate_ngram_max: int = 3
     speculate_ngram_min: int = 1
+    # --max-loras-per-batch (SGLang): distinct LoRA adapters running at once (None: no cap).
+    max_loras_per_batch: int | None = None
 
     def __post_init__(self) -> None:
         positive = {

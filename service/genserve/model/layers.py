@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genserve.model.config import RopeConfig, UnsupportedModelError
+from genserve.model.lora import LoraHook
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
 
@@ -210,8 +211,11 @@ class ColumnParallelLinear(_Packable):
         self.weight = _empty(local, in_features, dtype=dtype, device=device)
         self.bias = _empty(local, dtype=dtype, device=device) if bias else None
 
+    lora: LoraHook | None = None  # multi-LoRA deltas (genserve.model.lora), when enabled
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.packed, self.bias)  # [num_tokens, local_out]
+        y = _linear(x, self.weight, self.packed, self.bias)  # [num_tokens, local_out]
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
     def load(self, weights: WeightSource, prefixes: Sequence[str]) -> None:
         """``prefixes[i]`` names the ``i``-th fused matrix (``…gate_proj``, ``…up_proj``)."""
@@ -318,11 +322,18 @@ class RowParallelLinear(_Packable):
         self.weight = _empty(out_features, local_in, dtype=dtype, device=device)
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
+    lora: LoraHook | None = None  # multi-LoRA deltas (genserve.model.lora), when enabled
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size == 1:
-            return _linear(x, self.weight, self.packed, self.bias)
-        # The bias is added once, after the partial sums are reduced.
-        y = self.ctx.all_reduce(_linear(x, self.weight, self.packed, None))
+            y1 = _linear(x, self.weight, self.packed, self.bias)
+            return y1 if self.lora is None else self.lora.add_delta(x, y1)
+        # The bias is added once, after the partial sums are reduced; a LoRA delta (A split
+        # on the input features like W) is a partial sum too and joins the same all-reduce.
+        partial = _linear(x, self.weight, self.packed, None)
+        if self.lora is not None:
+            partial = self.lora.add_delta(x, partial)
+        y = self.ctx.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
     def load(self, weights: WeightSource, prefix: str) -> None:

@@ -27,6 +27,7 @@ from genserve.model.layers import (
     VocabParallelEmbedding,
     apply_rotary,
 )
+from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
 
@@ -234,6 +235,46 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fused = True
             layer.mlp.fused = True
         self.norm.fused = True
+
+    def enable_lora(self, step: StepAdapters) -> dict[str, tuple[LoraHook, ModuleSplit]]:
+        """Attach a LoRA hook to every adaptable projection; returns, per PEFT module path
+        (``model.layers.{i}.self_attn.q_proj``), the hook and how this rank slices it."""
+        targets: dict[str, tuple[LoraHook, ModuleSplit]] = {}
+        for i, layer in enumerate(self._layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            for linear in (qkv, o, gate_up, down):
+                linear.lora = LoraHook(step)
+            d = qkv.head_dim
+            q_rows = (qkv.q_range,)
+            kv_rows = tuple((h * d, (h + 1) * d) for h in qkv.kv_heads)
+            q_size = qkv.num_local_heads * d
+            kv_size = qkv.num_local_kv_heads * d
+            prefix = f"model.layers.{i}"
+            assert qkv.lora is not None and o.lora is not None
+            assert gate_up.lora is not None and down.lora is not None
+            targets[f"{prefix}.self_attn.q_proj"] = (qkv.lora, ModuleSplit(q_rows, 0))
+            targets[f"{prefix}.self_attn.k_proj"] = (qkv.lora, ModuleSplit(kv_rows, q_size))
+            targets[f"{prefix}.self_attn.v_proj"] = (
+                qkv.lora,
+                ModuleSplit(kv_rows, q_size + kv_size),
+            )
+            hidden = self.config.hidden_size
+            targets[f"{prefix}.self_attn.o_proj"] = (
+                o.lora,
+                ModuleSplit(((0, hidden),), 0, o.in_range),
+            )
+            gate_r, up_r = gate_up.ranges
+            targets[f"{prefix}.mlp.gate_proj"] = (gate_up.lora, ModuleSplit((gate_r,), 0))
+            targets[f"{prefix}.mlp.up_proj"] = (
+                gate_up.lora,
+                ModuleSplit((up_r,), gate_r[1] - gate_r[0]),
+            )
+            targets[f"{prefix}.mlp.down_proj"] = (
+                down.lora,
+                ModuleSplit(((0, hidden),), 0, down.in_range),
+            )
+        return targets
 
     @torch.no_grad()
     def load_weights(self, weights: WeightSource) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from genserve.chat_template import ROLES, ChatRenderer, ChatTemplateError, NoChatTemplateError
 from genserve.engine.outputs import FinalInfo, TokenInfo
 from genserve.engine.request import FinishReason
-from genserve.server.validation import Limits, UnsupportedError, ValidationError
+from genserve.server.validation import Limits, ValidationError
 from genserve.tokenizer import Tokenizer
 from genserve.v1 import generate_pb2 as pb
 

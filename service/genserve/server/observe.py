@@ -99,6 +99,7 @@ class SequenceRecord:
     call: grpc.aio.ServicerContext | None
     span: Span | None  # the RPC's server span, when traced
     keep_chunks: bool
+    adapter_id: str | None = None  # the LoRA adapter the request named
     scheduled_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -190,6 +191,8 @@ class RequestObserver:
         if span is not None:
             span.set_attribute("gen_ai.usage.input_tokens", num_prompt)
             span.set_attribute("gen_ai.request.max_tokens", max_new)
+            if req.adapter_id:
+                span.set_attribute("genserve.adapter_id", req.adapter_id)
             span.end()
         if self.log_requests:
             log.info(
@@ -215,6 +218,7 @@ class RequestObserver:
             call=CALL_CONTEXT.get(),
             span=current if current is not None and current.is_recording() else None,
             keep_chunks=self.tracer is not None,
+            adapter_id=req.adapter_id,
         )
         # A duplicate id is refused by the engine; keep following the first one.
         self._live.setdefault(req.req_id, record)
@@ -367,6 +371,8 @@ def _emit_spans(tracer: Tracer, rec: SequenceRecord, outcome: str, ended: float)
         "gen_ai.response.finish_reasons": (outcome,),
         "genserve.finish_reason": outcome,
     }
+    if rec.adapter_id:
+        attributes["genserve.adapter_id"] = rec.adapter_id
     if final is not None:
         attributes["genserve.cached_prompt_tokens"] = final.num_cached_tokens
         attributes["genserve.preemptions"] = final.num_preemptions

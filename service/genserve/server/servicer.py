@@ -19,6 +19,7 @@ from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from genserve.engine.grammar_spec import GrammarError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason
+from genserve.model.lora import AdapterError
 from genserve.server import chat
 from genserve.server.grammar_params import GrammarUnsupportedError, attach_grammar
 from genserve.server.observe import RequestObserver, bind_call
@@ -32,6 +33,7 @@ from genserve.server.validation import (
 from genserve.tokenizer import Tokenizer
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
+from genserve.worker.adapters import AdapterNotFoundError
 
 if TYPE_CHECKING:
     from genserve.engine.grammar import GrammarCompiler
@@ -181,6 +183,10 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                     yield out
         except EngineUnavailableError as exc:
             raise _CallFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except AdapterNotFoundError as exc:
+            raise _CallFailed(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        except AdapterError as exc:
+            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     async def _collect_all(self, reqs: list[GenerationRequest]) -> list[_Collected]:
         """Generate admitted sequences concurrently (counted in flight meanwhile); raises the
@@ -330,7 +336,14 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoResponse:
         try:
-            return self._require().info
+            serving = self._require()
+            adapters = serving.engine.adapters
+            if adapters is None:
+                return serving.info
+            info = pb.InfoResponse()
+            info.CopyFrom(serving.info)
+            info.loaded_adapters.extend(adapters.loaded)  # changes as adapters come and go
+            return info
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
             raise  # abort() raises; this keeps the type checker informed
@@ -390,8 +403,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
     ) -> tuple[chat.ChatPlan, list[GenerationRequest]]:
         plan, reqs = self._plan_chat(request, base_id)
         reqs = [
-            await self._with_grammar(r, p)
-            for r, p in zip(reqs, plan.choice_params, strict=True)
+            await self._with_grammar(r, p) for r, p in zip(reqs, plan.choice_params, strict=True)
         ]
         return plan, reqs
 

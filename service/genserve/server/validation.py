@@ -182,4 +182,5 @@ def validate(
         ),
         stop=tuple(params.stop),
         seed=seed,
+        adapter_id=params.adapter_id or None,
     )

@@ -20,6 +20,7 @@ import ctypes
 import itertools
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import structlog
@@ -28,10 +29,12 @@ import torch
 from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
 from genserve.model.config import ModelConfig
 from genserve.model.loader import ResolvedModel
+from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.registry import build_model
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
 from genserve.step import (
+    AdapterRef,
     NewRequestData,
     PromptLogprobs,
     RunnerOutput,
@@ -41,6 +44,7 @@ from genserve.step import (
     SchedulerOutput,
     TokenLogprob,
 )
+from genserve.worker.adapters import install, read_adapter
 from genserve.worker.sampler import Sampler, SamplingRow
 
 log = structlog.get_logger("genserve.worker")
@@ -61,6 +65,7 @@ class _RequestState:
     token_counts: torch.Tensor | None  # [vocab] float32, only with penalties
     # [vocab] float32 occurrences in the output only, only with a presence penalty
     output_counts: torch.Tensor | None = None
+    adapter_slot: int = -1  # LoRA slot, -1: the base model
 
     @classmethod
     def from_new(cls, new: NewRequestData, vocab_size: int, device: torch.device) -> _RequestState:
@@ -82,6 +87,7 @@ class _RequestState:
             else (),
             token_counts=counts,
             output_counts=output_counts,
+            adapter_slot=new.adapter.slot if new.adapter is not None else -1,
         )
 
 
@@ -120,6 +126,11 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler(device)
         self._requests: dict[str, _RequestState] = {}
+        # LoRA: hooks are attached on the first adapter request, so base-only serving pays
+        # nothing; _slot_ids says which adapter each slot holds now.
+        self._lora_step = StepAdapters()
+        self._lora_targets: dict[str, tuple[LoraHook, ModuleSplit]] | None = None
+        self._slot_ids: dict[int, str] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.num_blocks = 0
@@ -223,6 +234,8 @@ class ModelRunner:
         for req_id in step.finished_req_ids:
             self._requests.pop(req_id, None)
         for new in step.new_requests:
+            if new.adapter is not None:
+                self._ensure_adapter(new.adapter)
             self._requests[new.req_id] = _RequestState.from_new(
                 new, self.config.vocab_size, self.device
             )
@@ -251,6 +264,11 @@ class ModelRunner:
             device=self.device,
         )
         positions = torch.from_numpy(_positions(chunks, num_single)).to(self.device)
+        if self._lora_targets is not None:
+            slots = [self._requests[c.req_id].adapter_slot for c in chunks]
+            self._lora_step.set_rows(
+                [s for c, s in zip(chunks, slots, strict=True) for _ in c.token_ids], self.device
+            )
         hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
 
         offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
@@ -272,6 +290,16 @@ class ModelRunner:
         prompt_parts = self._prompt_logprob_parts(chunks, offsets)
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_parts) if prompt_parts else ()
         return RunnerOutput(step.step_id, sampled, prompt_logprobs)
+
+    def _ensure_adapter(self, ref: AdapterRef) -> None:
+        """Make slot ``ref.slot`` hold ``ref.adapter_id`` (read from ``ref.path``)."""
+        if self._slot_ids.get(ref.slot) == ref.adapter_id:
+            return
+        if self._lora_targets is None:
+            self._lora_targets = self.model.enable_lora(self._lora_step)
+        weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
+        install(weights, ref.slot, self._lora_targets, self.dtype, self.device)
+        self._slot_ids[ref.slot] = ref.adapter_id
 
     def _state(self, req_id: str) -> _RequestState:
         state = self._requests.get(req_id)

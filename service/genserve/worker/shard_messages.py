@@ -17,7 +17,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from genserve.step import NewRequestData, SamplingParams, ScheduledChunk, SchedulerOutput
+from genserve.step import (
+    AdapterRef,
+    NewRequestData,
+    SamplingParams,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 
 
 class ProtocolError(ValueError):
@@ -75,11 +81,24 @@ def _step_fields(step: SchedulerOutput) -> list[Any]:
             for c in step.chunks
         ],
         [
-            [n.req_id, n.all_token_ids, n.num_prompt_tokens, n.num_output_tokens, _sampling(n)]
+            [
+                n.req_id,
+                n.all_token_ids,
+                n.num_prompt_tokens,
+                n.num_output_tokens,
+                _sampling(n),
+                *_adapter(n),
+            ]
             for n in step.new_requests
         ],
         step.finished_req_ids,
     ]
+
+
+def _adapter(new: NewRequestData) -> list[Any]:
+    """LoRA: an optional trailing field ``[slot, adapter_id, path]`` (absent: base model)."""
+    a = new.adapter
+    return [] if a is None else [[a.slot, a.adapter_id, a.path]]
 
 
 def _sampling(new: NewRequestData) -> list[Any]:
@@ -144,9 +163,9 @@ def _chunk(value: Any) -> ScheduledChunk:
 
 
 def _new_request(value: Any) -> NewRequestData:
-    req_id, token_ids, num_prompt, num_output, sampling = _exactly(
-        _list(value, "new_request"), 5, "new_request"
-    )
+    fields = _list(value, "new_request")
+    adapter = _adapter_ref(fields.pop()) if len(fields) == 6 else None
+    req_id, token_ids, num_prompt, num_output, sampling = _exactly(fields, 5, "new_request")
     (temperature, top_k, top_p, typical_p, rep, freq, seed, num_top, prompt_lp, presence) = (
         _exactly(_list(sampling, "sampling"), 10, "sampling")
     )
@@ -167,7 +186,13 @@ def _new_request(value: Any) -> NewRequestData:
             prompt_logprobs=_bool(prompt_lp),
             presence_penalty=_float(presence),
         ),
+        adapter=adapter,
     )
+
+
+def _adapter_ref(value: Any) -> AdapterRef:
+    slot, adapter_id, path = _exactly(_list(value, "adapter"), 3, "adapter")
+    return AdapterRef(_int(slot), _str(adapter_id), _str(path))
 
 
 def _exactly(values: list[Any], n: int, what: str) -> list[Any]:

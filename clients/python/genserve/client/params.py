@@ -30,6 +30,7 @@ class GenerateParams(TypedDict, total=False):
     best_of: int | None
     watermark: bool | None
     presence_penalty: float | None
+    adapter_id: str | None  # LoRA adapter (LoRAX); None: the server's default adapter
 
 
 _FIELDS = frozenset(GenerateParams.__annotations__)

@@ -19,7 +19,7 @@ FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "seed", "stop", "truncate", "return_full_text", "details", "decoder_input_details", "top_n_tokens", "best_of", "watermark", "presence_penalty", "grammar")
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "seed", "stop", "truncate", "return_full_text", "details", "decoder_input_details", "top_n_tokens", "best_of", "watermark", "presence_penalty", "grammar", "adapter_id")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateParameters(_message.Message):
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     do_sample: bool
     temperature: float
@@ -58,7 +59,8 @@ class GenerateParameters(_message.Message):
     watermark: bool
     presence_penalty: float
     grammar: Grammar
-    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    adapter_id: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "logprob", "special")
@@ -169,7 +171,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support")
+    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +193,10 @@ class InfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACTIVE_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_dtype: str
@@ -212,7 +218,11 @@ class InfoResponse(_message.Message):
     has_chat_template: bool
     served_model_name: str
     grammar_support: bool
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ...) -> None: ...
+    max_active_adapters: int
+    loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
+    max_loras_per_batch: int
+    default_adapter_id: str
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "add_special_tokens")
