@@ -206,13 +206,6 @@ Params = pb.GenerateParameters
             INVALID,
             "role",
         ),
-        (
-            # This in-process server has no grammar compiler, as with
-            # --disable-grammar-support: response_format is a grammar, so it is refused.
-            {"response_format": pb.ResponseFormat(type="json_object")},
-            grpc.StatusCode.UNIMPLEMENTED,
-            "disable-grammar-support",
-        ),
         ({"response_format": pb.ResponseFormat(type="json_schema")}, INVALID, "json_schema"),
         (
             {

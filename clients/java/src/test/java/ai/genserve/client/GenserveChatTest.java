@@ -114,11 +114,11 @@ class GenserveChatTest {
     ChatRequest json =
         ChatRequest.newBuilder()
             .addAllMessages(MESSAGES)
-            .setResponseFormat(ResponseFormat.newBuilder().setType("json_object"))
+            .setResponseFormat(ResponseFormat.newBuilder().setType("json_schema"))
             .build();
-    GenserveException unimplemented = assertThrows(GenserveException.class, () -> client.chat(json));
-    assertEquals(Status.Code.UNIMPLEMENTED, unimplemented.code());
-    assertTrue(unimplemented.statusMessage().contains("structured output"));
+    GenserveException noSchema = assertThrows(GenserveException.class, () -> client.chat(json));
+    assertEquals(Status.Code.INVALID_ARGUMENT, noSchema.code());
+    assertTrue(noSchema.statusMessage().contains("json_schema"));
 
     ChatStreamRequest wrongModel =
         ChatStreamRequest.newBuilder().addAllMessages(MESSAGES).setModel("gpt-4o").build();
