@@ -169,6 +169,8 @@ def _size_and_warm_up(
         has_chat_template=chat.has_template,
         served_model_name=config.served_model_name or resolved.model_id,
         grammar_support=not config.disable_grammar_support,
+        # The logits width bounds logit_bias / stop_token_ids / input_ids (issue #15).
+        vocab_size=int(hf_config.get("vocab_size") or tokenizer.vocab_size),
         max_active_adapters=config.max_active_adapters,
         max_loras_per_batch=config.max_loras_per_batch or config.max_active_adapters,
         default_adapter_id=config.adapter_id or "",
@@ -324,6 +326,7 @@ class Service:
                     max_input_tokens=loaded.limits.max_input_tokens,
                     max_total_tokens=loaded.limits.max_total_tokens,
                     max_client_batch_size=config.max_client_batch_size,
+                    vocab_size=loaded.info.vocab_size,
                 ),
                 info=loaded.info,
                 max_concurrent_requests=config.max_concurrent_requests,

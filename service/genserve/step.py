@@ -31,6 +31,12 @@ class SamplingParams:
     prompt_logprobs: bool = False  # compute logprobs of the prompt tokens too
     # 0.0: none (OpenAI/vLLM semantics: once per distinct token of the output, not the prompt)
     presence_penalty: float = 0.0
+    # Issue #15 logits controls (worker/logits_processors.py).  Only rank 0 samples, so shard
+    # messages do not carry them.
+    min_p: float = 0.0  # 0.0: none (transformers' MinPLogitsWarper)
+    min_new_tokens: int = 0  # while fewer tokens were generated, ``min_tokens_banned_ids``
+    min_tokens_banned_ids: tuple[int, ...] = ()  # are masked (EOS and stop_token_ids)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
 
     @property
     def greedy(self) -> bool:

@@ -68,9 +68,20 @@ class Tokenizer:
         return str(self._tok.decode([token_id], skip_special_tokens=False))
 
     def detokenizer(
-        self, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+        self,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        *,
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
     ) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self._tok, prompt_token_ids, stop)
+        return IncrementalDetokenizer(
+            self._tok,
+            prompt_token_ids,
+            stop,
+            skip_special_tokens=skip_special_tokens,
+            include_stop_str=include_stop_str,
+        )
 
 
 def _eos_ids(model_dir: Path, tokenizer_eos: int | None) -> frozenset[int]:
@@ -94,22 +105,36 @@ class IncrementalDetokenizer:
     """Turns generated token ids into text pieces whose concatenation is exactly the final
     text.  A piece is released only once it is final: bytes of an unfinished UTF-8 character
     wait for the next token, and text that could be the start of a stop string waits until it
-    is clearly not one (so a stop string spanning tokens is cut cleanly, and never streamed)."""
+    is clearly not one (so a stop string spanning tokens is cut cleanly, and never streamed).
+
+    ``include_stop_str`` (vLLM's include_stop_str_in_output) keeps the stop string, and the
+    text of a token that ended generation by itself (EOS, a stop token id), as vLLM does;
+    without it both are left out."""
 
     def __init__(
-        self, tokenizer: FastTokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str]
+        self,
+        tokenizer: FastTokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        *,
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
     ) -> None:
         self._tok = tokenizer
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=True)
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop_str
         self._pending = ""
         self.stopped_by: str | None = None
 
-    def add(self, token_id: int) -> str:
+    def add(self, token_id: int, *, ends_generation: bool = False) -> str:
         """Feed one generated token; returns the text that became final (may be empty).
-        After a stop string appears, ``stopped_by`` is set and the text up to it is returned."""
-        if self.stopped_by is not None:
+        After a stop string appears, ``stopped_by`` is set and the text up to it is returned
+        (and the stop string too with ``include_stop_str``).  ``ends_generation``: this token
+        itself ended generation (EOS or a stop token id); its text is dropped unless
+        ``include_stop_str``."""
+        if self.stopped_by is not None or (ends_generation and not self._include_stop):
             return ""
         piece = self._stream.step(self._tok, token_id)
         if piece:
@@ -123,7 +148,7 @@ class IncrementalDetokenizer:
             if at >= 0 and (first is None or at < first[0]):
                 first = (at, s)
         if first is not None:
-            released = self._pending[: first[0]]
+            released = self._pending[: first[0] + (len(first[1]) if self._include_stop else 0)]
             self._pending = ""
             self.stopped_by = first[1]
             return released

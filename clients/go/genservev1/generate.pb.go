@@ -122,6 +122,30 @@ type GenerateParameters struct {
 	PresencePenalty *float32 `protobuf:"fixed32,18,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
 	// Constrain the output to a grammar (structured output); unset: unconstrained.
 	Grammar *Grammar `protobuf:"bytes,19,opt,name=grammar,proto3" json:"grammar,omitempty"`
+	// Issue #15 sampling fields (vLLM / SGLang names; transformers semantics where it has one).
+	// Drop tokens whose probability is below min_p times the most likely token's, in [0, 1]
+	// (0 disables; applied after temperature, top_k and top_p, as transformers'
+	// MinPLogitsWarper).  Like top_k and top_p, a min_p > 0 implies sampling.
+	MinP *float32 `protobuf:"fixed32,20,opt,name=min_p,json=minP,proto3,oneof" json:"min_p,omitempty"`
+	// End-of-sequence and stop_token_ids cannot be generated before this many tokens
+	// (transformers' min_new_tokens, vLLM's min_tokens); at most max_new_tokens.
+	MinNewTokens *uint32 `protobuf:"varint,21,opt,name=min_new_tokens,json=minNewTokens,proto3,oneof" json:"min_new_tokens,omitempty"`
+	// Token ids that end generation like end-of-sequence (finish reason STOP_SEQUENCE, the id
+	// in details.stop_token_id); each below InfoResponse.vocab_size.
+	StopTokenIds []uint32 `protobuf:"varint,22,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
+	// Keep generating after end-of-sequence tokens (vLLM's ignore_eos: the logits are left
+	// alone, generation just does not end there); stop, stop_token_ids and max_new_tokens
+	// still end it.
+	IgnoreEos bool `protobuf:"varint,23,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
+	// Added to the logits of these token ids before penalties and sampling (OpenAI's and
+	// vLLM's logit_bias), greedy included; ids below InfoResponse.vocab_size, biases in
+	// [-100, 100].
+	LogitBias map[uint32]float32 `protobuf:"bytes,24,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"`
+	// Leave special tokens (such as end-of-sequence) out of the generated text. Default: true.
+	SkipSpecialTokens *bool `protobuf:"varint,25,opt,name=skip_special_tokens,json=skipSpecialTokens,proto3,oneof" json:"skip_special_tokens,omitempty"`
+	// Keep the stop string (or stop token / end-of-sequence token text) that ended generation
+	// at the end of the generated text (vLLM's include_stop_str_in_output).
+	IncludeStopStrInOutput bool `protobuf:"varint,26,opt,name=include_stop_str_in_output,json=includeStopStrInOutput,proto3" json:"include_stop_str_in_output,omitempty"`
 	// The LoRA adapter to apply (PEFT format; see --lora-adapters / --adapter-id).  Unset or
 	// empty: the server's default adapter (--adapter-id), else the base model.
 	AdapterId     *string `protobuf:"bytes,40,opt,name=adapter_id,json=adapterId,proto3,oneof" json:"adapter_id,omitempty"`
@@ -292,6 +316,55 @@ func (x *GenerateParameters) GetGrammar() *Grammar {
 	return nil
 }
 
+func (x *GenerateParameters) GetMinP() float32 {
+	if x != nil && x.MinP != nil {
+		return *x.MinP
+	}
+	return 0
+}
+
+func (x *GenerateParameters) GetMinNewTokens() uint32 {
+	if x != nil && x.MinNewTokens != nil {
+		return *x.MinNewTokens
+	}
+	return 0
+}
+
+func (x *GenerateParameters) GetStopTokenIds() []uint32 {
+	if x != nil {
+		return x.StopTokenIds
+	}
+	return nil
+}
+
+func (x *GenerateParameters) GetIgnoreEos() bool {
+	if x != nil {
+		return x.IgnoreEos
+	}
+	return false
+}
+
+func (x *GenerateParameters) GetLogitBias() map[uint32]float32 {
+	if x != nil {
+		return x.LogitBias
+	}
+	return nil
+}
+
+func (x *GenerateParameters) GetSkipSpecialTokens() bool {
+	if x != nil && x.SkipSpecialTokens != nil {
+		return *x.SkipSpecialTokens
+	}
+	return false
+}
+
+func (x *GenerateParameters) GetIncludeStopStrInOutput() bool {
+	if x != nil {
+		return x.IncludeStopStrInOutput
+	}
+	return false
+}
+
 func (x *GenerateParameters) GetAdapterId() string {
 	if x != nil && x.AdapterId != nil {
 		return *x.AdapterId
@@ -431,7 +504,9 @@ type Details struct {
 	// Number of prompt tokens (after truncation).
 	InputLength uint32 `protobuf:"varint,7,opt,name=input_length,json=inputLength,proto3" json:"input_length,omitempty"`
 	// Prompt tokens whose KV came from the prefix cache instead of being computed.
-	CachedTokens  uint32 `protobuf:"varint,8,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
+	CachedTokens uint32 `protobuf:"varint,8,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
+	// The id from parameters.stop_token_ids that ended generation (vLLM's stop_reason).
+	StopTokenId   *uint32 `protobuf:"varint,9,opt,name=stop_token_id,json=stopTokenId,proto3,oneof" json:"stop_token_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -522,11 +597,21 @@ func (x *Details) GetCachedTokens() uint32 {
 	return 0
 }
 
+func (x *Details) GetStopTokenId() uint32 {
+	if x != nil && x.StopTokenId != nil {
+		return *x.StopTokenId
+	}
+	return 0
+}
+
 type GenerateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The prompts: 1..max_client_batch_size of them.
-	Inputs        []string            `protobuf:"bytes,1,rep,name=inputs,proto3" json:"inputs,omitempty"`
-	Parameters    *GenerateParameters `protobuf:"bytes,2,opt,name=parameters,proto3" json:"parameters,omitempty"`
+	Inputs     []string            `protobuf:"bytes,1,rep,name=inputs,proto3" json:"inputs,omitempty"`
+	Parameters *GenerateParameters `protobuf:"bytes,2,opt,name=parameters,proto3" json:"parameters,omitempty"`
+	// The prompts as token ids instead of text (what vLLM and SGLang routers send): give
+	// either inputs or input_ids, not both.  Used as they are (no BOS is added).
+	InputIds      []*TokenIds `protobuf:"bytes,3,rep,name=input_ids,json=inputIds,proto3" json:"input_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -571,6 +656,13 @@ func (x *GenerateRequest) GetInputs() []string {
 func (x *GenerateRequest) GetParameters() *GenerateParameters {
 	if x != nil {
 		return x.Parameters
+	}
+	return nil
+}
+
+func (x *GenerateRequest) GetInputIds() []*TokenIds {
+	if x != nil {
+		return x.InputIds
 	}
 	return nil
 }
@@ -675,9 +767,11 @@ func (x *GenerateResponse) GetResults() []*GenerateResult {
 }
 
 type GenerateStreamRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Inputs        string                 `protobuf:"bytes,1,opt,name=inputs,proto3" json:"inputs,omitempty"`
-	Parameters    *GenerateParameters    `protobuf:"bytes,2,opt,name=parameters,proto3" json:"parameters,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Inputs     string                 `protobuf:"bytes,1,opt,name=inputs,proto3" json:"inputs,omitempty"`
+	Parameters *GenerateParameters    `protobuf:"bytes,2,opt,name=parameters,proto3" json:"parameters,omitempty"`
+	// The prompt as token ids instead of text: give either inputs or input_ids, not both.
+	InputIds      []uint32 `protobuf:"varint,3,rep,packed,name=input_ids,json=inputIds,proto3" json:"input_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -726,6 +820,13 @@ func (x *GenerateStreamRequest) GetParameters() *GenerateParameters {
 	return nil
 }
 
+func (x *GenerateStreamRequest) GetInputIds() []uint32 {
+	if x != nil {
+		return x.InputIds
+	}
+	return nil
+}
+
 // StreamDetails is sent with the last stream message.
 type StreamDetails struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
@@ -734,8 +835,10 @@ type StreamDetails struct {
 	Seed            *uint64                `protobuf:"varint,3,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
 	InputLength     uint32                 `protobuf:"varint,4,opt,name=input_length,json=inputLength,proto3" json:"input_length,omitempty"`
 	CachedTokens    uint32                 `protobuf:"varint,5,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The id from parameters.stop_token_ids that ended generation.
+	StopTokenId   *uint32 `protobuf:"varint,6,opt,name=stop_token_id,json=stopTokenId,proto3,oneof" json:"stop_token_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StreamDetails) Reset() {
@@ -799,6 +902,13 @@ func (x *StreamDetails) GetInputLength() uint32 {
 func (x *StreamDetails) GetCachedTokens() uint32 {
 	if x != nil {
 		return x.CachedTokens
+	}
+	return 0
+}
+
+func (x *StreamDetails) GetStopTokenId() uint32 {
+	if x != nil && x.StopTokenId != nil {
+		return *x.StopTokenId
 	}
 	return 0
 }
@@ -1019,6 +1129,9 @@ type InfoResponse struct {
 	ServedModelName string `protobuf:"bytes,20,opt,name=served_model_name,json=servedModelName,proto3" json:"served_model_name,omitempty"`
 	// Whether GenerateParameters.grammar is accepted (false with --disable-grammar-support).
 	GrammarSupport bool `protobuf:"varint,25,opt,name=grammar_support,json=grammarSupport,proto3" json:"grammar_support,omitempty"`
+	// Token ids are below this (the model's logits width): the bound logit_bias,
+	// stop_token_ids and input_ids are checked against.
+	VocabSize uint32 `protobuf:"varint,26,opt,name=vocab_size,json=vocabSize,proto3" json:"vocab_size,omitempty"`
 	// LoRA: adapters held in memory at most (--max-active-adapters); 0 when LoRA is off.
 	MaxActiveAdapters uint32 `protobuf:"varint,30,opt,name=max_active_adapters,json=maxActiveAdapters,proto3" json:"max_active_adapters,omitempty"`
 	// LoRA: ids of the adapters loaded now, most recently used first.
@@ -1206,6 +1319,13 @@ func (x *InfoResponse) GetGrammarSupport() bool {
 		return x.GrammarSupport
 	}
 	return false
+}
+
+func (x *InfoResponse) GetVocabSize() uint32 {
+	if x != nil {
+		return x.VocabSize
+	}
+	return 0
 }
 
 func (x *InfoResponse) GetMaxActiveAdapters() uint32 {
@@ -2342,11 +2462,57 @@ func (x *GrammarChoice) GetValues() []string {
 	return nil
 }
 
+// Issue #15 (sampling fields): a prompt given as token ids.
+type TokenIds struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ids           []uint32               `protobuf:"varint,1,rep,packed,name=ids,proto3" json:"ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TokenIds) Reset() {
+	*x = TokenIds{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TokenIds) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TokenIds) ProtoMessage() {}
+
+func (x *TokenIds) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
+func (*TokenIds) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *TokenIds) GetIds() []uint32 {
+	if x != nil {
+		return x.Ids
+	}
+	return nil
+}
+
 var File_genserve_v1_generate_proto protoreflect.FileDescriptor
 
 const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\xb5\a\n" +
+	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\xf2\n" +
+	"\n" +
 	"\x12GenerateParameters\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12\x1b\n" +
 	"\tdo_sample\x18\x02 \x01(\bR\bdoSample\x12%\n" +
@@ -2369,9 +2535,21 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"R\x06bestOf\x88\x01\x01\x12\x1c\n" +
 	"\twatermark\x18\x11 \x01(\bR\twatermark\x12.\n" +
 	"\x10presence_penalty\x18\x12 \x01(\x02H\vR\x0fpresencePenalty\x88\x01\x01\x12.\n" +
-	"\agrammar\x18\x13 \x01(\v2\x14.genserve.v1.GrammarR\agrammar\x12\"\n" +
+	"\agrammar\x18\x13 \x01(\v2\x14.genserve.v1.GrammarR\agrammar\x12\x18\n" +
+	"\x05min_p\x18\x14 \x01(\x02H\fR\x04minP\x88\x01\x01\x12)\n" +
+	"\x0emin_new_tokens\x18\x15 \x01(\rH\rR\fminNewTokens\x88\x01\x01\x12$\n" +
+	"\x0estop_token_ids\x18\x16 \x03(\rR\fstopTokenIds\x12\x1d\n" +
 	"\n" +
-	"adapter_id\x18( \x01(\tH\fR\tadapterId\x88\x01\x01B\x11\n" +
+	"ignore_eos\x18\x17 \x01(\bR\tignoreEos\x12M\n" +
+	"\n" +
+	"logit_bias\x18\x18 \x03(\v2..genserve.v1.GenerateParameters.LogitBiasEntryR\tlogitBias\x123\n" +
+	"\x13skip_special_tokens\x18\x19 \x01(\bH\x0eR\x11skipSpecialTokens\x88\x01\x01\x12:\n" +
+	"\x1ainclude_stop_str_in_output\x18\x1a \x01(\bR\x16includeStopStrInOutput\x12\"\n" +
+	"\n" +
+	"adapter_id\x18( \x01(\tH\x0fR\tadapterId\x88\x01\x01\x1a<\n" +
+	"\x0eLogitBiasEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x11\n" +
 	"\x0f_max_new_tokensB\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_kB\b\n" +
@@ -2385,7 +2563,10 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\r_top_n_tokensB\n" +
 	"\n" +
 	"\b_best_ofB\x13\n" +
-	"\x11_presence_penaltyB\r\n" +
+	"\x11_presence_penaltyB\b\n" +
+	"\x06_min_pB\x11\n" +
+	"\x0f_min_new_tokensB\x16\n" +
+	"\x14_skip_special_tokensB\r\n" +
 	"\v_adapter_id\"p\n" +
 	"\x05Token\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\rR\x02id\x12\x12\n" +
@@ -2395,7 +2576,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
 	"\b_logprob\"7\n" +
 	"\tTopTokens\x12*\n" +
-	"\x06tokens\x18\x01 \x03(\v2\x12.genserve.v1.TokenR\x06tokens\"\xef\x02\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x12.genserve.v1.TokenR\x06tokens\"\xaa\x03\n" +
 	"\aDetails\x12>\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2\x19.genserve.v1.FinishReasonR\ffinishReason\x12)\n" +
 	"\x10generated_tokens\x18\x02 \x01(\rR\x0fgeneratedTokens\x12\x17\n" +
@@ -2405,30 +2586,36 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
 	"top_tokens\x18\x06 \x03(\v2\x16.genserve.v1.TopTokensR\ttopTokens\x12!\n" +
 	"\finput_length\x18\a \x01(\rR\vinputLength\x12#\n" +
-	"\rcached_tokens\x18\b \x01(\rR\fcachedTokensB\a\n" +
-	"\x05_seed\"j\n" +
+	"\rcached_tokens\x18\b \x01(\rR\fcachedTokens\x12'\n" +
+	"\rstop_token_id\x18\t \x01(\rH\x01R\vstopTokenId\x88\x01\x01B\a\n" +
+	"\x05_seedB\x10\n" +
+	"\x0e_stop_token_id\"\x9e\x01\n" +
 	"\x0fGenerateRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x03(\tR\x06inputs\x12?\n" +
 	"\n" +
 	"parameters\x18\x02 \x01(\v2\x1f.genserve.v1.GenerateParametersR\n" +
-	"parameters\"g\n" +
+	"parameters\x122\n" +
+	"\tinput_ids\x18\x03 \x03(\v2\x15.genserve.v1.TokenIdsR\binputIds\"g\n" +
 	"\x0eGenerateResult\x12%\n" +
 	"\x0egenerated_text\x18\x01 \x01(\tR\rgeneratedText\x12.\n" +
 	"\adetails\x18\x02 \x01(\v2\x14.genserve.v1.DetailsR\adetails\"I\n" +
 	"\x10GenerateResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.genserve.v1.GenerateResultR\aresults\"p\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.genserve.v1.GenerateResultR\aresults\"\x8d\x01\n" +
 	"\x15GenerateStreamRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x12?\n" +
 	"\n" +
 	"parameters\x18\x02 \x01(\v2\x1f.genserve.v1.GenerateParametersR\n" +
-	"parameters\"\xe4\x01\n" +
+	"parameters\x12\x1b\n" +
+	"\tinput_ids\x18\x03 \x03(\rR\binputIds\"\x9f\x02\n" +
 	"\rStreamDetails\x12>\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2\x19.genserve.v1.FinishReasonR\ffinishReason\x12)\n" +
 	"\x10generated_tokens\x18\x02 \x01(\rR\x0fgeneratedTokens\x12\x17\n" +
 	"\x04seed\x18\x03 \x01(\x04H\x00R\x04seed\x88\x01\x01\x12!\n" +
 	"\finput_length\x18\x04 \x01(\rR\vinputLength\x12#\n" +
-	"\rcached_tokens\x18\x05 \x01(\rR\fcachedTokensB\a\n" +
-	"\x05_seed\"\x80\x02\n" +
+	"\rcached_tokens\x18\x05 \x01(\rR\fcachedTokens\x12'\n" +
+	"\rstop_token_id\x18\x06 \x01(\rH\x01R\vstopTokenId\x88\x01\x01B\a\n" +
+	"\x05_seedB\x10\n" +
+	"\x0e_stop_token_id\"\x80\x02\n" +
 	"\x16GenerateStreamResponse\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x12(\n" +
 	"\x05token\x18\x02 \x01(\v2\x12.genserve.v1.TokenR\x05token\x121\n" +
@@ -2439,7 +2626,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\x86\b\n" +
+	"\vInfoRequest\"\xa5\b\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2464,7 +2651,9 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\tspeculate\x18\x12 \x01(\rR\tspeculate\x12*\n" +
 	"\x11has_chat_template\x18\x13 \x01(\bR\x0fhasChatTemplate\x12*\n" +
 	"\x11served_model_name\x18\x14 \x01(\tR\x0fservedModelName\x12'\n" +
-	"\x0fgrammar_support\x18\x19 \x01(\bR\x0egrammarSupport\x12.\n" +
+	"\x0fgrammar_support\x18\x19 \x01(\bR\x0egrammarSupport\x12\x1d\n" +
+	"\n" +
+	"vocab_size\x18\x1a \x01(\rR\tvocabSize\x12.\n" +
 	"\x13max_active_adapters\x18\x1e \x01(\rR\x11maxActiveAdapters\x12'\n" +
 	"\x0floaded_adapters\x18\x1f \x03(\tR\x0eloadedAdapters\x12-\n" +
 	"\x13max_loras_per_batch\x18  \x01(\rR\x10maxLorasPerBatch\x12,\n" +
@@ -2561,7 +2750,9 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x06choice\x18\x05 \x01(\v2\x1a.genserve.v1.GrammarChoiceH\x00R\x06choiceB\x06\n" +
 	"\x04kind\"'\n" +
 	"\rGrammarChoice\x12\x16\n" +
-	"\x06values\x18\x01 \x03(\tR\x06values*\x85\x01\n" +
+	"\x06values\x18\x01 \x03(\tR\x06values\"\x1c\n" +
+	"\bTokenIds\x12\x10\n" +
+	"\x03ids\x18\x01 \x03(\rR\x03ids*\x85\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x01\x12\x1b\n" +
@@ -2591,7 +2782,7 @@ func file_genserve_v1_generate_proto_rawDescGZIP() []byte {
 }
 
 var file_genserve_v1_generate_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
+var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_genserve_v1_generate_proto_goTypes = []any{
 	(FinishReason)(0),              // 0: genserve.v1.FinishReason
 	(*GenerateParameters)(nil),     // 1: genserve.v1.GenerateParameters
@@ -2622,60 +2813,64 @@ var file_genserve_v1_generate_proto_goTypes = []any{
 	(*ChatStreamResponse)(nil),     // 26: genserve.v1.ChatStreamResponse
 	(*Grammar)(nil),                // 27: genserve.v1.Grammar
 	(*GrammarChoice)(nil),          // 28: genserve.v1.GrammarChoice
+	(*TokenIds)(nil),               // 29: genserve.v1.TokenIds
+	nil,                            // 30: genserve.v1.GenerateParameters.LogitBiasEntry
 }
 var file_genserve_v1_generate_proto_depIdxs = []int32{
 	27, // 0: genserve.v1.GenerateParameters.grammar:type_name -> genserve.v1.Grammar
-	2,  // 1: genserve.v1.TopTokens.tokens:type_name -> genserve.v1.Token
-	0,  // 2: genserve.v1.Details.finish_reason:type_name -> genserve.v1.FinishReason
-	2,  // 3: genserve.v1.Details.prefill:type_name -> genserve.v1.Token
-	2,  // 4: genserve.v1.Details.tokens:type_name -> genserve.v1.Token
-	3,  // 5: genserve.v1.Details.top_tokens:type_name -> genserve.v1.TopTokens
-	1,  // 6: genserve.v1.GenerateRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	4,  // 7: genserve.v1.GenerateResult.details:type_name -> genserve.v1.Details
-	6,  // 8: genserve.v1.GenerateResponse.results:type_name -> genserve.v1.GenerateResult
-	1,  // 9: genserve.v1.GenerateStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	0,  // 10: genserve.v1.StreamDetails.finish_reason:type_name -> genserve.v1.FinishReason
-	2,  // 11: genserve.v1.GenerateStreamResponse.token:type_name -> genserve.v1.Token
-	2,  // 12: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
-	9,  // 13: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
-	16, // 14: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
-	18, // 15: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
-	1,  // 16: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	19, // 17: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
-	2,  // 18: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
-	2,  // 19: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
-	18, // 20: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
-	0,  // 21: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
-	22, // 22: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
-	23, // 23: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
-	21, // 24: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
-	18, // 25: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
-	1,  // 26: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	19, // 27: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
-	2,  // 28: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
-	2,  // 29: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
-	0,  // 30: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
-	21, // 31: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
-	28, // 32: genserve.v1.Grammar.choice:type_name -> genserve.v1.GrammarChoice
-	5,  // 33: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
-	8,  // 34: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
-	11, // 35: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
-	13, // 36: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
-	15, // 37: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
-	20, // 38: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
-	25, // 39: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
-	7,  // 40: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
-	10, // 41: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
-	12, // 42: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
-	14, // 43: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
-	17, // 44: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
-	24, // 45: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
-	26, // 46: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
-	40, // [40:47] is the sub-list for method output_type
-	33, // [33:40] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	30, // 1: genserve.v1.GenerateParameters.logit_bias:type_name -> genserve.v1.GenerateParameters.LogitBiasEntry
+	2,  // 2: genserve.v1.TopTokens.tokens:type_name -> genserve.v1.Token
+	0,  // 3: genserve.v1.Details.finish_reason:type_name -> genserve.v1.FinishReason
+	2,  // 4: genserve.v1.Details.prefill:type_name -> genserve.v1.Token
+	2,  // 5: genserve.v1.Details.tokens:type_name -> genserve.v1.Token
+	3,  // 6: genserve.v1.Details.top_tokens:type_name -> genserve.v1.TopTokens
+	1,  // 7: genserve.v1.GenerateRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	29, // 8: genserve.v1.GenerateRequest.input_ids:type_name -> genserve.v1.TokenIds
+	4,  // 9: genserve.v1.GenerateResult.details:type_name -> genserve.v1.Details
+	6,  // 10: genserve.v1.GenerateResponse.results:type_name -> genserve.v1.GenerateResult
+	1,  // 11: genserve.v1.GenerateStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	0,  // 12: genserve.v1.StreamDetails.finish_reason:type_name -> genserve.v1.FinishReason
+	2,  // 13: genserve.v1.GenerateStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 14: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
+	9,  // 15: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
+	16, // 16: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
+	18, // 17: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 18: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	19, // 19: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	2,  // 20: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
+	2,  // 21: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
+	18, // 22: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
+	0,  // 23: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
+	22, // 24: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
+	23, // 25: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
+	21, // 26: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
+	18, // 27: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 28: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	19, // 29: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	2,  // 30: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 31: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
+	0,  // 32: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
+	21, // 33: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
+	28, // 34: genserve.v1.Grammar.choice:type_name -> genserve.v1.GrammarChoice
+	5,  // 35: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
+	8,  // 36: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
+	11, // 37: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
+	13, // 38: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
+	15, // 39: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
+	20, // 40: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
+	25, // 41: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
+	7,  // 42: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
+	10, // 43: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
+	12, // 44: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
+	14, // 45: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
+	17, // 46: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
+	24, // 47: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
+	26, // 48: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
+	42, // [42:49] is the sub-list for method output_type
+	35, // [35:42] is the sub-list for method input_type
+	35, // [35:35] is the sub-list for extension type_name
+	35, // [35:35] is the sub-list for extension extendee
+	0,  // [0:35] is the sub-list for field type_name
 }
 
 func init() { file_genserve_v1_generate_proto_init() }
@@ -2705,7 +2900,7 @@ func file_genserve_v1_generate_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_genserve_v1_generate_proto_rawDesc), len(file_genserve_v1_generate_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   28,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

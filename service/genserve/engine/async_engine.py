@@ -191,7 +191,12 @@ class AsyncEngine:
     ) -> AsyncIterator[TokenOutput]:
         stream = _Stream(
             request=req,
-            detokenizer=self._tokenizer.detokenizer(req.prompt_token_ids, req.stop),
+            detokenizer=self._tokenizer.detokenizer(
+                req.prompt_token_ids,
+                req.stop,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str=req.include_stop_str_in_output,
+            ),
         )
         self._streams[req.req_id] = stream
         self._scheduler.add_request(
@@ -309,7 +314,9 @@ class AsyncEngine:
         sampled = out.new_token
         detok = stream.detokenizer
         finish = out.finish_reason
-        text = detok.add(sampled.token_id)
+        # EOS / a stop token id that ended generation (vLLM leaves its text out by default).
+        ends = finish in (FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE)
+        text = detok.add(sampled.token_id, ends_generation=ends)
         if detok.stopped_by is not None:
             if finish is None:
                 self._scheduler.finish_requests([out.req_id], FinishReason.STOP_SEQUENCE)

@@ -24,6 +24,8 @@ class GenerationRequest:
     seed: int | None = None  # reported back in details; None for greedy requests
     grammar: CompiledGrammar | None = None  # structured output (compiled before queueing)
     adapter_id: str | None = None  # LoRA adapter asked for; None: the server's default
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    include_stop_str_in_output: bool = False  # keep the stop string / stop token's text
 
 
 @dataclass(frozen=True, slots=True)

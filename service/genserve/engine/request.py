@@ -37,6 +37,8 @@ class StoppingCriteria:
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # Issue #15: ids that end generation like EOS (finish reason STOP_SEQUENCE), ignore_eos or not.
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(eq=False, slots=True)

@@ -581,6 +581,8 @@ def _stop_reason(req: Request, token_id: int) -> FinishReason | None:
         return FinishReason.LENGTH
     if not stopping.ignore_eos and token_id in stopping.eos_token_ids:
         return FinishReason.EOS_TOKEN
+    if token_id in stopping.stop_token_ids:  # vLLM's stop_token_ids: a user-given stop
+        return FinishReason.STOP_SEQUENCE
     return None
 
 

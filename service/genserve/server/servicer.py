@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from genserve.model.lora import AdapterError
 from genserve.server import chat
 from genserve.server.grammar_params import GrammarUnsupportedError, attach_grammar
 from genserve.server.observe import RequestObserver, bind_call
+from genserve.server.param_validation import prompt_inputs, stop_token_id
 from genserve.server.validation import (
     Limits,
     UnsupportedError,
@@ -151,6 +152,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         except UnsupportedError as exc:
             raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
 
+    def _prompts(
+        self, texts: Sequence[str], id_lists: Sequence[Sequence[int]]
+    ) -> list[tuple[str, tuple[int, ...] | None]]:
+        """``inputs`` or ``input_ids`` (never both) as ``(text, ids or None)`` per prompt."""
+        serving = self._require()
+        vocab = serving.limits.vocab_size or serving.tokenizer.vocab_size
+        try:
+            return prompt_inputs(texts, id_lists, serving.tokenizer, vocab)
+        except ValidationError as exc:
+            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
     async def _with_grammar(
         self, req: GenerationRequest, params: pb.GenerateParameters
     ) -> GenerationRequest:
@@ -230,6 +242,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         )
         if req.seed is not None:
             details.seed = req.seed
+        last = collected.tokens[-1].token_id if collected.tokens else None
+        if (stop_id := stop_token_id(req, final, last)) is not None:
+            details.stop_token_id = stop_id
         if params.HasField("top_n_tokens") and params.top_n_tokens > 0:
             details.top_tokens.extend(
                 pb.TopTokens(tokens=[_token_pb(t) for t in top]) for top in collected.top_tokens
@@ -241,18 +256,20 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
         try:
-            validate_batch_size(len(request.inputs), self._require().limits)
+            limits = self._require().limits
+            validate_batch_size(len(request.inputs) or len(request.input_ids), limits)
+            prompts = self._prompts(request.inputs, [t.ids for t in request.input_ids])
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
         base_id = _request_id(context)
         params = request.parameters
-        num = len(request.inputs)
+        num = len(prompts)
         try:
             reqs = [
-                self._validate(base_id if num == 1 else f"{base_id}-{i}", text, params)
-                for i, text in enumerate(request.inputs)
+                self._validate(base_id if num == 1 else f"{base_id}-{i}", text, params, ids)
+                for i, (text, ids) in enumerate(prompts)
             ]
             reqs = [await self._with_grammar(r, params) for r in reqs]
             self._admit(len(reqs))
@@ -263,7 +280,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
         response = pb.GenerateResponse()
-        for text, req, collected in zip(request.inputs, reqs, results, strict=True):
+        for (text, _), req, collected in zip(prompts, reqs, results, strict=True):
             assert collected.final is not None
             generated = collected.final.generated_text
             result = pb.GenerateResult(
@@ -279,7 +296,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         params = request.parameters
         try:
-            req = self._validate(_request_id(context), request.inputs, params)
+            ((text, ids),) = self._prompts(
+                [request.inputs] if request.inputs or not request.input_ids else [],
+                [request.input_ids] if request.input_ids else [],
+            )
+            req = self._validate(_request_id(context), text, params, ids)
             req = await self._with_grammar(req, params)
             self._admit(1)
         except _CallFailed as exc:
@@ -287,14 +308,18 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         self._in_flight += 1
         try:
             async for out in self._stream(req):
-                yield self._stream_message(request, req, out)
+                yield self._stream_message(request, req, out, text)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
         finally:
             self._in_flight -= 1
 
     def _stream_message(
-        self, request: pb.GenerateStreamRequest, req: GenerationRequest, out: TokenOutput
+        self,
+        request: pb.GenerateStreamRequest,
+        req: GenerationRequest,
+        out: TokenOutput,
+        prompt_text: str,
     ) -> pb.GenerateStreamResponse:
         msg = pb.GenerateStreamResponse(index=out.index)
         if out.token is not None:
@@ -303,9 +328,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         final = out.final
         if final is not None:
             text = final.generated_text
-            msg.generated_text = (
-                request.inputs + text if request.parameters.return_full_text else text
-            )
+            msg.generated_text = prompt_text + text if request.parameters.return_full_text else text
             details = pb.StreamDetails(
                 finish_reason=_FINISH_REASONS.get(
                     final.finish_reason, pb.FINISH_REASON_UNSPECIFIED
@@ -316,6 +339,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             )
             if req.seed is not None:
                 details.seed = req.seed
+            last = out.token.token_id if out.token is not None else None
+            if (stop_id := stop_token_id(req, final, last)) is not None:
+                details.stop_token_id = stop_id
             msg.details.CopyFrom(details)
         return msg
 

@@ -32,6 +32,7 @@ class Limits:
     max_input_tokens: int
     max_total_tokens: int
     max_client_batch_size: int
+    vocab_size: int = 0  # the model's logits width; 0: the tokenizer's vocabulary size
 
 
 def validate_batch_size(num_inputs: int, limits: Limits) -> None:
@@ -90,6 +91,7 @@ def _sampling(params: pb.GenerateParameters, limits: Limits) -> tuple[SamplingPa
         or top_k > 0
         or top_p < 1.0
         or typical_p < 1.0
+        or (params.HasField("min_p") and params.min_p > 0.0)
     )
     if sample and temperature <= 0:
         raise ValidationError(
@@ -134,7 +136,7 @@ def validate(
         raise UnsupportedError("`best_of` > 1 is not implemented by this server yet")
     if params.watermark:
         raise UnsupportedError("`watermark` is not implemented by this server yet")
-    if not text:
+    if not text and prompt_ids is None:
         raise ValidationError("`inputs` cannot be empty")
     if len(params.stop) > limits.max_stop_sequences:
         raise ValidationError(
@@ -144,6 +146,9 @@ def validate(
     if any(not s for s in params.stop):
         raise ValidationError("`stop` sequences cannot be empty strings")
     sampling, seed = _sampling(params, limits)
+    from genserve.server.param_validation import ExtraParams  # imports this module
+
+    extras = ExtraParams.check(params, limits.vocab_size or tokenizer.vocab_size)
 
     prompt_ids = tokenizer.encode(text) if prompt_ids is None else list(prompt_ids)
     if params.HasField("truncate"):
@@ -173,7 +178,7 @@ def validate(
             f"(--max-total-tokens); given: {num_input} input tokens and {max_new_tokens} "
             "`max_new_tokens`"
         )
-    return GenerationRequest(
+    request = GenerationRequest(
         req_id=req_id,
         prompt_token_ids=tuple(prompt_ids),
         sampling=sampling,
@@ -184,3 +189,4 @@ def validate(
         seed=seed,
         adapter_id=params.adapter_id or None,
     )
+    return extras.apply(request)

@@ -1,10 +1,11 @@
 """Logits → next tokens for a batch of rows with heterogeneous sampling parameters.
 
 Order of operations (TGI's, presence penalty after frequency as vLLM applies them
-together): repetition penalty → frequency penalty → presence penalty → temperature → top-k →
-top-p → typical-p → draw.  Greedy rows take the argmax after the penalties.  Every
-filter is one tensor operation over the rows that use it; rows that leave a parameter at
-its neutral value are not touched.
+together; logit bias and min_new_tokens bans first and min-p after top-p as in
+worker/logits_processors.py): logit bias / bans → repetition penalty → frequency penalty →
+presence penalty → temperature → top-k → top-p → min-p → typical-p → draw.  Greedy rows
+take the argmax after the penalties.  Every filter is one tensor operation over the rows
+that use it; rows that leave a parameter at its neutral value are not touched.
 
 Randomness is a pure function of ``(seed, output_index)``: each sampled row takes one
 uniform number from a splitmix64 hash of both and picks its token by inverse CDF (the first
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from genserve.step import SamplingParams, TokenLogprob
+from genserve.worker.logits_processors import apply_logit_controls, min_p_filter
 
 _MASK64 = (1 << 64) - 1
 
@@ -93,12 +95,14 @@ class Sampler:
         # log_softmax is one vectorised pass (logsumexp + subtract measured 3x slower).
         logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
 
-        scores = logits
+        # logit_bias and min_new_tokens bans come first, as vLLM applies them (a copy if any).
+        scores = apply_logit_controls(logits, params, [r.output_index for r in rows])
         penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
         if penalised:
-            scores = logits.clone()
+            if scores is logits:
+                scores = logits.clone()
             scores[penalised] = self._apply_penalties(
-                logits[penalised], [rows[i] for i in penalised]
+                scores[penalised], [rows[i] for i in penalised]
             )
 
         if grammar_bitmask is not None and grammar_rows:
@@ -162,6 +166,8 @@ class Sampler:
             scores = _top_k(scores, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
             scores = _top_p(scores, [p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):  # transformers' order: after top-p
+            scores = min_p_filter(scores, [p.min_p for p in params])
         if any(p.typical_p < 1.0 for p in params):
             scores = _typical_p(scores, [p.typical_p for p in params])
         probs = torch.softmax(scores, dim=-1)  # [n, vocab]

@@ -19,7 +19,14 @@ FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "seed", "stop", "truncate", "return_full_text", "details", "decoder_input_details", "top_n_tokens", "best_of", "watermark", "presence_penalty", "grammar", "adapter_id")
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "seed", "stop", "truncate", "return_full_text", "details", "decoder_input_details", "top_n_tokens", "best_of", "watermark", "presence_penalty", "grammar", "min_p", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "adapter_id")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +46,13 @@ class GenerateParameters(_message.Message):
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     do_sample: bool
@@ -59,8 +73,15 @@ class GenerateParameters(_message.Message):
     watermark: bool
     presence_penalty: float
     grammar: Grammar
+    min_p: float
+    min_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logit_bias: _containers.ScalarMap[int, float]
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
     adapter_id: str
-    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., min_p: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "logprob", "special")
@@ -81,7 +102,7 @@ class TopTokens(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class Details(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "input_length", "cached_tokens")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "input_length", "cached_tokens", "stop_token_id")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +111,7 @@ class Details(_message.Message):
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     generated_tokens: int
     seed: int
@@ -98,15 +120,18 @@ class Details(_message.Message):
     top_tokens: _containers.RepeatedCompositeFieldContainer[TopTokens]
     input_length: int
     cached_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., input_length: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    stop_token_id: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., input_length: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("inputs", "parameters")
+    __slots__ = ("inputs", "parameters", "input_ids")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedScalarFieldContainer[str]
     parameters: GenerateParameters
-    def __init__(self, inputs: _Optional[_Iterable[str]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
+    input_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, inputs: _Optional[_Iterable[str]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
     __slots__ = ("generated_text", "details")
@@ -123,26 +148,30 @@ class GenerateResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[GenerateResult, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("inputs", "parameters")
+    __slots__ = ("inputs", "parameters", "input_ids")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     inputs: str
     parameters: GenerateParameters
-    def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ...) -> None: ...
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., input_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamDetails(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "input_length", "cached_tokens")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "input_length", "cached_tokens", "stop_token_id")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     generated_tokens: int
     seed: int
     input_length: int
     cached_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., input_length: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    stop_token_id: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., input_length: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("index", "token", "top_tokens", "generated_text", "details")
@@ -171,7 +200,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id")
+    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "vocab_size", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +222,7 @@ class InfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_ACTIVE_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -218,11 +248,12 @@ class InfoResponse(_message.Message):
     has_chat_template: bool
     served_model_name: str
     grammar_support: bool
+    vocab_size: int
     max_active_adapters: int
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras_per_batch: int
     default_adapter_id: str
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "add_special_tokens")
@@ -401,3 +432,9 @@ class GrammarChoice(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,74 @@
+"""Issue #15 logits controls, batched over the rows of one sampling step.
+
+* :func:`apply_logit_controls` — ``logit_bias`` (OpenAI / vLLM: added to the raw logits) and
+  the ``min_new_tokens`` ban (transformers' MinNewTokensLengthLogitsProcessor, vLLM's
+  min_tokens: EOS and stop token ids get ``-inf`` while too few tokens were generated).  Both
+  run before the penalties, where vLLM applies them, and reach greedy rows too.
+* :func:`min_p_filter` — transformers' MinPLogitsWarper (a sampling warper: after
+  temperature, top-k and top-p, before typical-p).
+
+Each is one indexed tensor operation over the rows that use it; the Python loops walk only
+the (few) biased or banned ids of a row, never the vocabulary, and rows at neutral values
+are left exactly as they were.  Nothing here draws randomness, so seeded sampling stays a
+function of the row alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from genserve.step import SamplingParams
+
+
+def apply_logit_controls(
+    logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
+) -> torch.Tensor:
+    """``logits`` ``[num_rows, vocab]``; row ``i`` belongs to a request with ``params[i]``
+    about to sample its output token number ``output_indices[i]`` (from 0).  Returns
+    ``logits`` itself when no row uses a control, otherwise a copy with every row's biases
+    added and, for rows below their ``min_new_tokens``, the banned ids set to ``-inf``."""
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    for i, (p, output_index) in enumerate(zip(params, output_indices, strict=True)):
+        for token_id, bias in p.logit_bias:
+            bias_rows.append(i)
+            bias_ids.append(token_id)
+            bias_values.append(bias)
+        if output_index < p.min_new_tokens and p.min_tokens_banned_ids:
+            ban_rows += [i] * len(p.min_tokens_banned_ids)
+            ban_ids += p.min_tokens_banned_ids
+    if not bias_rows and not ban_rows:
+        return logits
+    scores = logits.clone()  # logits stay the model's: reported logprobs read them
+    device = logits.device
+    if bias_rows:
+        at = (
+            torch.tensor(bias_rows, dtype=torch.int64, device=device),
+            torch.tensor(bias_ids, dtype=torch.int64, device=device),
+        )
+        values = torch.tensor(bias_values, dtype=scores.dtype, device=device)
+        scores.index_put_(at, values, accumulate=True)
+    if ban_rows:
+        at = (
+            torch.tensor(ban_rows, dtype=torch.int64, device=device),
+            torch.tensor(ban_ids, dtype=torch.int64, device=device),
+        )
+        scores.index_put_(at, torch.tensor(float("-inf"), dtype=scores.dtype, device=device))
+    return scores
+
+
+def min_p_filter(scores: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p[i]`` times row ``i``'s largest one.
+
+    The most likely token always survives (its probability is the maximum), which is what
+    transformers' ``min_tokens_to_keep=1`` guarantees; a row with ``min_p == 0`` keeps every
+    token (no probability is below 0)."""
+    probs = scores.softmax(dim=-1)  # [n, vocab]
+    factor = torch.tensor(min_p, dtype=probs.dtype, device=scores.device)[:, None]
+    threshold = probs.amax(dim=-1, keepdim=True) * factor  # [n, 1]
+    return scores.masked_fill(probs < threshold, float("-inf"))
