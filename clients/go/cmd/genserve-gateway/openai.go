@@ -66,6 +66,9 @@ type samplingFields struct {
 	LogitBias         map[string]any `json:"logit_bias"`
 	Stream            bool           `json:"stream"`
 	StreamOptions     *streamOptions `json:"stream_options"`
+
+	// vLLM's min_p, min_tokens, stop_token_ids, ... (openai_extra.go)
+	vllmSamplingFields
 }
 
 // params translates the shared fields to GenerateParameters with OpenAI's semantics:
@@ -73,9 +76,6 @@ type samplingFields struct {
 // default is 1) samples, so do_sample is set explicitly (genserve, like TGI, would otherwise
 // take temperature 1 for greedy).  A top_p of 1 keeps every token and is dropped.
 func (s *samplingFields) params() (*genservev1.GenerateParameters, error) {
-	if len(s.LogitBias) > 0 {
-		return nil, invalidArg("logit_bias", "logit_bias is not supported by this server")
-	}
 	p := &genservev1.GenerateParameters{
 		MaxNewTokens:      s.MaxTokens,
 		Stop:              s.Stop,
@@ -103,6 +103,9 @@ func (s *samplingFields) params() (*genservev1.GenerateParameters, error) {
 		}
 		seed := uint64(*s.Seed)
 		p.Seed = &seed
+	}
+	if err := s.applyExtras(p); err != nil {
+		return nil, err
 	}
 	return p, nil
 }

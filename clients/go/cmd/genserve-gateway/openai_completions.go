@@ -28,8 +28,8 @@ type completionRequest struct {
 	Suffix   *string         `json:"suffix"`
 }
 
-// prompts is the request's prompt: a string or a list of strings.  Token-id prompts are
-// refused: genserve's Generate takes text.
+// prompts is the request's prompt: a string or a list of strings (token-id prompts are read
+// by tokenPrompts, openai_extra.go).
 func (r *completionRequest) prompts() ([]string, error) {
 	if len(r.Prompt) == 0 || string(r.Prompt) == "null" {
 		return nil, invalidArg("prompt", "missing field `prompt`")
@@ -45,7 +45,7 @@ func (r *completionRequest) prompts() ([]string, error) {
 		}
 		return many, nil
 	}
-	return nil, invalidArg("prompt", "prompt must be a string or a list of strings (token ids are not supported)")
+	return nil, invalidArg("prompt", "prompt must be a string, a list of strings, a list of token ids or a list of such lists")
 }
 
 // plan is a validated completion request: the prompts, choices per prompt, and the
@@ -55,6 +55,9 @@ type completionPlan struct {
 	n       uint32
 	params  *genservev1.GenerateParameters
 	model   string
+
+	// Token-id prompts (then prompts holds one empty string per prompt); nil for text.
+	promptIDs [][]uint32
 }
 
 func (r *completionRequest) plan() (*completionPlan, error) {
@@ -64,8 +67,17 @@ func (r *completionRequest) plan() (*completionPlan, error) {
 	if r.Suffix != nil && *r.Suffix != "" {
 		return nil, invalidArg("suffix", "suffix is not supported by this server")
 	}
-	prompts, err := r.prompts()
+	promptIDs, isIDs, err := tokenPrompts(r.Prompt)
 	if err != nil {
+		return nil, err
+	}
+	var prompts []string
+	if isIDs {
+		if r.Echo {
+			return nil, invalidArg("echo", "echo is not supported with a token-id prompt")
+		}
+		prompts = make([]string, len(promptIDs))
+	} else if prompts, err = r.prompts(); err != nil {
 		return nil, err
 	}
 	n, err := r.choices()
@@ -88,7 +100,7 @@ func (r *completionRequest) plan() (*completionPlan, error) {
 		}
 		params.DecoderInputDetails = r.Echo
 	}
-	return &completionPlan{prompts: prompts, n: n, params: params}, nil
+	return &completionPlan{prompts: prompts, promptIDs: promptIDs, n: n, params: params}, nil
 }
 
 // paramsFor is the parameters of choice j: with a seed, choice j samples with seed+j, so the
@@ -238,7 +250,11 @@ func (h openAIHandlers) unaryCompletions(ctx context.Context, req *completionReq
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			resp, err := h.b.svc.Generate(ctx, &genservev1.GenerateRequest{Inputs: plan.prompts, Parameters: plan.paramsFor(j)})
+			req := &genservev1.GenerateRequest{Inputs: plan.prompts, Parameters: plan.paramsFor(j)}
+			if ids := plan.tokenIDs(); ids != nil {
+				req.Inputs, req.InputIds = nil, ids
+			}
+			resp, err := h.b.svc.Generate(ctx, req)
 			if err == nil && len(resp.GetResults()) != len(plan.prompts) {
 				err = errors.New("the server answered with a wrong number of results")
 			}
@@ -332,7 +348,11 @@ func (h openAIHandlers) streamCompletions(ctx context.Context, w http.ResponseWr
 	for i, p := range plan.prompts {
 		for j := range plan.n {
 			choice := uint32(i)*plan.n + j
-			go pumpGenerateStream(ctx, h.b.svc, p, plan.paramsFor(j), choice, events)
+			req := &genservev1.GenerateStreamRequest{Inputs: p, Parameters: plan.paramsFor(j)}
+			if plan.promptIDs != nil {
+				req.Inputs, req.InputIds = "", plan.promptIDs[i]
+			}
+			go pumpGenerateStream(ctx, h.b.svc, req, choice, events)
 		}
 	}
 	id, created := randomID("cmpl-"), time.Now().Unix()
@@ -413,8 +433,8 @@ func (h openAIHandlers) streamCompletions(ctx context.Context, w http.ResponseWr
 
 // pumpGenerateStream runs one GenerateStream call and forwards its messages to events,
 // then an end marker; it gives up as soon as ctx is cancelled.
-func pumpGenerateStream(ctx context.Context, svc genservev1.TextGenerationServiceClient, input string,
-	params *genservev1.GenerateParameters, choice uint32, events chan<- streamEvent) {
+func pumpGenerateStream(ctx context.Context, svc genservev1.TextGenerationServiceClient,
+	req *genservev1.GenerateStreamRequest, choice uint32, events chan<- streamEvent) {
 	send := func(ev streamEvent) bool {
 		select {
 		case events <- ev:
@@ -423,7 +443,7 @@ func pumpGenerateStream(ctx context.Context, svc genservev1.TextGenerationServic
 			return false
 		}
 	}
-	stream, err := svc.GenerateStream(ctx, &genservev1.GenerateStreamRequest{Inputs: input, Parameters: params})
+	stream, err := svc.GenerateStream(ctx, req)
 	if err != nil {
 		send(streamEvent{choice: choice, err: err})
 		return

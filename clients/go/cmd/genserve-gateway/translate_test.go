@@ -131,7 +131,7 @@ func TestSamplingParams(t *testing.T) {
 		t.Errorf("no temperature samples at the default temperature, as OpenAI: %v", p)
 	}
 	neg := int64(-1)
-	for _, bad := range []samplingFields{{Seed: &neg}, {LogitBias: map[string]any{"1": 2}}, {MaxTokens: proto.Uint32(0)}} {
+	for _, bad := range []samplingFields{{Seed: &neg}, {LogitBias: map[string]any{"x": 2.0}}, {MaxTokens: proto.Uint32(0)}} {
 		if _, err := bad.params(); err == nil {
 			t.Errorf("%+v accepted", bad)
 		}
