@@ -31,6 +31,14 @@ class GenerateParams(TypedDict, total=False):
     watermark: bool | None
     presence_penalty: float | None
     adapter_id: str | None  # LoRA adapter (LoRAX); None: the server's default adapter
+    # vLLM / SGLang sampling fields (issue #15)
+    min_p: float | None
+    min_new_tokens: int | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool | None
+    logit_bias: Mapping[int, float] | None  # token id -> bias added to its logit
+    skip_special_tokens: bool | None
+    include_stop_str_in_output: bool | None
 
 
 _FIELDS = frozenset(GenerateParams.__annotations__)
@@ -69,6 +77,11 @@ def build_parameters(base: Any | None, overrides: Mapping[str, Any]) -> Any:
             if isinstance(value, str):
                 raise TypeError("stop must be a sequence of strings, not one string")
             msg.stop[:] = list(value)
+        elif name == "stop_token_ids":
+            msg.stop_token_ids[:] = list(value)
+        elif name == "logit_bias":
+            msg.logit_bias.clear()
+            msg.logit_bias.update({int(k): float(v) for k, v in value.items()})
         else:
             setattr(msg, name, value)
     return msg
