@@ -65,10 +65,10 @@ def apply_logit_controls(
 def min_p_filter(scores: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
     """Drop tokens whose probability is below ``min_p[i]`` times row ``i``'s largest one.
 
-    The most likely token always survives (its probability is the maximum), which is what
-    transformers' ``min_tokens_to_keep=1`` guarantees; a row with ``min_p == 0`` keeps every
-    token (no probability is below 0)."""
-    probs = scores.softmax(dim=-1)  # [n, vocab]
-    factor = torch.tensor(min_p, dtype=probs.dtype, device=scores.device)[:, None]
-    threshold = probs.amax(dim=-1, keepdim=True) * factor  # [n, 1]
-    return scores.masked_fill(probs < threshold, float("-inf"))
+    Compared in logit space — ``p / p_max = exp(s - s_max)``, so the cut is
+    ``s < s_max + log(min_p)`` — which needs no softmax over the vocabulary.  The most
+    likely token always survives (transformers' ``min_tokens_to_keep=1``); a row with
+    ``min_p == 0`` gets a cut at ``-inf`` and keeps every token."""
+    factor = torch.tensor(min_p, dtype=scores.dtype, device=scores.device)[:, None]
+    threshold = scores.amax(dim=-1, keepdim=True) + factor.log()  # [n, 1]
+    return scores.masked_fill(scores < threshold, float("-inf"))
