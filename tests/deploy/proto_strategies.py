@@ -67,6 +67,13 @@ def _is_repeated(field: FieldDescriptor) -> bool:
     return bool(repeated)
 
 
+def _is_map(field: FieldDescriptor) -> bool:
+    """A ``map<K, V>`` field: on the wire a repeated message of (key, value) entries."""
+    return field.type == FieldDescriptor.TYPE_MESSAGE and bool(
+        field.message_type.GetOptions().map_entry
+    )
+
+
 def _field_value(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
     element = _scalar(field, depth)
     if not _is_repeated(field):
@@ -92,7 +99,14 @@ def message_strategy(descriptor: Descriptor, depth: int = 0) -> st.SearchStrateg
                 continue
             field = descriptor.fields_by_name[name]
             target = getattr(message, name) if _is_repeated(field) else None
-            if target is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
+            if target is not None and _is_map(field):
+                value_field = field.message_type.fields_by_name["value"]
+                for entry in value:  # drawn (key, value) entry messages
+                    if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                        target[entry.key].CopyFrom(entry.value)
+                    else:
+                        target[entry.key] = entry.value
+            elif target is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
                 for item in value:
                     target.add().CopyFrom(item)
             elif target is not None:
