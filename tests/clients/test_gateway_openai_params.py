@@ -171,3 +171,23 @@ def test_bad_token_prompts_are_400(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt=[5, 6], max_tokens=4, echo=True)
     assert "echo" in str(info.value)
+
+
+def test_proto_json_route_takes_the_fields(dialects: DialectGateway) -> None:
+    """genserve's own JSON (grpc-gateway): the proto's names, map keys as strings."""
+    body = {
+        "input_ids": [{"ids": [504, 3575, 282]}],
+        "parameters": {
+            "max_new_tokens": 8,
+            "logit_bias": {"100": 100, "200": 50},
+            "stop_token_ids": [100],
+            "min_new_tokens": 2,
+            "details": True,
+        },
+    }
+    status, reply = dialects.gateway.json("POST", "/v1/generate", body)
+    assert status == 200, reply
+    details = reply["results"][0]["details"]
+    assert [t["id"] for t in details["tokens"]] == [200, 200, 100]
+    assert details["stop_token_id"] == 100
+    assert details["finish_reason"] == "FINISH_REASON_STOP_SEQUENCE"
