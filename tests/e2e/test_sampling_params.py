@@ -175,6 +175,12 @@ def test_skip_special_tokens_false_shows_them(stub: pb_grpc.TextGenerationServic
     )
     messages = list(stub.GenerateStream(stream))
     assert "".join(m.token.text for m in messages) == "<|im_end|>" * 3
+    # The EOS that ends generation is left out unless include_stop_str_in_output (vLLM).
+    ended = {"max_new_tokens": 3, "logit_bias": {EOS: 100.0}, "skip_special_tokens": False}
+    assert generate(stub, **ended).generated_text == ""
+    kept = generate(stub, include_stop_str_in_output=True, **ended)
+    assert kept.generated_text == "<|im_end|>"
+    assert kept.details.finish_reason == pb.FINISH_REASON_EOS_TOKEN
 
 
 def test_include_stop_str_in_output(
