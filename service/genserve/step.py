@@ -121,9 +121,10 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     new_requests: tuple[NewRequestData, ...] = ()
     finished_req_ids: tuple[str, ...] = ()
-    # Structured output: an int32 packed token bitmask (a torch tensor, xgrammar's layout
-    # ``[len(grammar_req_ids), ceil(vocab / 32)]``), row i for the sampling chunk of
-    # ``grammar_req_ids[i]``.  Only rank 0 samples, so shard messages do not carry it.
+    # Structured output: a ``genserve.engine.grammar.PendingBitmask`` whose ``wait()`` gives
+    # the int32 packed token bitmask (xgrammar's layout ``[len(grammar_req_ids),
+    # ceil(vocab / 32)]``), row i for the sampling chunk of ``grammar_req_ids[i]``; it is
+    # filled while the forward pass runs.  Only rank 0 samples: shard messages omit it.
     grammar_bitmask: object | None = None
     grammar_req_ids: tuple[str, ...] = ()
 

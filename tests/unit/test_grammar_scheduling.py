@@ -5,11 +5,12 @@ of the request carries its bitmask row, and constrained rows get no draft tokens
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
 
-from genserve.engine.grammar import GrammarState
+from genserve.engine.grammar import GrammarState, PendingBitmask
 from genserve.engine.request import RequestStatus
 from genserve.engine.scheduler_config import SchedulerConfig
 from tests.unit.scheduler_fakes import VOCAB_SIZE, Harness
@@ -27,9 +28,11 @@ class RecordingGrammar:
         self.accepted.append(token_id)
         return True
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask[row] = -1
-        self.fills += 1
+    @staticmethod
+    def fill_batch(states: Sequence[RecordingGrammar], bitmask: torch.Tensor) -> None:
+        for row, state in enumerate(states):
+            bitmask[row] = -1
+            state.fills += 1
 
 
 def _cfg(**overrides: object) -> SchedulerConfig:
@@ -61,8 +64,9 @@ def test_matcher_follows_output_tokens_across_preemption() -> None:
         sampling = [c.req_id for c in step.chunks if c.sample]
         assert list(step.grammar_req_ids) == sampling
         if sampling:
-            assert isinstance(step.grammar_bitmask, torch.Tensor)
-            assert step.grammar_bitmask.shape == (len(sampling), (VOCAB_SIZE + 31) // 32)
+            assert isinstance(step.grammar_bitmask, PendingBitmask)
+            bitmask = step.grammar_bitmask.wait()
+            assert bitmask.shape == (len(sampling), (VOCAB_SIZE + 31) // 32)
         else:
             assert step.grammar_bitmask is None
     h.assert_all_blocks_free()

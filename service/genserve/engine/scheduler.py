@@ -41,6 +41,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -58,6 +59,9 @@ from genserve.step import (
     ScheduledChunk,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import BitmaskFiller
 
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -97,6 +101,7 @@ class Scheduler:
         self._last_step = (0, 0, 0)
         self._proposer = NgramProposer(config.speculate_ngram_max, config.speculate_ngram_min)
         self._draft_lengths = DraftLengthController(config.num_speculative_tokens)
+        self._mask_filler: BitmaskFiller | None = None  # on the first constrained step
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
 
@@ -321,7 +326,8 @@ class Scheduler:
     def _grammar_bitmask(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[object | None, tuple[str, ...]]:
-        """One packed bitmask row per sampling chunk of a constrained request."""
+        """One packed bitmask row per sampling chunk of a constrained request, filled in a
+        worker thread while the step's forward pass runs (a ``PendingBitmask``)."""
         states = []
         for c in chunks:
             grammar = self._requests[c.req_id].grammar
@@ -329,12 +335,12 @@ class Scheduler:
                 states.append((c.req_id, grammar))
         if not states:
             return None, ()
-        from genserve.engine.grammar import allocate_bitmask  # only constrained steps pay
+        if self._mask_filler is None:
+            from genserve.engine.grammar import BitmaskFiller  # only constrained steps pay
 
-        bitmask = allocate_bitmask(len(states), states[0][1].vocab_size)
-        for row, (_, grammar) in enumerate(states):
-            grammar.fill_bitmask(bitmask, row)
-        return bitmask, tuple(req_id for req_id, _ in states)
+            self._mask_filler = BitmaskFiller()
+        pending = self._mask_filler.start([grammar for _, grammar in states])
+        return pending, tuple(req_id for req_id, _ in states)
 
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens a running request gets this step: its decode token, or a prompt chunk

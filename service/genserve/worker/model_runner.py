@@ -320,9 +320,12 @@ class ModelRunner:
         for c in chunks:
             first_row[c.req_id] = row
             row += c.num_draft_tokens + 1
-        bitmask = step.grammar_bitmask
-        assert isinstance(bitmask, torch.Tensor)
-        return bitmask, [first_row[r] for r in step.grammar_req_ids]
+        from genserve.engine.grammar import PendingBitmask
+
+        pending = step.grammar_bitmask
+        assert isinstance(pending, PendingBitmask)
+        # Filled in a worker thread while the forward pass ran; ready by now, or nearly.
+        return pending.wait(), [first_row[r] for r in step.grammar_req_ids]
 
     def _sample(
         self,
