@@ -6,6 +6,7 @@ Examples::
 
     genserve-bench --address 127.0.0.1:50051 --concurrency 1,8,32 --out bench-results/
     genserve-bench --hf-baseline --hf-batch-sizes 1,32 --launch -- --dtype bfloat16
+    genserve-bench grammar --launch --concurrency 1,32     # structured output's cost
 
 Everything after ``--`` is passed to ``genserve`` when ``--launch`` is given.
 """
@@ -221,6 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from genserve.bench.adapters import main as adapters_main
 
         return adapters_main(args[1:])
+    if args[:1] == ["grammar"]:  # constrained vs unconstrained decoding, side by side
+        from genserve.bench.grammar_compare import main as grammar_main
+
+        return grammar_main(args[1:])
     config = parse_args(args)
     from genserve.bench.suite import run_suite
 
