@@ -23,6 +23,12 @@ filling ~1-7 ms depending on the rows' states (in a string nearly every token is
 and xgrammar then checks more of them), now hidden behind the forward; applying the mask
 with xgrammar's CPU kernel ~6-11 ms, with :func:`apply_bitmask` ~1 ms.
 
+Speculative decoding is turned off for constrained rows rather than checked against the
+grammar: the scheduler gives a constrained request no draft tokens (``_speculative_chunk``),
+because verifying k drafts would need k masks, each from the matcher advanced through the
+drafts before it (and rolled back past the rejected ones).  Its output is therefore the same
+with and without ``--speculate``; unconstrained rows in the batch are still drafted for.
+
 The vocabulary is the model's logits width, which may exceed the tokenizer's (padding rows of
 the embedding): xgrammar is told that size, and ids the tokenizer lacks are never allowed.
 """
