@@ -20,8 +20,9 @@ This is the only module that imports xgrammar.  Three parts:
 
 Cost at 32 constrained rows on 2 CPU cores (SmolLM2 vocabulary, the benchmark's schema):
 filling ~1-7 ms depending on the rows' states (in a string nearly every token is allowed,
-and xgrammar then checks more of them), now hidden behind the forward; applying the mask
-with xgrammar's CPU kernel ~6-11 ms, with :func:`apply_bitmask` ~1 ms.
+and xgrammar then checks more of them), now run during the forward (which, on a 2-core
+machine, already keeps both cores busy, so there it overlaps little); applying the mask
+with xgrammar's CPU kernel ~7-11 ms, with :func:`apply_bitmask` ~1.5-2.5 ms.
 
 Speculative decoding is turned off for constrained rows rather than checked against the
 grammar: the scheduler gives a constrained request no draft tokens (``_speculative_chunk``),
@@ -172,8 +173,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     Word by word rather than bit by bit: a grammar's mask is almost all whole words (a word
     of 0 bits outside a string, of 1 bits inside one), so the 0 words blank their 32 logits
     in one broadcast ``masked_fill``, all-1 words need nothing, and only the few mixed words
-    are unpacked.  xgrammar's CPU kernel tests every bit (~6-11 ms at 32 x 49152 on 2 cores
-    against ~1 ms here); both give the same result, which the tests check."""
+    are unpacked.  xgrammar's CPU kernel tests every bit (~7-11 ms at 32 x 49152 on 2 cores
+    against ~1.5-2.5 ms here); both give the same result, which the tests check."""
     vocab = logits.shape[1]
     if bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"bitmask covers {bitmask.shape[1] * 32} tokens, logits {vocab}")
