@@ -32,9 +32,19 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "matvec_cpu.cpp")
+]
 _HEADERS = [Path(__file__).with_name("vec_math.h")]
-_OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary")
+_OPS = (
+    "paged_decode_attention",
+    "rms_norm",
+    "add_rms_norm",
+    "silu_and_mul",
+    "rotary",
+    "matvec",
+)
 
 
 @dataclass(slots=True)
@@ -117,10 +127,15 @@ def load() -> bool:
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when the kernels serve a model on ``device`` in ``dtype``: CPU in half precision
-    (float32 keeps the torch ops, whose results transformers' reference shares), enabled, and
-    loaded (see :func:`load`)."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and load()
+    """True when the kernels serve a model on ``device`` in ``dtype``: CPU in float32 or half
+    precision, enabled, and loaded (see :func:`load`).  In float32 they differ from the torch
+    ops only in the order of float32 sums (norm, attention) and the last bit of silu's exp,
+    which keeps greedy output equal to transformers' (tests/e2e/test_hf_parity.py)."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and load()
+    )
 
 
 def _build_and_load() -> bool:
