@@ -188,13 +188,14 @@ def test_fused_ops_reject_other_dtypes() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 32, 35])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 1536), (33, 100)])
 def test_matvec_matches_a_float64_product(
     dtype: torch.dtype, rows: int, out_features: int, in_features: int
 ) -> None:
     """The weight-streaming matvec against float64: float32 accumulation whatever the
-    storage, odd sizes (tails shorter than a vector, fewer rows than a block), with bias."""
+    storage, odd sizes (tails shorter than a vector, fewer rows than a block, more rows than
+    the registers hold, so chunked), with bias."""
     gen = torch.Generator().manual_seed(rows * out_features)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
@@ -202,18 +203,15 @@ def test_matvec_matches_a_float64_product(
     expected = x.double() @ weight.double().t() + bias.double()
     actual = torch.ops.genserve.matvec(x, weight, bias)
     assert actual.dtype == dtype and actual.shape == (rows, out_features)
-    # float32: sum-order differences only; bfloat16: one rounding of the output.
-    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
-    torch.testing.assert_close(actual.double(), expected, atol=tolerance, rtol=tolerance)
+    # float32: the rounding of a float32 sum of up to 1536 products (~1e-4 on sums of ~40,
+    # as torch's own F.linear); bfloat16: one rounding of the output.
+    atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (8e-3, 8e-3)
+    torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol)
     no_bias = torch.ops.genserve.matvec(x, weight, None)
-    torch.testing.assert_close(
-        no_bias.double(), expected - bias.double(), atol=tolerance, rtol=tolerance
-    )
+    torch.testing.assert_close(no_bias.double(), expected - bias.double(), atol=atol, rtol=rtol)
 
 
 def test_matvec_rejects_what_it_does_not_serve() -> None:
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        torch.ops.genserve.matvec(torch.ones(9, 4), torch.ones(3, 4), None)
     with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
         torch.ops.genserve.matvec(torch.ones(1, 4), torch.ones(3, 5), None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 weight"):
@@ -244,9 +242,10 @@ def test_model_with_fused_ops_and_kernel_matches_the_torch_path(
             model = build_model(config, ParallelContext.single(), dtype, cpu)
             with SafetensorsWeights(model_dir) as weights:
                 model.load_weights(weights)
-            model.pack_weights()
-            if fused:
+            if fused:  # as the model runner does: plain weights, streamed by the matvec
                 model.use_fused_cpu_ops(matvec_rows=4)  # the 3-row decode step, not prefill
+            else:
+                model.pack_weights()
             backend = TorchPagedAttention(cpu, use_cpu_kernel=fused)
             shape = backend.kv_cache_shape(16, 16, model.num_local_kv_heads, config.head_dim)
             caches = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]

@@ -1,5 +1,6 @@
-// Weight-streaming matmul for decode steps with few rows: y = x W^T (+ b), W [N, K] stored in
-// float32 or bfloat16, x [M, K] with M small, every product accumulated in float32.
+// Weight-streaming matmul for decode steps: y = x W^T (+ b), W [N, K] stored in float32 or
+// bfloat16, x [M, K] with M small (up to 8 in registers; more in chunks over each block of W
+// kept in L1), every product accumulated in float32.
 //
 // With one to a few rows a decode step is a matrix-vector product: each weight is used M
 // times, so the cost is reading W once, and the only goal is to stream W at the memory
@@ -17,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -43,12 +46,24 @@ inline f32v load16(const float* p) {
 }
 
 inline f32v load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // One vpmovzxwd from memory (GCC's generic conversion splits it into two halves and
+  // shuffles them back together, which made this loop shuffle-bound).
+  const __m512i wide =
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+  return (f32v)_mm512_castsi512_ps(wide);
+#elif defined(__AVX2__)
+  const __m256i wide =
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+  return (f32v)_mm256_castsi256_ps(wide);
+#else
   u16v h;
   std::memcpy(&h, p, sizeof(h));
   const u32v wide = __builtin_convertvector(h, u32v) << 16;
   f32v v;
   std::memcpy(&v, &wide, sizeof(v));
   return v;
+#endif
 }
 
 inline float hsum(f32v v) {
@@ -71,6 +86,9 @@ inline void dot_block(const float* x, const W* w, int64_t K, int64_t N, int64_t 
     f32v xv[M];
     for (int r = 0; r < M; ++r) xv[r] = load16(x + r * K + k);
     for (int o = 0; o < O; ++o) {
+      // Rows are short (a few KB): ask for the next block's rows now, before the hardware
+      // prefetcher would have noticed the stream.
+      __builtin_prefetch(w + (o0 + O + o) * K + k);
       const f32v wv = load16(w + (o0 + o) * K + k);
       for (int r = 0; r < M; ++r) acc[o][r] += xv[r] * wv;
     }
@@ -98,6 +116,29 @@ void matvec_rows(const float* x, const W* w, int64_t K, int64_t N, float* out) {
   });
 }
 
+// More rows than one block's accumulators hold: each block of four W rows (a few KB, kept in
+// L1) is applied to the rows of x a few at a time, so W is still read from memory once.
+constexpr int kChunk = kLanes >= 16 ? 4 : 2;
+
+template <typename W>
+void matmul_chunked(const float* x, const W* w, int64_t M, int64_t K, int64_t N, float* out) {
+  constexpr int O = 4;
+  const int64_t grain = std::max<int64_t>(O, (1 << 16) / std::max<int64_t>(1, K * sizeof(W)));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    int64_t o = begin;
+    for (; o + O <= end; o += O) {
+      int64_t r = 0;
+      for (; r + kChunk <= M; r += kChunk) {
+        dot_block<kChunk, O>(x + r * K, w, K, N, o, out + r * N);
+      }
+      for (; r < M; ++r) dot_block<1, O>(x + r * K, w, K, N, o, out + r * N);
+    }
+    for (; o < end; ++o) {
+      for (int64_t r = 0; r < M; ++r) dot_block<1, 1>(x + r * K, w, K, N, o, out + r * N);
+    }
+  });
+}
+
 template <typename W>
 void dispatch_rows(int64_t M, const float* x, const W* w, int64_t K, int64_t N, float* out) {
   switch (M) {
@@ -109,11 +150,9 @@ void dispatch_rows(int64_t M, const float* x, const W* w, int64_t K, int64_t N, 
     case 6: return matvec_rows<6>(x, w, K, N, out);
     case 7: return matvec_rows<7>(x, w, K, N, out);
     case 8: return matvec_rows<8>(x, w, K, N, out);
-    default: TORCH_CHECK(false, "matvec: at most 8 rows, got ", M);
+    default: return matmul_chunked(x, w, M, K, N, out);
   }
 }
-
-constexpr int64_t kMaxRows = 8;
 
 // x: [M, K] float32 or bfloat16; weight: [N, K] float32 or bfloat16; bias: [N] or None.
 // Returns [M, N] in x's dtype (float32 sums, rounded once at the end).
@@ -122,7 +161,6 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "matvec: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "matvec: x [M, K] and weight [N, K] expected");
-  TORCH_CHECK(x.size(0) <= kMaxRows, "matvec: at most ", kMaxRows, " rows");
   const auto wt = weight.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "matvec: float32 or bfloat16 weight");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
