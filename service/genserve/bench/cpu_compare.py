@@ -27,7 +27,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,7 +193,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, object]:
     return {"limits": limits.as_dict(), "matmul_params": cost.matmul_params, "rows": rows}
 
 
-def format_table(result: dict[str, object]) -> str:
+def format_table(result: Mapping[str, object]) -> str:
     rows = result["rows"]
     assert isinstance(rows, list)
     agree = next(k for k in rows[0] if k.startswith("same_tokens_as_"))
