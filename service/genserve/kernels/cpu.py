@@ -137,9 +137,7 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     ops only in the order of float32 sums (norm, attention) and the last bit of silu's exp,
     which keeps greedy output equal to transformers' (tests/e2e/test_hf_parity.py)."""
     return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and load()
+        device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16) and load()
     )
 
 
