@@ -221,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from genserve.bench.adapters import main as adapters_main
 
         return adapters_main(args[1:])
+    if args[:1] == ["cpu"]:  # CPU decode against llama.cpp / transformers, in-process
+        from genserve.bench.cpu_compare import main as cpu_main
+
+        return cpu_main(args[1:])
     config = parse_args(args)
     from genserve.bench.suite import run_suite
 

@@ -64,7 +64,10 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-            bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+            bias: torch.Tensor | None, matvec_rows: int = 0) -> torch.Tensor:  # fmt: skip
+    if x.shape[0] <= matvec_rows and weight.numel():  # few rows: stream W (kernels/matvec_cpu)
+        small: torch.Tensor = torch.ops.genserve.matvec(x, weight, bias)
+        return small
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
@@ -76,6 +79,9 @@ class _Packable(nn.Module):
 
     weight: torch.Tensor
     packed: torch.Tensor | None = None
+    # Steps of at most this many rows use genserve's weight-streaming CPU matvec (set by
+    # LlamaForCausalLM.use_fused_cpu_ops; 0: never).
+    matvec_rows: int = 0
 
     def pack(self, release: bool = True) -> None:
         """Switch to the prepacked weight (if it applies); ``release`` frees the plain copy
@@ -214,7 +220,7 @@ class ColumnParallelLinear(_Packable):
     lora: LoraHook | None = None  # multi-LoRA deltas (genserve.model.lora), when enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight, self.packed, self.bias)  # [num_tokens, local_out]
+        y = _linear(x, self.weight, self.packed, self.bias, self.matvec_rows)  # [tokens, out]
         return y if self.lora is None else self.lora.add_delta(x, y)
 
     def load(self, weights: WeightSource, prefixes: Sequence[str]) -> None:
@@ -326,11 +332,11 @@ class RowParallelLinear(_Packable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size == 1:
-            y1 = _linear(x, self.weight, self.packed, self.bias)
+            y1 = _linear(x, self.weight, self.packed, self.bias, self.matvec_rows)
             return y1 if self.lora is None else self.lora.add_delta(x, y1)
         # The bias is added once, after the partial sums are reduced; a LoRA delta (A split
         # on the input features like W) is a partial sum too and joins the same all-reduce.
-        partial = _linear(x, self.weight, self.packed, None)
+        partial = _linear(x, self.weight, self.packed, None, self.matvec_rows)
         if self.lora is not None:
             partial = self.lora.add_delta(x, partial)
         y = self.ctx.all_reduce(partial)
@@ -383,7 +389,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab_size]
-        local = _linear(hidden, self.weight, self.packed, None)
+        local = _linear(hidden, self.weight, self.packed, None, self.matvec_rows)
         if self.ctx.world_size == 1:
             return local
         return self.ctx.all_gather(local, dim=-1)[:, : self.vocab_size]
