@@ -96,3 +96,26 @@ def test_sequence_lengths_split_flat_batch() -> None:
     # decode at 70, prefill 0..3, decode at 5: runs end at 70, 3, 5
     positions = torch.tensor([70, 0, 1, 2, 3, 5])
     assert sequence_lengths(positions).tolist() == [71, 4, 4, 4, 4, 6]
+
+
+def test_dynamic_from_the_checkpoint_config(tiny_model_factory: TinyModelFactory) -> None:
+    """A config.json that ships ``rope_scaling: dynamic`` is served like the flag."""
+    model_dir = tiny_model_factory(
+        "llama",
+        seed=11,
+        max_position_embeddings=MAX_POS,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    runner = ModelRunner(ResolvedModel(model_dir, "tiny"), torch.float32, torch.device("cpu"))
+    assert runner.config.rope.rope_type == "dynamic"
+    assert runner.config.rope.params["original_max_position_embeddings"] == MAX_POS
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    runner.warmup()
+    prompt = random_prompts([80], seed=13)[0]
+    driver = Driver(runner, budget=256)
+    req = driver.add("r", prompt, 6)
+    driver.run()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids, lps = _hf_greedy(hf, prompt, 6)
+    assert [s.token_id for s in req.out] == ids
+    assert [s.logprob for s in req.out] == pytest.approx(lps, abs=1e-4)
