@@ -6,6 +6,7 @@ than "connection refused" while the model loads and warms up."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -85,6 +86,9 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
+    resolved = dataclasses.replace(
+        resolved, rope_scaling=config.rope_scaling, rope_factor=config.rope_factor
+    )
     cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
     if config.disable_cpu_kernels:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
@@ -134,7 +138,10 @@ def _size_and_warm_up(
     bytes_per_block = runner.kv_cache_bytes_per_block(config.block_size)
     memory_num_blocks = runner.available_kv_memory_bytes(fraction) // bytes_per_block
     limits = derive_limits(
-        config, hf_config.get("max_position_embeddings"), int(memory_num_blocks), on_cuda
+        config,
+        _scaled_max_pos(hf_config.get("max_position_embeddings"), config),
+        int(memory_num_blocks),
+        on_cuda,
     )
     log.info(
         "kv_cache_sized",
@@ -157,6 +164,8 @@ def _size_and_warm_up(
         num_kv_blocks=limits.num_kv_blocks,
         max_concurrent_requests=config.max_concurrent_requests,
         max_best_of=config.max_best_of,
+        watermark_gamma=config.watermark_gamma,
+        watermark_delta=config.watermark_delta,
         max_stop_sequences=config.max_stop_sequences,
         max_top_n_tokens=config.max_top_n_tokens,
         max_input_tokens=limits.max_input_tokens,
@@ -321,6 +330,8 @@ class Service:
                 tokenizer=loaded.tokenizer,
                 limits=Limits(
                     max_best_of=config.max_best_of,
+                    watermark_gamma=config.watermark_gamma,
+                    watermark_delta=config.watermark_delta,
                     max_stop_sequences=config.max_stop_sequences,
                     max_top_n_tokens=config.max_top_n_tokens,
                     max_input_tokens=loaded.limits.max_input_tokens,
@@ -471,3 +482,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
+    """--rope-scaling/--rope-factor stretch the context the default limits derive from."""
+    from genserve.model.rope_scaling import scaled_max_positions
+
+    if max_pos is None:
+        return None
+    return scaled_max_positions(int(max_pos), config.rope_scaling, config.rope_factor)

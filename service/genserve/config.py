@@ -43,6 +43,10 @@ class Config:
     trust_remote_code: bool = False
     max_concurrent_requests: int = 128
     max_best_of: int = 2
+    watermark_gamma: float = 0.5  # issue #15: TGI's green-list fraction
+    watermark_delta: float = 2.0  # issue #15: TGI's green-logit bias
+    rope_scaling: str | None = None  # issue #15: linear | dynamic (TGI's --rope-scaling)
+    rope_factor: float | None = None
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_input_tokens: int | None = None
@@ -122,6 +126,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0.0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return value
 
 
@@ -220,6 +231,19 @@ FLAGS: tuple[_Flag, ...] = (
         "max_concurrent_requests", "Requests in flight before RESOURCE_EXHAUSTED.", _positive_int
     ),
     _flag("max_best_of", "Largest best_of a client may ask for.", _positive_int),
+    _flag("watermark_gamma", "Watermark green-list fraction of the vocabulary.", _fraction),
+    _flag("watermark_delta", "Watermark bias added to green-list logits.", float),
+    _flag(
+        "rope_scaling",
+        "Rotary scaling for contexts past the model's: linear or dynamic (NTK). "
+        "Default factor 1 unless --rope-factor is given.",
+        choices=("linear", "dynamic"),
+    ),
+    _flag(
+        "rope_factor",
+        "Rotary scaling factor; alone it implies --rope-scaling linear (as TGI).",
+        _positive_float,
+    ),
     _flag(
         "disable_grammar_support",
         "Refuse GenerateParameters.grammar (structured output) with UNIMPLEMENTED.",

@@ -37,6 +37,11 @@ class SamplingParams:
     min_new_tokens: int = 0  # while fewer tokens were generated, ``min_tokens_banned_ids``
     min_tokens_banned_ids: tuple[int, ...] = ()  # are masked (EOS and stop_token_ids)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    # Issue #15 watermark (worker/watermark.py): delta added to the green list's logits;
+    # gamma/delta are the server's --watermark-gamma/--watermark-delta.
+    watermark: bool = False
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
 
     @property
     def greedy(self) -> bool:

@@ -210,6 +210,7 @@ class AsyncEngine:
                 # adapters never shares KV.
                 cache_salt=f"lora:{adapter.adapter_id}" if adapter else None,
                 adapter=adapter,
+                fork_of=req.fork_of,
             )
         )
         self._wake.set()

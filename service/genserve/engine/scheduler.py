@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from genserve.engine.prompt_fork import Wait, computed_prefix
 from genserve.engine.request import FinishReason, Request, RequestStatus
 from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.engine.scheduler_output import EngineCoreOutput, SchedulerStats
@@ -417,7 +418,10 @@ class Scheduler:
                     # would otherwise keep this adapter waiting forever.
                     break
                 adapters.add(req.adapter.adapter_id)
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            prefix = computed_prefix(req, self._requests, self.kv)  # best_of / n forks
+            if isinstance(prefix, Wait):
+                break  # head of line: its leader's prompt is not computed yet
+            computed_blocks, num_cached = prefix
             remaining = req.num_tokens - num_cached
             if cfg.chunked_prefill_enabled:
                 num_new = min(remaining, cfg.max_chunk_tokens, budget)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.model import rope_scaling
 from genserve.model.config import RopeConfig, UnsupportedModelError
 from genserve.model.lora import LoraHook
 from genserve.model.weights import WeightSource
@@ -133,14 +134,14 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (float32) as transformers computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "default":
+    if rope.rope_type in ("default", "dynamic"):  # dynamic: per step, see cos_sin
         return inv_freq
     if rope.rope_type == "linear":
         return inv_freq / rope.params["factor"]
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope.params)
     raise UnsupportedModelError(
-        f"rope type {rope.rope_type!r} is not supported (default, linear, llama3 are)"
+        f"rope type {rope.rope_type!r} is not supported (default, linear, dynamic, llama3 are)"
     )
 
 
@@ -168,6 +169,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim).to(device), persistent=False)
+        self.rope, self.head_dim = rope, head_dim
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -176,6 +178,8 @@ class RotaryEmbedding(nn.Module):
         per step and shared by every layer.  The first half of ``sin`` is negated so that
         :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
+        if self.rope.rope_type == "dynamic":  # issue #15 --rope-scaling dynamic
+            freqs = rope_scaling.dynamic_freqs(positions, self.rope, self.head_dim)
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
         sin = emb.sin()
         sin[:, : freqs.shape[1]].neg_()

@@ -17,6 +17,7 @@ chunk, and the prompt positions of requests asking for prompt logprobs).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import numpy as np
 import structlog
 import torch
 
+from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
 from genserve.model.config import ModelConfig
 from genserve.model.loader import ResolvedModel
@@ -114,6 +116,16 @@ class ModelRunner:
             _keep_freed_memory()
         self.parallel = parallel or ParallelContext.single()
         self.config = ModelConfig.from_pretrained(model.local_dir, trust_remote_code)
+        if model.rope_scaling is not None or model.rope_factor is not None:
+            self.config = dataclasses.replace(
+                self.config,
+                rope=rope_scaling.override(
+                    self.config.rope,
+                    model.rope_scaling,
+                    model.rope_factor,
+                    self.config.max_position_embeddings,
+                ),
+            )
         with torch.inference_mode():
             self.model = build_model(self.config, self.parallel, dtype, device)
             with SafetensorsWeights(model.local_dir) as weights:
@@ -353,6 +365,7 @@ class ModelRunner:
                     s.num_tokens + j,
                     s.token_counts,
                     s.output_counts,
+                    c.token_ids[len(c.token_ids) - c.num_draft_tokens - 1 + j],
                 )
                 for j in range(c.num_draft_tokens + 1)
             ]

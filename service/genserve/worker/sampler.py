@@ -27,6 +27,7 @@ import torch
 
 from genserve.step import SamplingParams, TokenLogprob
 from genserve.worker.logits_processors import apply_logit_controls, min_p_filter
+from genserve.worker.watermark import watermark_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -60,6 +61,7 @@ class SamplingRow:
     token_counts: torch.Tensor | None = None
     # [vocab] float32 occurrences over the output only; required with a presence penalty.
     output_counts: torch.Tensor | None = None
+    prev_token: int = -1  # the token before this position (seeds the watermark green list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,7 @@ class Sampler:
 
         # logit_bias and min_new_tokens bans come first, as vLLM applies them (a copy if any).
         scores = apply_logit_controls(logits, params, [r.output_index for r in rows])
+        scores = watermark_rows(scores, logits, rows)  # TGI: before the penalties
         penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
         if penalised:
             if scores is logits:
