@@ -1140,8 +1140,10 @@ type InfoResponse struct {
 	MaxLorasPerBatch uint32 `protobuf:"varint,32,opt,name=max_loras_per_batch,json=maxLorasPerBatch,proto3" json:"max_loras_per_batch,omitempty"`
 	// LoRA: the adapter requests naming none get (--adapter-id); empty for the base model.
 	DefaultAdapterId string `protobuf:"bytes,33,opt,name=default_adapter_id,json=defaultAdapterId,proto3" json:"default_adapter_id,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// #12: decode batch sizes replayed from CUDA graphs (--cuda-graphs); empty: all eager.
+	CudaGraphBatchSizes []uint32 `protobuf:"varint,38,rep,packed,name=cuda_graph_batch_sizes,json=cudaGraphBatchSizes,proto3" json:"cuda_graph_batch_sizes,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1354,6 +1356,13 @@ func (x *InfoResponse) GetDefaultAdapterId() string {
 		return x.DefaultAdapterId
 	}
 	return ""
+}
+
+func (x *InfoResponse) GetCudaGraphBatchSizes() []uint32 {
+	if x != nil {
+		return x.CudaGraphBatchSizes
+	}
+	return nil
 }
 
 type TokenizeRequest struct {
@@ -2626,7 +2635,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xa5\b\n" +
+	"\vInfoRequest\"\xda\b\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2657,7 +2666,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x13max_active_adapters\x18\x1e \x01(\rR\x11maxActiveAdapters\x12'\n" +
 	"\x0floaded_adapters\x18\x1f \x03(\tR\x0eloadedAdapters\x12-\n" +
 	"\x13max_loras_per_batch\x18  \x01(\rR\x10maxLorasPerBatch\x12,\n" +
-	"\x12default_adapter_id\x18! \x01(\tR\x10defaultAdapterId\"s\n" +
+	"\x12default_adapter_id\x18! \x01(\tR\x10defaultAdapterId\x123\n" +
+	"\x16cuda_graph_batch_sizes\x18& \x03(\rR\x13cudaGraphBatchSizes\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +
