@@ -54,12 +54,14 @@ for stage in "${stages[@]}"; do
     setup)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
       "$py" -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())' | tee -a "$out/gpu.txt"
-      if ! "$py" -c 'import grpc_health, grpc_reflection, structlog, gguf, opentelemetry.sdk' 2>/dev/null; then
+      if ! "$py" -c 'import grpc_health, grpc_reflection, structlog, gguf, opentelemetry.sdk, opentelemetry.propagators.b3, prometheus_client, xgrammar' 2>/dev/null; then
         ls "$wheels"/*.whl >/dev/null 2>&1 || { note "no wheels in $wheels (fetch-wheels.sh)"; exit 1; }
         "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl \
           || { note "wheel install failed"; exit 1; }
       fi
-      "$py" -c 'import genserve.cli, genserve.v1' && note "setup ok" ;;
+      # Every module the server and the bench import (a missing wheel shows up here, not later).
+      "$py" -c 'import genserve.cli, genserve.v1, genserve.engine.grammar, genserve.tracing, genserve.server.servicer, genserve.bench.suite' \
+        && note "setup ok" || { note "setup: an import failed (add its wheel)"; exit 1; } ;;
     tests)
       note "cuda tests"
       "$py" -m pytest -q -p no:cacheprovider -m cuda tests/unit -rs >"$out/pytest-cuda.txt" 2>&1 \

@@ -119,3 +119,55 @@ def test_padded_static_buffer_decodes_match_transformers(
         assert_matches_hf(model_dir, req, 10)
     assert graphs.num_runs > 0  # the static-buffer path served some steps
     assert sorted(driver.free) == list(range(NUM_BLOCKS))
+
+
+def test_cuda_graphs_flag() -> None:
+    from genserve.config import load_config
+
+    assert load_config([]).cuda_graphs is None  # default buckets, chosen at start-up
+    assert load_config(["--cuda-graphs", "0"]).cuda_graphs == ()
+    assert load_config(["--cuda-graphs", "4,1,2"]).cuda_graphs == (1, 2, 4)
+    with pytest.raises(SystemExit):
+        load_config(["--cuda-graphs", "-1"])
+
+
+def test_gpu_table_merges_eager_and_compiled_runs(tmp_path: Path) -> None:
+    import json
+
+    from genserve.bench.gpu_table import main as table_main
+
+    def summary(system: str, conc: int, tok_s: float) -> dict[str, object]:
+        return {
+            "system": system,
+            "concurrency": conc,
+            "throughput_tok_s": tok_s,
+            "itl_ms": {"p50": 10.0},
+            "ttft_steady_ms": {"p50": 30.0},
+        }
+
+    eager = {
+        "genserve": [summary("genserve", 1, 200.0), summary("genserve", 64, 6400.0)],
+        "baselines": [summary("hf_generate", 1, 10.0), summary("hf_generate", 64, 640.0)],
+    }
+    compiled = {
+        "genserve": [summary("genserve", 1, 190.0)],  # the short level of the compile call
+        "baselines": [summary("hf_static_compile", 1, 100.0)],
+    }
+    (tmp_path / "a.json").write_text(json.dumps(eager))
+    (tmp_path / "b.json").write_text(json.dumps(compiled))
+    out = tmp_path / "out"
+    table_main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "H100",
+            f"8B={tmp_path / 'a.json'}",
+            f"8B={tmp_path / 'b.json'}",
+        ]
+    )
+    rows = json.loads((out / "gpu-table.json").read_text())["rows"]
+    assert [(r["streams"], r["genserve_tok_s"]) for r in rows] == [(1, 200.0), (64, 6400.0)]
+    assert rows[0]["x_hf_eager"] == 20.0 and rows[0]["x_hf_compile"] == 2.0
+    assert "x_hf_compile" not in rows[1]
+    assert "| 8B | 64 | 6,400 |" in (out / "gpu-table.md").read_text()

@@ -25,7 +25,7 @@ _BASELINES = {
 
 def rows_of(name: str, results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per concurrency of ``results`` (a results.json): genserve and each baseline's
-    throughput at the same batch/stream count, and genserve's ratio to each."""
+    throughput at the same batch/stream count."""
     by_conc: dict[int, dict[str, Any]] = {}
     for s in results.get("genserve", []):
         row = by_conc.setdefault(int(s["concurrency"]), {"model": name})
@@ -38,16 +38,21 @@ def rows_of(name: str, results: dict[str, Any]) -> list[dict[str, Any]]:
             by_conc.setdefault(int(b["concurrency"]), {"model": name})[f"{key}_tok_s"] = b[
                 "throughput_tok_s"
             ]
-    rows = []
-    for conc in sorted(by_conc):
-        row = {"streams": conc, **by_conc[conc]}
+    return [{"streams": conc, **by_conc[conc]} for conc in sorted(by_conc)]
+
+
+def add_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """genserve's throughput over each baseline's at the same stream count/batch."""
+    out = []
+    for row in rows:
+        row = dict(row)
         g = row.get("genserve_tok_s")
         for key in _BASELINES.values():
             base = row.get(f"{key}_tok_s")
             if g is not None and base:
                 row[f"x_{key}"] = g / base
-        rows.append(row)
-    return rows
+        out.append(row)
+    return out
 
 
 def merge_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -99,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append({"model": name, "streams": 0, "error": f"{file} missing"})
             continue
         rows += rows_of(name, json.loads(file.read_text()))
-    rows = merge_rows(rows)
+    rows = add_ratios(merge_rows(rows))
     ns.out.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown([r for r in rows if "error" not in r], ns.device)
     (ns.out / "gpu-table.md").write_text(markdown)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import math
 import os
 import platform
@@ -353,7 +354,7 @@ def _report(
     json_path = config.out / "results.json"
     report.write_json(json_path, results)
     written = [json_path]
-    if genserve:
+    if genserve and importlib.util.find_spec("matplotlib") is not None:  # GPU box: maybe not
         png_path = config.out / "bench.png"
         report.plot(png_path, genserve, baselines)
         written.append(png_path)
