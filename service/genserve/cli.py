@@ -120,6 +120,16 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         raise
 
 
+def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int | None) -> None:
+    from genserve.worker.cuda_graphs import default_batch_sizes
+
+    sizes = config.cuda_graphs
+    if sizes is None:
+        sizes = default_batch_sizes(config.max_batch_size or config.max_concurrent_requests)
+    max_seq_len = config.max_total_tokens or max_positions or 4096
+    runner.enable_cuda_graphs(sizes, max_seq_len, config.block_size)
+
+
 def _size_and_warm_up(
     config: Config,
     resolved: ResolvedModel,
@@ -135,6 +145,8 @@ def _size_and_warm_up(
     log.info("chat_template", loaded=chat.has_template, source=_template_source(config, chat))
     hf_config = json.loads((resolved.local_dir / "config.json").read_text())
     fraction = config.cuda_memory_fraction if on_cuda else config.cpu_memory_fraction
+    if on_cuda and num_shard == 1 and config.cuda_graphs != ():  # before sizing: #12
+        _enable_cuda_graphs(config, runner, hf_config.get("max_position_embeddings"))
     bytes_per_block = runner.kv_cache_bytes_per_block(config.block_size)
     memory_num_blocks = runner.available_kv_memory_bytes(fraction) // bytes_per_block
     limits = derive_limits(
@@ -162,6 +174,7 @@ def _size_and_warm_up(
         num_shard=num_shard,
         block_size=limits.block_size,
         num_kv_blocks=limits.num_kv_blocks,
+        cuda_graph_batch_sizes=list(runner.cuda_graph_sizes),
         max_concurrent_requests=config.max_concurrent_requests,
         max_best_of=config.max_best_of,
         watermark_gamma=config.watermark_gamma,

@@ -67,6 +67,7 @@ class Config:
     disable_cpu_kernels: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
+    cuda_graphs: tuple[int, ...] | None = None  # None: default buckets; (): disabled (#12)
     cpu_memory_fraction: float = 0.3
     hostname: str = "0.0.0.0"
     port: int = DEFAULT_PORT
@@ -141,6 +142,15 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
+
+
+def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
+    from genserve.worker.cuda_graphs import parse_batch_sizes
+
+    try:
+        return parse_batch_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _service_list(text: str) -> tuple[str, ...]:
@@ -311,6 +321,12 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),
     _flag("cuda_memory_fraction", "Share of GPU memory genserve may use.", _fraction),
+    _flag(
+        "cuda_graphs",
+        "Decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8; 0 disables. Default: "
+        "1,2,4,8,16,24,32,... up to --max-batch-size or 256. Ignored on CPU.",
+        _cuda_graph_sizes,
+    ),
     _flag(
         "cpu_memory_fraction",
         "On CPU: share of the memory available after loading used for the KV cache.",

@@ -1162,8 +1162,10 @@ type InfoResponse struct {
 	// Issue #15 watermark: green-list fraction (--watermark-gamma) and bias (--watermark-delta).
 	WatermarkGamma float32 `protobuf:"fixed32,27,opt,name=watermark_gamma,json=watermarkGamma,proto3" json:"watermark_gamma,omitempty"`
 	WatermarkDelta float32 `protobuf:"fixed32,28,opt,name=watermark_delta,json=watermarkDelta,proto3" json:"watermark_delta,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// #12: decode batch sizes replayed from CUDA graphs (--cuda-graphs); empty: all eager.
+	CudaGraphBatchSizes []uint32 `protobuf:"varint,38,rep,packed,name=cuda_graph_batch_sizes,json=cudaGraphBatchSizes,proto3" json:"cuda_graph_batch_sizes,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1390,6 +1392,13 @@ func (x *InfoResponse) GetWatermarkDelta() float32 {
 		return x.WatermarkDelta
 	}
 	return 0
+}
+
+func (x *InfoResponse) GetCudaGraphBatchSizes() []uint32 {
+	if x != nil {
+		return x.CudaGraphBatchSizes
+	}
+	return nil
 }
 
 type TokenizeRequest struct {
@@ -2769,7 +2778,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xf7\b\n" +
+	"\vInfoRequest\"\xac\t\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2802,7 +2811,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x13max_loras_per_batch\x18  \x01(\rR\x10maxLorasPerBatch\x12,\n" +
 	"\x12default_adapter_id\x18! \x01(\tR\x10defaultAdapterId\x12'\n" +
 	"\x0fwatermark_gamma\x18\x1b \x01(\x02R\x0ewatermarkGamma\x12'\n" +
-	"\x0fwatermark_delta\x18\x1c \x01(\x02R\x0ewatermarkDelta\"s\n" +
+	"\x0fwatermark_delta\x18\x1c \x01(\x02R\x0ewatermarkDelta\x123\n" +
+	"\x16cuda_graph_batch_sizes\x18& \x03(\rR\x13cudaGraphBatchSizes\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +

@@ -47,6 +47,8 @@ from genserve.step import (
     TokenLogprob,
 )
 from genserve.worker.adapters import install, read_adapter
+from genserve.worker.cuda_graphs import DecodeGraphs
+from genserve.worker.graph_plan import GraphPlan, graph_forward, plan_graphs
 from genserve.worker.sampler import Sampler, SamplingRow
 
 log = structlog.get_logger("genserve.worker")
@@ -151,6 +153,8 @@ class ModelRunner:
         self.block_size = 0
         self.num_blocks = 0
         self.backend: AttentionBackend | None = None
+        self._graph_plan: GraphPlan | None = None  # CUDA graphs for decode steps (#12)
+        self._graphs: DecodeGraphs | None = None
         log.info(
             "model_loaded",
             model_id=model.model_id,
@@ -179,7 +183,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * fraction - (total - free)
-            return max(0, int(budget * (1.0 - _CUDA_ACTIVATION_RESERVE)))
+            graph_bytes = self._graph_plan.reserve_bytes if self._graph_plan else 0
+            return max(0, int(budget * (1.0 - _CUDA_ACTIVATION_RESERVE)) - graph_bytes)
         return max(0, int(_available_ram_bytes() * fraction))
 
     @torch.inference_mode()
@@ -194,6 +199,10 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(
             num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
         )
+        if self._graph_plan is not None:  # one scratch block past the scheduler's, for padding
+            shape = self.backend.kv_cache_shape(
+                num_blocks + 1, block_size, self.model.num_local_kv_heads, self.config.head_dim
+            )
         pool = _zeros((self.config.num_layers, *shape), self.dtype, self.device)
         self.kv_caches = list(pool.unbind(0))
         self.block_size = block_size
@@ -241,7 +250,21 @@ class ModelRunner:
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
         self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
+        self._graphs = None
         self.initialize_kv_cache(self.num_blocks, self.block_size)
+        if self._graph_plan is not None:
+            self._graphs = self._graph_plan.capture(self)
+
+    def enable_cuda_graphs(self, sizes: tuple[int, ...], max_seq_len: int, block_size: int) -> None:
+        """Capture decode steps of ``sizes`` rows as CUDA graphs in :meth:`warmup`; call
+        before sizing the KV cache, whose budget then leaves room for the graphs (measured by
+        a trial capture).  No-op on CPU or without the Triton decode kernel (logged)."""
+        self._graph_plan = plan_graphs(self, sizes, max_seq_len, block_size)
+
+    @property
+    def cuda_graph_sizes(self) -> tuple[int, ...]:
+        """Batch sizes replayed from CUDA graphs (empty: every step runs eagerly)."""
+        return self._graphs.captured_sizes if self._graphs is not None else ()
 
     # ------------------------------------------------------------------------- steps
     @torch.inference_mode()
@@ -270,9 +293,15 @@ class ModelRunner:
         for c in chunks[num_single:num_decode_chunks]:
             seqs += [SeqSpec(1, c.start_pos + j, c.block_ids) for j in range(len(c.token_ids))]
         num_decodes = len(seqs)
+        if self._graphs is not None and num_decode_chunks == len(chunks):  # pure decode
+            hidden_or_none = graph_forward(self._graphs, self._lora_rows(chunks), chunks, seqs)
+        else:
+            hidden_or_none = None
         seqs += [
             SeqSpec(len(c.token_ids), c.start_pos, c.block_ids) for c in chunks[num_decode_chunks:]
         ]
+        if hidden_or_none is not None:
+            return self._finish_step(step, chunks, hidden_or_none)
         meta = self.backend.build(seqs, num_decodes, self.block_size)
         token_ids = torch.tensor(
             list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
@@ -286,7 +315,18 @@ class ModelRunner:
                 [s for c, s in zip(chunks, slots, strict=True) for _ in c.token_ids], self.device
             )
         hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        return self._finish_step(step, chunks, hidden)
 
+    def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether any chunk of the step runs under a LoRA adapter."""
+        if self._lora_targets is None:
+            return False
+        return any(self._requests[c.req_id].adapter_slot >= 0 for c in chunks)
+
+    def _finish_step(
+        self, step: SchedulerOutput, chunks: list[ScheduledChunk], hidden: torch.Tensor
+    ) -> RunnerOutput:
+        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``."""
         offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
         sample_chunks = [i for i, c in enumerate(chunks) if c.sample]
         sampled: tuple[SampledToken, ...] = ()

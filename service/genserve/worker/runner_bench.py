@@ -124,6 +124,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--hf", action="store_true", help="also run transformers generate()")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--cuda-graphs",
+        default="0",
+        help="decode batch sizes captured as CUDA graphs (0: eager), e.g. 1,32,64",
+    )
+    parser.add_argument("--profile-out", type=Path, default=None, help="write the table here")
     parser.add_argument(
         "--disable-cpu-kernels", action="store_true", help="torch ops only (A/B the kernels)"
     )
@@ -136,10 +143,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     resolved: ResolvedModel = resolve_model(args.model_id, cache_dir=args.cache_dir)
-    runner = ModelRunner(resolved, dtype, torch.device("cpu"))
+    device = torch.device(args.device)
+    runner = ModelRunner(resolved, dtype, device)
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
+    from genserve.worker.cuda_graphs import parse_batch_sizes
+
+    graph_sizes = parse_batch_sizes(args.cuda_graphs)
+    if graph_sizes:
+        runner.enable_cuda_graphs(graph_sizes, per_seq * BLOCK_SIZE, BLOCK_SIZE)
     runner.initialize_kv_cache(max(args.batch) * per_seq + 1, BLOCK_SIZE)
     runner.warmup()
+    print(f"cuda graphs: {list(runner.cuda_graph_sizes) or 'off'}", flush=True)
     for batch in args.batch:
         _decode_run(runner, batch, args.prompt_len, 8, seed=0)  # first-touch of this shape
         prefill_s, decode_s = _decode_run(runner, batch, args.prompt_len, args.new_tokens, seed=1)
@@ -159,12 +173,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.profile:
         from genserve.worker.step_profile import StepProfiler
 
-        steps = min(16, args.new_tokens)
-        for batch in args.batch:
-            profiler = StepProfiler(runner)
-            _decode_run(runner, batch, args.prompt_len, steps, seed=2, decode_scope=profiler)
-            title = f"decode profile, {args.dtype}, batch {batch}"
-            print(profiler.result(steps - 1).table(title), flush=True)
+        if device.type == "cuda":
+            # GPU: the raw op table with CUDA kernel times (the CPU-side part grouping below
+            # would only show launch overhead there).
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _decode_run(
+                    runner, max(args.batch), args.prompt_len, min(16, args.new_tokens), seed=2
+                )
+            tables = [prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)]
+        else:
+            steps = min(16, args.new_tokens)
+            tables = []
+            for batch in args.batch:
+                profiler = StepProfiler(runner)
+                _decode_run(runner, batch, args.prompt_len, steps, seed=2, decode_scope=profiler)
+                title = f"decode profile, {args.dtype}, batch {batch}"
+                tables.append(profiler.result(steps - 1).table(title))
+        for table in tables:
+            print(table, flush=True)
+        if args.profile_out is not None:
+            args.profile_out.parent.mkdir(parents=True, exist_ok=True)
+            args.profile_out.write_text("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":
