@@ -33,8 +33,10 @@ import torch
 log = structlog.get_logger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp")]
+_SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (model/lora.py)
 _HEADERS = [Path(__file__).with_name("vec_math.h")]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary")
+_LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
 
 @dataclass(slots=True)
@@ -142,7 +144,7 @@ def _build_and_load() -> bool:
             is_python_module=False,
             verbose=False,
         )
-        for op in _OPS:
+        for op in (*_OPS, *_LORA_OPS):
             getattr(torch.ops.genserve, op)  # raises if the library did not register it
     except Exception as exc:  # any failure: keep the torch path, say why once
         log.warning(
