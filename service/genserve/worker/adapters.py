@@ -47,24 +47,55 @@ class AdapterWeights:
     base_model: str | None
 
 
-def resolve_adapter_dir(adapter_id: str, path: str | None, source: str) -> Path:
-    """The directory holding the adapter ``adapter_id`` (``path`` if given)."""
-    if path:
-        local = Path(path)
+def resolve_adapter_dir(
+    adapter_id: str, path: str | None, source: str, hub_cache: Path | None = None
+) -> Path:
+    """The PEFT directory of ``adapter_id``: ``path`` (its ``--lora-adapters`` entry) or the
+    id itself, probed as a local directory first; with ``--adapter-source hub`` anything
+    else is a hub id looked up in the local Hugging Face cache (``hub_cache``; default: the
+    hub client's, ``HF_HUB_CACHE``), never downloaded.  Raises
+    :class:`AdapterNotFoundError` (NOT_FOUND) when there is nothing there and
+    :class:`~genserve.model.lora.AdapterError` (INVALID_ARGUMENT) for a directory that is
+    not a PEFT LoRA adapter; both name the adapter."""
+    target = path or adapter_id
+    local = Path(target).expanduser()
+    if local.is_dir():
+        directory = local
     elif source == "hub":
-        from huggingface_hub import snapshot_download
-
-        try:
-            local = Path(snapshot_download(adapter_id, local_files_only=True))
-        except Exception as exc:  # the hub client raises several kinds for "not cached"
-            raise AdapterNotFoundError(
-                f"adapter {adapter_id!r} is not in the local Hugging Face cache"
-            ) from exc
+        directory = _hub_snapshot(adapter_id, target, hub_cache)
     else:
-        local = Path(adapter_id)
-    if not (local / "adapter_config.json").is_file():
-        raise AdapterNotFoundError(f"adapter {adapter_id!r}: no adapter_config.json in {local}")
-    return local
+        raise AdapterNotFoundError(
+            f"adapter {adapter_id!r}: no directory {str(local)!r} (--adapter-source local "
+            "takes a directory path; hub ids need --adapter-source hub)"
+        )
+    if not (directory / "adapter_config.json").is_file():
+        raise AdapterError(
+            f"adapter {adapter_id!r}: {directory} is not a PEFT adapter (no adapter_config.json)"
+        )
+    return directory
+
+
+def _hub_snapshot(adapter_id: str, repo_id: str, hub_cache: Path | None) -> Path:
+    """The cached snapshot of hub repo ``repo_id`` (its ``main`` revision), offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        found = snapshot_download(
+            repo_id,
+            local_files_only=True,
+            cache_dir=str(hub_cache) if hub_cache is not None else None,
+        )
+    except HFValidationError as exc:
+        raise AdapterNotFoundError(
+            f"adapter {adapter_id!r}: {repo_id!r} is neither a local directory nor a hub id ({exc})"
+        ) from exc
+    except Exception as exc:  # the hub client raises several kinds for "not cached"
+        raise AdapterNotFoundError(
+            f"adapter {adapter_id!r}: {repo_id!r} is not in the local Hugging Face cache "
+            "(genserve never downloads adapters: fetch it with `huggingface-cli download`)"
+        ) from exc
+    return Path(found)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
