@@ -2,11 +2,12 @@
 ``--batch`` rows spread round-robin over K adapters against the base model, interleaved.
 
     python -m genserve.bench.lora_steps [--model-id DIR] [--dtype bfloat16] [--batch 32]
-        [--adapters 1,4,16] [--rank 8] [--targets q_proj,k_proj,v_proj,o_proj] [--rounds 3]
+        [--adapters 1,4,16] [--rank 8] [--targets q_proj,k_proj,v_proj,o_proj] [--steps 24]
 
-Each round runs the base model and every K once (same prompts, same lengths), so machine
-noise hits all of them alike; reported: median ms per decode step and throughput relative
-to the base model.  What ``genserve-bench adapters`` measures end to end, minus the server.
+All batches live in the runner at once (own requests and KV blocks) and take decode steps
+in turn (base, K=1, K=4, ...), so drift in the machine's load hits all of them alike;
+reported: median ms per decode step and throughput relative to the base model.  What
+``genserve-bench adapters`` measures end to end, minus the server.
 """
 
 from __future__ import annotations
@@ -32,40 +33,52 @@ from genserve.worker.model_runner import ModelRunner
 BLOCK_SIZE = 16
 
 
-def decode_ms_per_step(
-    runner: ModelRunner, refs: Sequence[AdapterRef | None], prompt_len: int, steps: int
-) -> float:
-    """Prefill one prompt per row (row ``i`` uses ``refs[i]``), then time ``steps`` decode
-    steps of all rows; returns ms per decode step."""
-    batch = len(refs)
-    gen = torch.Generator().manual_seed(0)
-    vocab = runner.config.vocab_size
-    prompts = [
-        torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)
-    ]
-    per_seq = -(-(prompt_len + steps + 1) // BLOCK_SIZE)
-    tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    ids = [f"lora-bench-{i}" for i in range(batch)]
-    new = tuple(
-        NewRequestData(r, tuple(p), prompt_len, 0, SamplingParams(), adapter=ref)
-        for r, p, ref in zip(ids, prompts, refs, strict=True)
-    )
-    chunks = tuple(
-        ScheduledChunk(r, tuple(p), 0, t, True)
-        for r, p, t in zip(ids, prompts, tables, strict=True)
-    )
-    out = runner.execute_model(SchedulerOutput(0, chunks, new))
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        last = {s.req_id: s.token_id for s in out.sampled}
-        pos = prompt_len + step - 1
-        chunks = tuple(
-            ScheduledChunk(r, (last[r],), pos, t, True) for r, t in zip(ids, tables, strict=True)
+class DecodeBatch:
+    """``len(refs)`` requests (row ``i`` uses ``refs[i]``) with their own KV blocks from
+    ``first_block``, prefilled at construction; :meth:`step` times one decode step."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        name: str,
+        refs: Sequence[AdapterRef | None],
+        prompt_len: int,
+        steps: int,
+        first_block: int,
+    ) -> None:
+        self.runner = runner
+        gen = torch.Generator().manual_seed(0)
+        vocab = runner.config.vocab_size
+        prompts = [torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in refs]
+        per_seq = -(-(prompt_len + steps + 1) // BLOCK_SIZE)
+        self.tables = [
+            tuple(range(first_block + i * per_seq, first_block + (i + 1) * per_seq))
+            for i in range(len(refs))
+        ]
+        self.num_blocks = per_seq * len(refs)
+        self.ids = [f"{name}-{i}" for i in range(len(refs))]
+        new = tuple(
+            NewRequestData(r, tuple(p), prompt_len, 0, SamplingParams(), adapter=ref)
+            for r, p, ref in zip(self.ids, prompts, refs, strict=True)
         )
-        out = runner.execute_model(SchedulerOutput(step, chunks))
-    elapsed = time.perf_counter() - start
-    runner.execute_model(SchedulerOutput(steps + 1, (), (), finished_req_ids=tuple(ids)))
-    return elapsed / steps * 1000
+        chunks = tuple(
+            ScheduledChunk(r, tuple(p), 0, t, True)
+            for r, p, t in zip(self.ids, prompts, self.tables, strict=True)
+        )
+        self.out = runner.execute_model(SchedulerOutput(0, chunks, new))
+        self.pos = prompt_len
+
+    def step(self) -> float:
+        """One decode step of every row; its wall time in ms."""
+        last = {s.req_id: s.token_id for s in self.out.sampled}
+        chunks = tuple(
+            ScheduledChunk(r, (last[r],), self.pos, t, True)
+            for r, t in zip(self.ids, self.tables, strict=True)
+        )
+        start = time.perf_counter()
+        self.out = self.runner.execute_model(SchedulerOutput(self.pos, chunks))
+        self.pos += 1
+        return (time.perf_counter() - start) * 1000
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -78,7 +91,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     from genserve.bench.adapters import make_random_adapters
     from genserve.dtype_choice import choose_dtype
@@ -90,27 +102,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     ks = [int(k) for k in args.adapters.split(",") if k]
     runner = ModelRunner(resolve_model(str(model_dir)), dtype, torch.device("cpu"))
     per_seq = -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
-    runner.initialize_kv_cache(args.batch * per_seq, BLOCK_SIZE)
+    mixes_count = 1 + len(ks)
+    runner.initialize_kv_cache(mixes_count * args.batch * per_seq, BLOCK_SIZE)
     with tempfile.TemporaryDirectory(prefix="genserve-lora-steps-") as tmp:
         dirs = make_random_adapters(
             model_dir, Path(tmp), max(ks), args.rank, args.targets.split(",")
         )
         refs = [AdapterRef(i, f"a{i}", str(d)) for i, d in enumerate(dirs)]
-        mixes = {k: [refs[i % k] if k else None for i in range(args.batch)] for k in (0, *ks)}
-        for mix in mixes.values():  # warm-up: adapters installed, allocator warm
-            decode_ms_per_step(runner, mix, args.prompt_len, 2)
-        samples: dict[int, list[float]] = {k: [] for k in mixes}
-        for _ in range(args.rounds):
-            for k, mix in mixes.items():
-                samples[k].append(decode_ms_per_step(runner, mix, args.prompt_len, args.steps))
+        batches: dict[int, DecodeBatch] = {}
+        first_block = 0
+        for k in (0, *ks):
+            mix = [refs[i % k] if k else None for i in range(args.batch)]
+            batches[k] = DecodeBatch(runner, f"k{k}", mix, args.prompt_len, args.steps, first_block)
+            first_block += batches[k].num_blocks
+        for batch in batches.values():  # warm-up: adapters installed, allocator warm
+            batch.step()
+        # Step by step in turn (base, K1, K4, ...): drift in the machine's load hits all.
+        samples: dict[int, list[float]] = {k: [] for k in batches}
+        for _ in range(args.steps - 1):
+            for k, batch in batches.items():
+                samples[k].append(batch.step())
     base = statistics.median(samples[0])
     print(f"{dtype}, {args.batch} decode rows, rank {args.rank} {args.targets}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'adapters':>8} {'ms/step':>8} {'vs base':>8}  per round")
+    print(f"{'adapters':>8} {'ms/step':>8} {'vs base':>8}  (median of {args.steps - 1} steps)")
     for k, values in samples.items():
         ms = statistics.median(values)
-        rounds = [round(b / v, 3) for b, v in zip(samples[0], values, strict=True)]
-        print(f"{k or 'base':>8} {ms:>8.1f} {base / ms:>8.2f}  {rounds}")
+        print(f"{k or 'base':>8} {ms:>8.1f} {base / ms:>8.2f}")
 
 
 if __name__ == "__main__":
