@@ -233,6 +233,7 @@ def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
             num_speculative_tokens=config.speculate,
             speculate_max_batch_size=config.speculate_max_batch_size,
             max_loras_per_batch=config.max_loras_per_batch,
+            adapter_cycle_time_s=config.adapter_cycle_time_s,
         )
     )
 

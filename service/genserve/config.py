@@ -105,6 +105,7 @@ class Config:
     adapter_source: AdapterSource = "local"
     max_active_adapters: int = 8
     max_loras_per_batch: int | None = None
+    adapter_cycle_time_s: float = 2.0
 
 
 def _bool(text: str) -> bool:
@@ -394,6 +395,12 @@ FLAGS: tuple[_Flag, ...] = (
         "max_loras_per_batch",
         "Distinct LoRA adapters in one step (SGLang). Default: --max-active-adapters.",
         _positive_int,
+    ),
+    _flag(
+        "adapter_cycle_time_s",
+        "Seconds an adapter keeps taking new requests while another adapter waits for a "
+        "place under --max-loras-per-batch, before it drains and yields (LoRAX). Default: 2.",
+        _seconds,
     ),
     # No environment variable, as TGI: "ENV" means something else to POSIX shells.
     _flag("env", "Log the runtime environment at start-up.", _SWITCH, aliases=("-e",), env=("",)),

@@ -36,6 +36,7 @@ _SOURCES = [
     Path(__file__).with_name(n)
     for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "matvec_cpu.cpp")
 ]
+_SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (model/lora.py)
 _HEADERS = [Path(__file__).with_name("vec_math.h")]
 _OPS = (
     "paged_decode_attention",
@@ -45,6 +46,7 @@ _OPS = (
     "rotary",
     "matvec",
 )
+_LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
 
 @dataclass(slots=True)
@@ -160,7 +162,7 @@ def _build_and_load() -> bool:
             is_python_module=False,
             verbose=False,
         )
-        for op in _OPS:
+        for op in (*_OPS, *_LORA_OPS):
             getattr(torch.ops.genserve, op)  # raises if the library did not register it
     except Exception as exc:  # any failure: keep the torch path, say why once
         log.warning(

@@ -20,6 +20,8 @@ import ctypes
 import dataclasses
 import itertools
 import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +48,7 @@ from genserve.step import (
     SchedulerOutput,
     TokenLogprob,
 )
-from genserve.worker.adapters import install, read_adapter
+from genserve.worker.adapters import PreparedAdapter, install, prepare, read_adapter
 from genserve.worker.cuda_graphs import DecodeGraphs
 from genserve.worker.graph_plan import GraphPlan, graph_forward, plan_graphs
 from genserve.worker.sampler import Sampler, SamplingRow
@@ -57,6 +59,8 @@ log = structlog.get_logger("genserve.worker")
 _CUDA_ACTIVATION_RESERVE = 0.1
 # Prompt-logprob rows per LM-head call: bounds the float32 logits to ~100 MB (vocab 49152).
 _PROMPT_LOGPROB_ROWS = 512
+# Adapters prepared ahead of their first step (requests cancelled meanwhile leave entries).
+_MAX_PREPARED_ADAPTERS = 16
 
 
 @dataclass(slots=True)
@@ -149,6 +153,10 @@ class ModelRunner:
         self._lora_step = StepAdapters()
         self._lora_targets: dict[str, tuple[LoraHook, ModuleSplit]] | None = None
         self._slot_ids: dict[int, str] = {}
+        # Adapters read and laid out off the step thread (prepare_adapter), by (id, path),
+        # waiting for their first step; bounded in case requests are cancelled first.
+        self._prepared: OrderedDict[tuple[str, str], PreparedAdapter] = OrderedDict()
+        self._lora_lock = threading.Lock()
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.num_blocks = 0
@@ -347,14 +355,48 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_parts) if prompt_parts else ()
         return RunnerOutput(step.step_id, sampled, prompt_logprobs)
 
+    def prepare_adapter(self, ref: AdapterRef) -> None:
+        """Read, validate and lay out ``ref``'s adapter for its slot, so that the step that
+        first runs it only copies tensors.  Blocking and thread-safe: the engine calls it
+        from a worker thread while steps run.  Raises
+        :class:`~genserve.model.lora.AdapterError` for an adapter that does not fit."""
+        key = (ref.adapter_id, ref.path)
+        with self._lora_lock:
+            if self._slot_ids.get(ref.slot) == ref.adapter_id or key in self._prepared:
+                return
+            targets = self._enable_lora()
+        weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
+        prepared = prepare(weights, targets, self.dtype, self.device)
+        with self._lora_lock:
+            self._prepared[key] = prepared
+            while len(self._prepared) > _MAX_PREPARED_ADAPTERS:
+                self._prepared.popitem(last=False)
+
+    def _enable_lora(self) -> dict[str, tuple[LoraHook, ModuleSplit]]:
+        """The model's LoRA hooks, attached on first use (base-only serving pays nothing).
+        Attaching is safe while a step runs: hooks do nothing until the runner marks rows."""
+        if self._lora_targets is None:
+            from genserve.kernels import cpu as cpu_kernels
+
+            # The BGMV kernel computes every row's delta in one op per projection; without
+            # it (GPU, no compiler, --disable-cpu-kernels) the batched torch path runs.
+            self._lora_step.use_kernel = self.device.type == "cpu" and cpu_kernels.load()
+            self._lora_targets = self.model.enable_lora(self._lora_step)
+        return self._lora_targets
+
     def _ensure_adapter(self, ref: AdapterRef) -> None:
-        """Make slot ``ref.slot`` hold ``ref.adapter_id`` (read from ``ref.path``)."""
+        """Make slot ``ref.slot`` hold ``ref.adapter_id``: a slot copy of the adapter
+        prepared off this thread, or (a shard worker, a test driving the runner directly)
+        read and prepared here."""
         if self._slot_ids.get(ref.slot) == ref.adapter_id:
             return
-        if self._lora_targets is None:
-            self._lora_targets = self.model.enable_lora(self._lora_step)
-        weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
-        install(weights, ref.slot, self._lora_targets, self.dtype, self.device)
+        with self._lora_lock:
+            targets = self._enable_lora()
+            prepared = self._prepared.pop((ref.adapter_id, ref.path), None)
+        if prepared is None:
+            weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
+            prepared = prepare(weights, targets, self.dtype, self.device)
+        install(prepared, ref.slot, targets, self._lora_step)
         self._slot_ids[ref.slot] = ref.adapter_id
 
     def _state(self, req_id: str) -> _RequestState:
