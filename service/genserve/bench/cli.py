@@ -221,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from genserve.bench.adapters import main as adapters_main
 
         return adapters_main(args[1:])
+    if args[:1] == ["grammar"]:  # constrained vs unconstrained decoding, side by side
+        from genserve.bench.grammar_compare import main as grammar_main
+
+        return grammar_main(args[1:])
     config = parse_args(args)
     from genserve.bench.suite import run_suite
 

@@ -23,7 +23,7 @@ import asyncio
 import json
 import re
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -78,19 +78,94 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(num_rows, vocab_size)
 
 
+class PendingBitmask:
+    """A step's bitmask being filled in the grammar thread while the model's forward runs
+    (torch and xgrammar both release the GIL); :meth:`result` waits for it.  vLLM and SGLang
+    overlap the mask with the forward the same way."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[torch.Tensor]) -> None:
+        self._future = future
+
+    def result(self) -> torch.Tensor:
+        return self._future.result()
+
+
+class BitmaskFiller:
+    """Fills the bitmask rows of all constrained requests of a step in one xgrammar call
+    (``BatchGrammarMatcher``: C++, its own threads), off the engine loop, into buffers
+    allocated once and reused (two, alternating: the runner may still read step N's
+    while step N+1's is being filled)."""
+
+    def __init__(self, max_threads: int = 2) -> None:
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+
+    def submit(self, states: list[GrammarState]) -> PendingBitmask:
+        """Start filling ``states``' rows (row i for ``states[i]``); the states must not
+        accept tokens until :meth:`PendingBitmask.result` returned."""
+        buffer = self._buffer(len(states), states[0].vocab_size)
+        matchers = [s._matcher for s in states]
+        return PendingBitmask(self._pool.submit(self._fill, matchers, buffer))
+
+    def _fill(self, matchers: list[Any], buffer: torch.Tensor) -> torch.Tensor:
+        self._batch.batch_fill_next_token_bitmask(matchers, buffer)
+        return buffer
+
+    def _buffer(self, num_rows: int, vocab_size: int) -> torch.Tensor:
+        self._next ^= 1
+        if len(self._buffers) < 2:
+            self._buffers = [allocate_bitmask(num_rows, vocab_size) for _ in range(2)]
+        buffer = self._buffers[self._next]
+        if buffer.shape[0] < num_rows or buffer.shape[1] * 32 < vocab_size:
+            # Grow to the next power of two, so a growing batch reallocates log(n) times.
+            rows = 1 << (num_rows - 1).bit_length()
+            buffer = self._buffers[self._next] = allocate_bitmask(rows, vocab_size)
+        return buffer[:num_rows]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class BitmaskApplier:
+    """Applies a step's bitmask to the constrained rows of the logits in place, with
+    xgrammar's CPU kernel (its CUDA/Triton kernel on a GPU).  xgrammar's ``indices`` name
+    the same row of logits and bitmask, so the packed rows are scattered into a
+    ``[max_rows, words]`` buffer kept across steps (all ones: unconstrained rows, never
+    read), not allocated per step."""
+
+    def __init__(self) -> None:
+        self._scatter: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Set the logits of disallowed tokens to -inf for ``rows`` of ``logits`` only
+        (``bitmask[i]`` belongs to ``logits[rows[i]]``); other rows are not read or written."""
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        if rows == list(range(len(rows))):
+            xgr.apply_token_bitmask_inplace(logits[: len(rows)], bitmask)
+            return
+        scatter = self._scatter
+        num_rows, words = logits.shape[0], bitmask.shape[1]
+        if (
+            scatter is None
+            or scatter.shape[0] < num_rows
+            or scatter.shape[1] != words
+            or scatter.device != logits.device
+        ):
+            size = 1 << (num_rows - 1).bit_length()
+            scatter = torch.full((size, words), -1, dtype=torch.int32, device=logits.device)
+            self._scatter = scatter
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        scatter.index_copy_(0, index, bitmask)
+        xgr.apply_token_bitmask_inplace(logits, scatter[:num_rows], indices=rows)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set the logits of disallowed tokens to -inf in place, for ``rows`` of ``logits`` only
-    (``bitmask[i]`` belongs to ``logits[rows[i]]``); other rows are not read or written."""
-    if len(rows) == logits.shape[0]:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
-        return
-    # xgrammar's ``indices`` selects bitmask rows by logits row, so scatter the packed rows
-    # to logits' row numbers (a few hundred bytes per row).
-    full = torch.full(
-        (logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype, device=bitmask.device
-    )
-    full[rows] = bitmask
-    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)
+    """:class:`BitmaskApplier` without a kept buffer (tests, one-off use)."""
+    BitmaskApplier()(logits, bitmask, rows)
 
 
 class GrammarCompiler:
