@@ -176,3 +176,39 @@ def test_applier_masks_only_the_scattered_rows(compiler: GrammarCompiler) -> Non
             assert torch.equal(logits[row], original[row])
         assert torch.isfinite(logits[3]).nonzero().flatten().tolist() == [0, 2]
         assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [32]
+
+
+def test_cpu_applier_equals_xgrammars_kernel_on_real_masks(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    """The numpy-unpack CPU path gives exactly xgrammar's kernel's result, rows scattered."""
+    import xgrammar as xgr
+
+    from genserve.engine.grammar import BitmaskApplier
+
+    specs = [
+        GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object"})),
+        GrammarSpec(GrammarKind.REGEX, "[a-z ]+"),
+        GrammarSpec.choice(["yes", "no"]),
+    ]
+    states = [compiler.compile_sync(s).new_state() for s in specs]
+    assert states[0].accept(tokenizer.encode("{", add_special_tokens=False)[0])
+    bitmask = allocate_bitmask(len(states), compiler.vocab_size)
+    for row, state in enumerate(states):
+        state.fill_bitmask(bitmask, row)
+    rows = [4, 0, 2]
+    logits = torch.randn(6, compiler.vocab_size)
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        xgr.apply_token_bitmask_inplace(expected[row], bitmask[i])
+    apply = BitmaskApplier()
+    got = logits.clone()
+    apply(got, bitmask, rows)
+    assert torch.equal(got, expected)
+    got = logits.clone()
+    apply._apply_xgrammar(got, bitmask, rows)  # the CUDA path's logic, on CPU tensors
+    assert torch.equal(got, expected)
+    got, expected = logits[:3].clone(), logits[:3].clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask)
+    apply(got, bitmask, [0, 1, 2])  # every row constrained: no gather
+    assert torch.equal(got, expected)
