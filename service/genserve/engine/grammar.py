@@ -12,6 +12,11 @@ This is the only module that imports xgrammar.  Three parts:
   (rank 0), is advanced with each token the scheduler keeps, and fills that request's row of
   the step's packed bitmask.  A preempted request keeps its output tokens and so its matcher:
   recomputing the KV changes nothing the grammar has seen.
+* :class:`BitmaskFiller` / :class:`BitmaskApplier` — a step's masks, filled for all its
+  constrained rows in one batched call while the forward runs, and applied to those rows only.
+
+Speculative decoding: constrained rows get no draft tokens (the scheduler turns speculation
+off for them, ``Scheduler._speculative_chunk``); drafts are not checked against the grammar.
 
 The vocabulary is the model's logits width, which may exceed the tokenizer's (padding rows of
 the embedding): xgrammar is told that size, and ids the tokenizer lacks are never allowed.
