@@ -126,7 +126,8 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     new_requests: tuple[NewRequestData, ...] = ()
     finished_req_ids: tuple[str, ...] = ()
-    # Structured output: an int32 packed token bitmask (a torch tensor, xgrammar's layout
+    # Structured output: an int32 packed token bitmask (a torch tensor or, from the scheduler,
+    # an engine.grammar.PendingBitmask still being filled; xgrammar's layout
     # ``[len(grammar_req_ids), ceil(vocab / 32)]``), row i for the sampling chunk of
     # ``grammar_req_ids[i]``.  Only rank 0 samples, so shard messages do not carry it.
     grammar_bitmask: object | None = None

@@ -217,3 +217,30 @@ def test_disable_grammar_support_refuses_grammar() -> None:
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert "--disable-grammar-support" in (err.value.details() or "")
         assert _generate(stub, "hi", pb.GenerateParameters(max_new_tokens=2)).generated_text
+
+
+SPECULATE = ("--dtype", "float32", "--speculate", "4", "--prometheus-port", "0")
+
+
+def test_speculation_skips_constrained_rows() -> None:
+    """With ``--speculate``, constrained requests get no drafts (the scheduler never drafts for
+    them: the mask of each draft position would depend on the drafts before it) and still
+    validate, while an unconstrained greedy request in the same batch drafts and keeps
+    exactly its non-speculative output."""
+    schema = SCHEMAS[1]
+    repetitive = "one two three one two three one two three one two three"
+    with (
+        start_server(str(default_gguf_path()), *SPECULATE) as srv,
+        grpc.insecure_channel(srv.address) as channel,
+    ):
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        alone = _generate(stub, repetitive, _params(None, False))
+        grammar = pb.Grammar(json_schema=json.dumps(schema))
+        prompt = CHAT.format("Colours as JSON.")
+        jobs = [(prompt, _params(grammar, s)) for s in (False, True)]
+        jobs.append((repetitive, _params(None, False)))
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(lambda job: _generate(stub, *job), jobs))
+    for result in results[:2]:
+        jsonschema.validate(json.loads(result.generated_text), schema)
+    assert [t.id for t in results[2].details.tokens] == [t.id for t in alone.details.tokens]

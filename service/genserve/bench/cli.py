@@ -255,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from genserve.bench.cpu_compare import main as cpu_main
 
         return cpu_main(args[1:])
+    if args[:1] == ["grammar"]:  # constrained vs unconstrained decoding, side by side
+        from genserve.bench.grammar_compare import main as grammar_main
+
+        return grammar_main(args[1:])
     config = parse_args(args)
     from genserve.bench.suite import run_suite
 

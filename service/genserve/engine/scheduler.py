@@ -42,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -60,6 +61,9 @@ from genserve.step import (
     ScheduledChunk,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import BitmaskFiller
 
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -105,6 +109,7 @@ class Scheduler:
         self._adapter_active_since: dict[str, float] = {}
         self._yielding_adapters: set[str] = set()
         self.clock: Callable[[], float] = time.monotonic  # tests substitute their own
+        self._mask_filler: BitmaskFiller | None = None  # made on the first constrained step
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -327,20 +332,23 @@ class Scheduler:
     def _grammar_bitmask(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[object | None, tuple[str, ...]]:
-        """One packed bitmask row per sampling chunk of a constrained request."""
+        """One packed bitmask row per sampling chunk of a constrained request, filled for all
+        of them in one call in the grammar thread while the forward runs (a
+        :class:`~genserve.engine.grammar.PendingBitmask`; the runner waits for it)."""
         states = []
+        req_ids = []
         for c in chunks:
             grammar = self._requests[c.req_id].grammar
             if c.sample and grammar is not None:
-                states.append((c.req_id, grammar))
+                states.append(grammar)
+                req_ids.append(c.req_id)
         if not states:
             return None, ()
-        from genserve.engine.grammar import allocate_bitmask  # only constrained steps pay
+        if self._mask_filler is None:
+            from genserve.engine.grammar import BitmaskFiller  # only constrained steps pay
 
-        bitmask = allocate_bitmask(len(states), states[0][1].vocab_size)
-        for row, (_, grammar) in enumerate(states):
-            grammar.fill_bitmask(bitmask, row)
-        return bitmask, tuple(req_id for req_id, _ in states)
+            self._mask_filler = BitmaskFiller()
+        return self._mask_filler.submit(states), tuple(req_ids)
 
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens a running request gets this step: its decode token, or a prompt chunk

@@ -419,6 +419,8 @@ class ModelRunner:
             first_row[c.req_id] = row
             row += c.num_draft_tokens + 1
         bitmask = step.grammar_bitmask
+        if not isinstance(bitmask, torch.Tensor):  # a PendingBitmask, filled during forward
+            bitmask = bitmask.result()  # type: ignore[attr-defined]
         assert isinstance(bitmask, torch.Tensor)
         return bitmask, [first_row[r] for r in step.grammar_req_ids]
 
