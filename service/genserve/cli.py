@@ -6,6 +6,7 @@ than "connection refused" while the model loads and warms up."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -85,6 +86,9 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
+    resolved = dataclasses.replace(
+        resolved, rope_scaling=config.rope_scaling, rope_factor=config.rope_factor
+    )
     cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
     if config.disable_cpu_kernels:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
@@ -116,6 +120,16 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         raise
 
 
+def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int | None) -> None:
+    from genserve.worker.cuda_graphs import default_batch_sizes
+
+    sizes = config.cuda_graphs
+    if sizes is None:
+        sizes = default_batch_sizes(config.max_batch_size or config.max_concurrent_requests)
+    max_seq_len = config.max_total_tokens or max_positions or 4096
+    runner.enable_cuda_graphs(sizes, max_seq_len, config.block_size)
+
+
 def _size_and_warm_up(
     config: Config,
     resolved: ResolvedModel,
@@ -131,10 +145,15 @@ def _size_and_warm_up(
     log.info("chat_template", loaded=chat.has_template, source=_template_source(config, chat))
     hf_config = json.loads((resolved.local_dir / "config.json").read_text())
     fraction = config.cuda_memory_fraction if on_cuda else config.cpu_memory_fraction
+    if on_cuda and num_shard == 1 and config.cuda_graphs != ():  # before sizing: #12
+        _enable_cuda_graphs(config, runner, hf_config.get("max_position_embeddings"))
     bytes_per_block = runner.kv_cache_bytes_per_block(config.block_size)
     memory_num_blocks = runner.available_kv_memory_bytes(fraction) // bytes_per_block
     limits = derive_limits(
-        config, hf_config.get("max_position_embeddings"), int(memory_num_blocks), on_cuda
+        config,
+        _scaled_max_pos(hf_config.get("max_position_embeddings"), config),
+        int(memory_num_blocks),
+        on_cuda,
     )
     log.info(
         "kv_cache_sized",
@@ -155,8 +174,11 @@ def _size_and_warm_up(
         num_shard=num_shard,
         block_size=limits.block_size,
         num_kv_blocks=limits.num_kv_blocks,
+        cuda_graph_batch_sizes=list(runner.cuda_graph_sizes),
         max_concurrent_requests=config.max_concurrent_requests,
         max_best_of=config.max_best_of,
+        watermark_gamma=config.watermark_gamma,
+        watermark_delta=config.watermark_delta,
         max_stop_sequences=config.max_stop_sequences,
         max_top_n_tokens=config.max_top_n_tokens,
         max_input_tokens=limits.max_input_tokens,
@@ -211,6 +233,7 @@ def _scheduler(config: Config, limits: ServingLimits) -> Scheduler:
             num_speculative_tokens=config.speculate,
             speculate_max_batch_size=config.speculate_max_batch_size,
             max_loras_per_batch=config.max_loras_per_batch,
+            adapter_cycle_time_s=config.adapter_cycle_time_s,
         )
     )
 
@@ -321,6 +344,8 @@ class Service:
                 tokenizer=loaded.tokenizer,
                 limits=Limits(
                     max_best_of=config.max_best_of,
+                    watermark_gamma=config.watermark_gamma,
+                    watermark_delta=config.watermark_delta,
                     max_stop_sequences=config.max_stop_sequences,
                     max_top_n_tokens=config.max_top_n_tokens,
                     max_input_tokens=loaded.limits.max_input_tokens,
@@ -471,3 +496,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
+    """--rope-scaling/--rope-factor stretch the context the default limits derive from."""
+    from genserve.model.rope_scaling import scaled_max_positions
+
+    if max_pos is None:
+        return None
+    return scaled_max_positions(int(max_pos), config.rope_scaling, config.rope_factor)

@@ -43,6 +43,10 @@ class Config:
     trust_remote_code: bool = False
     max_concurrent_requests: int = 128
     max_best_of: int = 2
+    watermark_gamma: float = 0.5  # issue #15: TGI's green-list fraction
+    watermark_delta: float = 2.0  # issue #15: TGI's green-logit bias
+    rope_scaling: str | None = None  # issue #15: linear | dynamic (TGI's --rope-scaling)
+    rope_factor: float | None = None
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_input_tokens: int | None = None
@@ -63,6 +67,7 @@ class Config:
     disable_cpu_kernels: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
+    cuda_graphs: tuple[int, ...] | None = None  # None: default buckets; (): disabled (#12)
     cpu_memory_fraction: float = 0.3
     hostname: str = "0.0.0.0"
     port: int = DEFAULT_PORT
@@ -100,6 +105,7 @@ class Config:
     adapter_source: AdapterSource = "local"
     max_active_adapters: int = 8
     max_loras_per_batch: int | None = None
+    adapter_cycle_time_s: float = 2.0
 
 
 def _bool(text: str) -> bool:
@@ -125,11 +131,27 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0.0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
+
+
+def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
+    from genserve.worker.cuda_graphs import parse_batch_sizes
+
+    try:
+        return parse_batch_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _service_list(text: str) -> tuple[str, ...]:
@@ -220,6 +242,19 @@ FLAGS: tuple[_Flag, ...] = (
         "max_concurrent_requests", "Requests in flight before RESOURCE_EXHAUSTED.", _positive_int
     ),
     _flag("max_best_of", "Largest best_of a client may ask for.", _positive_int),
+    _flag("watermark_gamma", "Watermark green-list fraction of the vocabulary.", _fraction),
+    _flag("watermark_delta", "Watermark bias added to green-list logits.", float),
+    _flag(
+        "rope_scaling",
+        "Rotary scaling for contexts past the model's: linear or dynamic (NTK). "
+        "Default factor 1 unless --rope-factor is given.",
+        choices=("linear", "dynamic"),
+    ),
+    _flag(
+        "rope_factor",
+        "Rotary scaling factor; alone it implies --rope-scaling linear (as TGI).",
+        _positive_float,
+    ),
     _flag(
         "disable_grammar_support",
         "Refuse GenerateParameters.grammar (structured output) with UNIMPLEMENTED.",
@@ -288,6 +323,12 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),
     _flag("cuda_memory_fraction", "Share of GPU memory genserve may use.", _fraction),
     _flag(
+        "cuda_graphs",
+        "Decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8; 0 disables. Default: "
+        "1,2,4,8,16,24,32,... up to --max-batch-size or 256. Ignored on CPU.",
+        _cuda_graph_sizes,
+    ),
+    _flag(
         "cpu_memory_fraction",
         "On CPU: share of the memory available after loading used for the KV cache.",
         _fraction,
@@ -354,6 +395,12 @@ FLAGS: tuple[_Flag, ...] = (
         "max_loras_per_batch",
         "Distinct LoRA adapters in one step (SGLang). Default: --max-active-adapters.",
         _positive_int,
+    ),
+    _flag(
+        "adapter_cycle_time_s",
+        "Seconds an adapter keeps taking new requests while another adapter waits for a "
+        "place under --max-loras-per-batch, before it drains and yields (LoRAX). Default: 2.",
+        _seconds,
     ),
     # No environment variable, as TGI: "ENV" means something else to POSIX shells.
     _flag("env", "Log the runtime environment at start-up.", _SWITCH, aliases=("-e",), env=("",)),

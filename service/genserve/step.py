@@ -37,6 +37,11 @@ class SamplingParams:
     min_new_tokens: int = 0  # while fewer tokens were generated, ``min_tokens_banned_ids``
     min_tokens_banned_ids: tuple[int, ...] = ()  # are masked (EOS and stop_token_ids)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    # Issue #15 watermark (worker/watermark.py): delta added to the green list's logits;
+    # gamma/delta are the server's --watermark-gamma/--watermark-delta.
+    watermark: bool = False
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
 
     @property
     def greedy(self) -> bool:
@@ -121,10 +126,10 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     new_requests: tuple[NewRequestData, ...] = ()
     finished_req_ids: tuple[str, ...] = ()
-    # Structured output: a ``genserve.engine.grammar.PendingBitmask`` whose ``wait()`` gives
-    # the int32 packed token bitmask (xgrammar's layout ``[len(grammar_req_ids),
-    # ceil(vocab / 32)]``), row i for the sampling chunk of ``grammar_req_ids[i]``; it is
-    # filled while the forward pass runs.  Only rank 0 samples: shard messages omit it.
+    # Structured output: an int32 packed token bitmask (a torch tensor or, from the scheduler,
+    # an engine.grammar.PendingBitmask still being filled; xgrammar's layout
+    # ``[len(grammar_req_ids), ceil(vocab / 32)]``), row i for the sampling chunk of
+    # ``grammar_req_ids[i]``.  Only rank 0 samples, so shard messages do not carry it.
     grammar_bitmask: object | None = None
     grammar_req_ids: tuple[str, ...] = ()
 

@@ -79,10 +79,10 @@ def test_input_list_errors(stub: pb_grpc.TextGenerationServiceStub) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "max-client-batch-size" in message
 
 
-def test_unimplemented_parameters(stub: pb_grpc.TextGenerationServiceStub) -> None:
-    assert _code(_gen, stub, ["hi"], best_of=2, do_sample=True)[0] == grpc.StatusCode.UNIMPLEMENTED
+def test_best_of_limits(stub: pb_grpc.TextGenerationServiceStub) -> None:
+    # best_of and watermark are implemented (tests/e2e/test_best_of.py, test_watermark.py).
+    assert _code(_gen, stub, ["hi"], best_of=2)[0] == grpc.StatusCode.INVALID_ARGUMENT  # greedy
     assert _code(_gen, stub, ["hi"], best_of=3)[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(_gen, stub, ["hi"], watermark=True)[0] == grpc.StatusCode.UNIMPLEMENTED
 
 
 def _wait_all_blocks_free(server: InProcessServer, timeout: float = 10.0) -> None:

@@ -42,6 +42,45 @@ def test_max_loras_per_batch_admits_in_order_without_starving() -> None:
     assert set(h.ends) == set(adapter_of)  # everyone finished, "c" included
 
 
+def _cycling_order(cycle_time_s: float) -> list[str]:
+    """Order in which requests first run: six of adapter "a" queued before one of "b",
+    one adapter per step, two requests at a time; the clock passes 3 s after step one."""
+    h = Harness(
+        SchedulerConfig(
+            num_blocks=64,
+            block_size=4,
+            max_batch_prefill_tokens=64,
+            max_num_running=2,
+            max_loras_per_batch=1,
+            adapter_cycle_time_s=cycle_time_s,
+        )
+    )
+    now = [0.0]
+    h.sched.clock = lambda: now[0]
+    names = [*(f"a{i}" for i in range(6)), "b0"]
+    for i, name in enumerate(names):
+        req = h.add(name, [i + 1, i + 2], max_new_tokens=4, cache_salt=name[0])
+        req.adapter = AdapterRef(0 if name[0] == "a" else 1, name[0], f"/adapters/{name[0]}")
+    started: list[str] = []
+    while h.sched.has_unfinished_requests():
+        step = h.step()
+        started += [n.req_id for n in step.new_requests if n.req_id not in started]
+        assert len({c.req_id[0] for c in step.chunks}) <= 1  # one adapter per step
+        now[0] += 3.0
+    assert set(h.ends) == set(names)
+    return started
+
+
+def test_adapter_cycle_time_lets_a_waiting_adapter_in() -> None:
+    # A long cycle time: FIFO, "b" waits behind every queued "a" request.
+    assert _cycling_order(1000.0) == ["a0", "a1", "a2", "a3", "a4", "a5", "b0"]
+    # 2 s (LoRAX's default): after its turn "a" takes no new request while "b" waits; its
+    # running requests finish, "b" runs, then "a" resumes.
+    order = _cycling_order(2.0)
+    assert order[:3] == ["a0", "a1", "b0"], order
+    assert sorted(order) == sorted(["a0", "a1", "a2", "a3", "a4", "a5", "b0"])
+
+
 def test_parse_lora_adapters() -> None:
     assert parse_lora_adapters("a=/x/a, b=/x/b,org/c") == {
         "a": "/x/a",

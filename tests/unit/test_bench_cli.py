@@ -107,17 +107,3 @@ def test_levels_above_the_servers_request_limit_are_refused_up_front() -> None:
     info["max_concurrent_requests"] = 128
     _, levels = _prompt_set(config, lambda text: len(text.split()), info)
     assert levels == [2, 20]
-
-
-def test_grammar_scenario_summary_and_arguments() -> None:
-    """``genserve-bench grammar``: medians of the alternating runs and their ratio; bad
-    arguments are refused before anything is launched."""
-    from genserve.bench.cli import main
-    from genserve.bench.grammar_compare import summarize
-
-    row = summarize(32, [100.0, 80.0, 90.0], [72.0, 90.0, 81.0])
-    assert row["unconstrained_median"] == 90.0 and row["constrained_median"] == 81.0
-    assert row["ratio"] == pytest.approx(0.9)
-    for bad in (["--repeats", "0"], ["--concurrency", "0"], ["--", "--dtype", "float32"]):
-        with pytest.raises(SystemExit):
-            main(["grammar", *bad])

@@ -102,3 +102,19 @@ def test_generate_batch_baseline(loaded: tuple[Any, Any]) -> None:
         assert len(record.token_times) == record.num_generated_tokens
         assert record.ttft is not None and record.ttft > 0
     assert run.wall_s > 0
+
+
+def test_static_cache_baseline_gives_eager_tokens(loaded: tuple[Any, Any]) -> None:
+    """The static-cache baseline (compile off on CPU: compiling is minutes here) records only
+    the real prompts of a filled-up last batch, and greedy rows equal the eager ones."""
+    model, tokenizer = loaded
+    prompts = make_prompts(3, 12, 5, seed=3)
+    static = hf_baseline.run_static_generate(model, tokenizer, prompts, 2, compile=False)
+    assert (static.system, static.concurrency, len(static.records)) == ("hf_static", 2, 3)
+    assert [r.prompt_id for r in static.records] == [p.prompt_id for p in prompts]
+    assert any("left-padded" in note for note in static.notes)
+    eager = hf_baseline.run_padded_generate(model, tokenizer, prompts, 2)
+    assert [r.num_generated_tokens for r in static.records] == [
+        r.num_generated_tokens for r in eager.records
+    ]
+    assert static.wall_s > 0

@@ -133,3 +133,82 @@ def test_logits_wider_than_the_tokenizer(tokenizer: Tokenizer) -> None:
     assert out.token_ids[0] < tokenizer.vocab_size
     assert tokenizer.token_text(out.token_ids[0]).startswith("{")
     compiler.shutdown()
+
+
+def test_batch_fill_matches_per_row_fill_and_reuses_its_buffers(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    """The step's one batched fill (in the grammar thread) writes what each matcher's own
+    fill would, and alternates between two buffers allocated once."""
+    from genserve.engine.grammar import BitmaskFiller
+
+    specs = [GrammarSpec(GrammarKind.REGEX, "[0-9]+"), GrammarSpec.choice(["yes", "no"])]
+    states = [compiler.compile_sync(s).new_state() for s in specs * 3]
+    assert states[0].accept(tokenizer.encode("4", add_special_tokens=False)[0])
+    expected = allocate_bitmask(len(states), compiler.vocab_size)
+    for row, state in enumerate(states):
+        state.fill_bitmask(expected, row)
+    filler = BitmaskFiller()
+    try:
+        pointers = []
+        for _ in range(4):
+            got = filler.submit(states).result()
+            assert torch.equal(got, expected)
+            pointers.append(got.data_ptr())
+        assert pointers[0] == pointers[2] != pointers[1] == pointers[3]
+        assert filler.submit(states[:2]).result().data_ptr() == pointers[0]
+    finally:
+        filler.shutdown()
+
+
+def test_applier_masks_only_the_scattered_rows(compiler: GrammarCompiler) -> None:
+    from genserve.engine.grammar import BitmaskApplier
+
+    bitmask = torch.zeros(2, (compiler.vocab_size + 31) // 32, dtype=torch.int32)
+    bitmask[0, 0] = 0b101  # tokens 0 and 2
+    bitmask[1, 1] = 1  # token 32
+    apply = BitmaskApplier()
+    for _ in range(2):  # the second call reuses the scatter buffer
+        logits = torch.randn(5, compiler.vocab_size)
+        original = logits.clone()
+        apply(logits, bitmask, [3, 1])
+        for row in (0, 2, 4):
+            assert torch.equal(logits[row], original[row])
+        assert torch.isfinite(logits[3]).nonzero().flatten().tolist() == [0, 2]
+        assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [32]
+
+
+def test_cpu_applier_equals_xgrammars_kernel_on_real_masks(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    """The numpy-unpack CPU path gives exactly xgrammar's kernel's result, rows scattered."""
+    import xgrammar as xgr
+
+    from genserve.engine.grammar import BitmaskApplier
+
+    specs = [
+        GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object"})),
+        GrammarSpec(GrammarKind.REGEX, "[a-z ]+"),
+        GrammarSpec.choice(["yes", "no"]),
+    ]
+    states = [compiler.compile_sync(s).new_state() for s in specs]
+    assert states[0].accept(tokenizer.encode("{", add_special_tokens=False)[0])
+    bitmask = allocate_bitmask(len(states), compiler.vocab_size)
+    for row, state in enumerate(states):
+        state.fill_bitmask(bitmask, row)
+    rows = [4, 0, 2]
+    logits = torch.randn(6, compiler.vocab_size)
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        xgr.apply_token_bitmask_inplace(expected[row], bitmask[i])
+    apply = BitmaskApplier()
+    got = logits.clone()
+    apply(got, bitmask, rows)
+    assert torch.equal(got, expected)
+    got = logits.clone()
+    apply._apply_xgrammar(got, bitmask, rows)  # the CUDA path's logic, on CPU tensors
+    assert torch.equal(got, expected)
+    got, expected = logits[:3].clone(), logits[:3].clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask)
+    apply(got, bitmask, [0, 1, 2])  # every row constrained: no gather
+    assert torch.equal(got, expected)

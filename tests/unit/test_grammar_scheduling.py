@@ -5,34 +5,45 @@ of the request carries its bitmask row, and constrained rows get no draft tokens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import cast
 
 import torch
 
-from genserve.engine.grammar import GrammarState, PendingBitmask
+from genserve.engine.grammar import BitmaskFiller, GrammarState
 from genserve.engine.request import RequestStatus
 from genserve.engine.scheduler_config import SchedulerConfig
 from tests.unit.scheduler_fakes import VOCAB_SIZE, Harness
 
 
 class RecordingGrammar:
-    """Allows every token; records what it was advanced with and which rows it filled."""
+    """Allows every token; records what it was advanced with."""
 
     def __init__(self) -> None:
         self.vocab_size = VOCAB_SIZE
         self.accepted: list[int] = []
-        self.fills = 0
 
     def accept(self, token_id: int) -> bool:
         self.accepted.append(token_id)
         return True
 
-    @staticmethod
-    def fill_batch(states: Sequence[RecordingGrammar], bitmask: torch.Tensor) -> None:
-        for row, state in enumerate(states):
-            bitmask[row] = -1
-            state.fills += 1
+
+class RecordingFiller:
+    """Stands in for :class:`BitmaskFiller` (which needs real xgrammar matchers: covered in
+    test_grammar.py): an all-allowed bitmask, and which states each step asked for."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[RecordingGrammar]] = []
+
+    def submit(self, states: list[RecordingGrammar]) -> torch.Tensor:
+        self.calls.append(list(states))
+        return torch.full((len(states), (VOCAB_SIZE + 31) // 32), -1, dtype=torch.int32)
+
+
+def _harness(config: SchedulerConfig, repetitive: bool = False) -> tuple[Harness, RecordingFiller]:
+    h = Harness(config, repetitive=repetitive)
+    filler = RecordingFiller()
+    h.sched._mask_filler = cast(BitmaskFiller, filler)
+    return h, filler
 
 
 def _cfg(**overrides: object) -> SchedulerConfig:
@@ -47,7 +58,7 @@ def _cfg(**overrides: object) -> SchedulerConfig:
 
 
 def test_matcher_follows_output_tokens_across_preemption() -> None:
-    h = Harness(_cfg())
+    h, filler = _harness(_cfg())
     grammars = {}
     for name in ("a", "b", "c"):
         req = h.add(name, [ord(name)] * 4, max_new_tokens=8)
@@ -64,16 +75,17 @@ def test_matcher_follows_output_tokens_across_preemption() -> None:
         sampling = [c.req_id for c in step.chunks if c.sample]
         assert list(step.grammar_req_ids) == sampling
         if sampling:
-            assert isinstance(step.grammar_bitmask, PendingBitmask)
-            bitmask = step.grammar_bitmask.wait()
-            assert bitmask.shape == (len(sampling), (VOCAB_SIZE + 31) // 32)
+            assert isinstance(step.grammar_bitmask, torch.Tensor)
+            assert step.grammar_bitmask.shape == (len(sampling), (VOCAB_SIZE + 31) // 32)
         else:
             assert step.grammar_bitmask is None
+    # One fill call per step with a constrained sampling row, for all of them at once.
+    assert len(filler.calls) == sum(1 for s in h.steps if s.grammar_req_ids)
     h.assert_all_blocks_free()
 
 
 def test_constrained_rows_get_no_drafts_and_unconstrained_steps_no_bitmask() -> None:
-    h = Harness(_cfg(num_blocks=64, num_speculative_tokens=4), repetitive=True)
+    h, _ = _harness(_cfg(num_blocks=64, num_speculative_tokens=4), repetitive=True)
     constrained = h.add("g", [1, 2, 1, 2, 1, 2], max_new_tokens=12)
     constrained.grammar = cast(GrammarState, RecordingGrammar())
     h.add("free", [1, 2, 1, 2, 1, 2], max_new_tokens=12)

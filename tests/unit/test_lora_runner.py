@@ -162,3 +162,30 @@ def test_wrong_shape_and_corrupt_adapters_are_rejected(
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(AdapterError, match="'corrupt': cannot read it"):
         read_adapter("corrupt", corrupt, config)
+
+
+def test_prepared_adapters_install_without_reading_on_the_step(
+    base_dir: Path, adapter_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the engine does: prepare_adapter (a worker thread, before the request reaches
+    the scheduler) reads and lays the adapter out; the step that first runs the request only
+    copies it into the slot, and reads no file.  Tokens still equal PEFT's."""
+    import genserve.worker.model_runner as model_runner_module
+
+    runner = make_runner(base_dir)
+    ref = AdapterRef(1, "all-r4-rslora", str(adapter_dirs["all-r4-rslora"]))
+    runner.prepare_adapter(ref)
+    runner.prepare_adapter(ref)  # a second request for it: nothing to do
+
+    def no_reads(*args: object) -> None:
+        raise AssertionError("the step thread read an adapter file")
+
+    monkeypatch.setattr(model_runner_module, "read_adapter", no_reads)
+    prompt = random_prompts([17], seed=11)[0]
+    driver = Driver(runner, budget=64)
+    driver.runner = AdapterSteps(runner, {"p": ref})  # type: ignore[assignment]
+    req = driver.add("p", prompt, 6)
+    driver.run()
+    want, _ = peft_greedy(base_dir, adapter_dirs["all-r4-rslora"], prompt, 6)
+    assert [s.token_id for s in req.out] == want
+    runner.prepare_adapter(ref)  # already in its slot: returns without reading

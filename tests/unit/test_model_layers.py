@@ -37,8 +37,9 @@ def test_rope_inv_freq_matches_transformers(rope: dict[str, float | str]) -> Non
 
 
 def test_unsupported_rope_type_is_reported() -> None:
-    hf = LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(UnsupportedModelError, match="dynamic"):
+    # dynamic is supported since issue #15 (model/rope_scaling.py); yarn is not.
+    hf = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(UnsupportedModelError, match="yarn"):
         rope_inv_freq(ModelConfig.from_hf(hf).rope, 64)
 
 

@@ -146,6 +146,9 @@ type GenerateParameters struct {
 	// Keep the stop string (or stop token / end-of-sequence token text) that ended generation
 	// at the end of the generated text (vLLM's include_stop_str_in_output).
 	IncludeStopStrInOutput bool `protobuf:"varint,26,opt,name=include_stop_str_in_output,json=includeStopStrInOutput,proto3" json:"include_stop_str_in_output,omitempty"`
+	// Issue #15: number of results per input (OpenAI / vLLM `n`); with best_of, the n best of
+	// the best_of sequences.  Each sequence samples with seed + i; not for streams.
+	N *uint32 `protobuf:"varint,28,opt,name=n,proto3,oneof" json:"n,omitempty"`
 	// The LoRA adapter to apply (PEFT format; see --lora-adapters / --adapter-id).  Unset or
 	// empty: the server's default adapter (--adapter-id), else the base model.
 	AdapterId     *string `protobuf:"bytes,40,opt,name=adapter_id,json=adapterId,proto3,oneof" json:"adapter_id,omitempty"`
@@ -365,6 +368,13 @@ func (x *GenerateParameters) GetIncludeStopStrInOutput() bool {
 	return false
 }
 
+func (x *GenerateParameters) GetN() uint32 {
+	if x != nil && x.N != nil {
+		return *x.N
+	}
+	return 0
+}
+
 func (x *GenerateParameters) GetAdapterId() string {
 	if x != nil && x.AdapterId != nil {
 		return *x.AdapterId
@@ -506,9 +516,11 @@ type Details struct {
 	// Prompt tokens whose KV came from the prefix cache instead of being computed.
 	CachedTokens uint32 `protobuf:"varint,8,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
 	// The id from parameters.stop_token_ids that ended generation (vLLM's stop_reason).
-	StopTokenId   *uint32 `protobuf:"varint,9,opt,name=stop_token_id,json=stopTokenId,proto3,oneof" json:"stop_token_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	StopTokenId *uint32 `protobuf:"varint,9,opt,name=stop_token_id,json=stopTokenId,proto3,oneof" json:"stop_token_id,omitempty"`
+	// Issue #15: with best_of > 1, the sequences that were not returned (TGI's field).
+	BestOfSequences []*BestOfSequence `protobuf:"bytes,10,rep,name=best_of_sequences,json=bestOfSequences,proto3" json:"best_of_sequences,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Details) Reset() {
@@ -602,6 +614,13 @@ func (x *Details) GetStopTokenId() uint32 {
 		return *x.StopTokenId
 	}
 	return 0
+}
+
+func (x *Details) GetBestOfSequences() []*BestOfSequence {
+	if x != nil {
+		return x.BestOfSequences
+	}
+	return nil
 }
 
 type GenerateRequest struct {
@@ -1140,8 +1159,13 @@ type InfoResponse struct {
 	MaxLorasPerBatch uint32 `protobuf:"varint,32,opt,name=max_loras_per_batch,json=maxLorasPerBatch,proto3" json:"max_loras_per_batch,omitempty"`
 	// LoRA: the adapter requests naming none get (--adapter-id); empty for the base model.
 	DefaultAdapterId string `protobuf:"bytes,33,opt,name=default_adapter_id,json=defaultAdapterId,proto3" json:"default_adapter_id,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Issue #15 watermark: green-list fraction (--watermark-gamma) and bias (--watermark-delta).
+	WatermarkGamma float32 `protobuf:"fixed32,27,opt,name=watermark_gamma,json=watermarkGamma,proto3" json:"watermark_gamma,omitempty"`
+	WatermarkDelta float32 `protobuf:"fixed32,28,opt,name=watermark_delta,json=watermarkDelta,proto3" json:"watermark_delta,omitempty"`
+	// #12: decode batch sizes replayed from CUDA graphs (--cuda-graphs); empty: all eager.
+	CudaGraphBatchSizes []uint32 `protobuf:"varint,38,rep,packed,name=cuda_graph_batch_sizes,json=cudaGraphBatchSizes,proto3" json:"cuda_graph_batch_sizes,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1354,6 +1378,27 @@ func (x *InfoResponse) GetDefaultAdapterId() string {
 		return x.DefaultAdapterId
 	}
 	return ""
+}
+
+func (x *InfoResponse) GetWatermarkGamma() float32 {
+	if x != nil {
+		return x.WatermarkGamma
+	}
+	return 0
+}
+
+func (x *InfoResponse) GetWatermarkDelta() float32 {
+	if x != nil {
+		return x.WatermarkDelta
+	}
+	return 0
+}
+
+func (x *InfoResponse) GetCudaGraphBatchSizes() []uint32 {
+	if x != nil {
+		return x.CudaGraphBatchSizes
+	}
+	return nil
 }
 
 type TokenizeRequest struct {
@@ -2507,12 +2552,115 @@ func (x *TokenIds) GetIds() []uint32 {
 	return nil
 }
 
+// Issue #15 (best_of): one of the sequences best_of generated but did not return (TGI's
+// BestOfSequence).
+type BestOfSequence struct {
+	state           protoimpl.MessageState `protogen:"open.v1"`
+	GeneratedText   string                 `protobuf:"bytes,1,opt,name=generated_text,json=generatedText,proto3" json:"generated_text,omitempty"`
+	FinishReason    FinishReason           `protobuf:"varint,2,opt,name=finish_reason,json=finishReason,proto3,enum=genserve.v1.FinishReason" json:"finish_reason,omitempty"`
+	GeneratedTokens uint32                 `protobuf:"varint,3,opt,name=generated_tokens,json=generatedTokens,proto3" json:"generated_tokens,omitempty"`
+	Seed            *uint64                `protobuf:"varint,4,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
+	Prefill         []*Token               `protobuf:"bytes,5,rep,name=prefill,proto3" json:"prefill,omitempty"`
+	Tokens          []*Token               `protobuf:"bytes,6,rep,name=tokens,proto3" json:"tokens,omitempty"`
+	TopTokens       []*TopTokens           `protobuf:"bytes,7,rep,name=top_tokens,json=topTokens,proto3" json:"top_tokens,omitempty"`
+	// Prompt tokens whose KV this sequence shared instead of computing (the prompt is
+	// prefilled once for all best_of sequences).
+	CachedTokens  uint32 `protobuf:"varint,8,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BestOfSequence) Reset() {
+	*x = BestOfSequence{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BestOfSequence) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BestOfSequence) ProtoMessage() {}
+
+func (x *BestOfSequence) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BestOfSequence.ProtoReflect.Descriptor instead.
+func (*BestOfSequence) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *BestOfSequence) GetGeneratedText() string {
+	if x != nil {
+		return x.GeneratedText
+	}
+	return ""
+}
+
+func (x *BestOfSequence) GetFinishReason() FinishReason {
+	if x != nil {
+		return x.FinishReason
+	}
+	return FinishReason_FINISH_REASON_UNSPECIFIED
+}
+
+func (x *BestOfSequence) GetGeneratedTokens() uint32 {
+	if x != nil {
+		return x.GeneratedTokens
+	}
+	return 0
+}
+
+func (x *BestOfSequence) GetSeed() uint64 {
+	if x != nil && x.Seed != nil {
+		return *x.Seed
+	}
+	return 0
+}
+
+func (x *BestOfSequence) GetPrefill() []*Token {
+	if x != nil {
+		return x.Prefill
+	}
+	return nil
+}
+
+func (x *BestOfSequence) GetTokens() []*Token {
+	if x != nil {
+		return x.Tokens
+	}
+	return nil
+}
+
+func (x *BestOfSequence) GetTopTokens() []*TopTokens {
+	if x != nil {
+		return x.TopTokens
+	}
+	return nil
+}
+
+func (x *BestOfSequence) GetCachedTokens() uint32 {
+	if x != nil {
+		return x.CachedTokens
+	}
+	return 0
+}
+
 var File_genserve_v1_generate_proto protoreflect.FileDescriptor
 
 const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\xf2\n" +
-	"\n" +
+	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\x8b\v\n" +
 	"\x12GenerateParameters\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12\x1b\n" +
 	"\tdo_sample\x18\x02 \x01(\bR\bdoSample\x12%\n" +
@@ -2544,9 +2692,10 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
 	"logit_bias\x18\x18 \x03(\v2..genserve.v1.GenerateParameters.LogitBiasEntryR\tlogitBias\x123\n" +
 	"\x13skip_special_tokens\x18\x19 \x01(\bH\x0eR\x11skipSpecialTokens\x88\x01\x01\x12:\n" +
-	"\x1ainclude_stop_str_in_output\x18\x1a \x01(\bR\x16includeStopStrInOutput\x12\"\n" +
+	"\x1ainclude_stop_str_in_output\x18\x1a \x01(\bR\x16includeStopStrInOutput\x12\x11\n" +
+	"\x01n\x18\x1c \x01(\rH\x0fR\x01n\x88\x01\x01\x12\"\n" +
 	"\n" +
-	"adapter_id\x18( \x01(\tH\x0fR\tadapterId\x88\x01\x01\x1a<\n" +
+	"adapter_id\x18( \x01(\tH\x10R\tadapterId\x88\x01\x01\x1a<\n" +
 	"\x0eLogitBiasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x11\n" +
@@ -2566,7 +2715,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x11_presence_penaltyB\b\n" +
 	"\x06_min_pB\x11\n" +
 	"\x0f_min_new_tokensB\x16\n" +
-	"\x14_skip_special_tokensB\r\n" +
+	"\x14_skip_special_tokensB\x04\n" +
+	"\x02_nB\r\n" +
 	"\v_adapter_id\"p\n" +
 	"\x05Token\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\rR\x02id\x12\x12\n" +
@@ -2576,7 +2726,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
 	"\b_logprob\"7\n" +
 	"\tTopTokens\x12*\n" +
-	"\x06tokens\x18\x01 \x03(\v2\x12.genserve.v1.TokenR\x06tokens\"\xaa\x03\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x12.genserve.v1.TokenR\x06tokens\"\xf3\x03\n" +
 	"\aDetails\x12>\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2\x19.genserve.v1.FinishReasonR\ffinishReason\x12)\n" +
 	"\x10generated_tokens\x18\x02 \x01(\rR\x0fgeneratedTokens\x12\x17\n" +
@@ -2587,7 +2737,9 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"top_tokens\x18\x06 \x03(\v2\x16.genserve.v1.TopTokensR\ttopTokens\x12!\n" +
 	"\finput_length\x18\a \x01(\rR\vinputLength\x12#\n" +
 	"\rcached_tokens\x18\b \x01(\rR\fcachedTokens\x12'\n" +
-	"\rstop_token_id\x18\t \x01(\rH\x01R\vstopTokenId\x88\x01\x01B\a\n" +
+	"\rstop_token_id\x18\t \x01(\rH\x01R\vstopTokenId\x88\x01\x01\x12G\n" +
+	"\x11best_of_sequences\x18\n" +
+	" \x03(\v2\x1b.genserve.v1.BestOfSequenceR\x0fbestOfSequencesB\a\n" +
 	"\x05_seedB\x10\n" +
 	"\x0e_stop_token_id\"\x9e\x01\n" +
 	"\x0fGenerateRequest\x12\x16\n" +
@@ -2626,7 +2778,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xa5\b\n" +
+	"\vInfoRequest\"\xac\t\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2657,7 +2809,10 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x13max_active_adapters\x18\x1e \x01(\rR\x11maxActiveAdapters\x12'\n" +
 	"\x0floaded_adapters\x18\x1f \x03(\tR\x0eloadedAdapters\x12-\n" +
 	"\x13max_loras_per_batch\x18  \x01(\rR\x10maxLorasPerBatch\x12,\n" +
-	"\x12default_adapter_id\x18! \x01(\tR\x10defaultAdapterId\"s\n" +
+	"\x12default_adapter_id\x18! \x01(\tR\x10defaultAdapterId\x12'\n" +
+	"\x0fwatermark_gamma\x18\x1b \x01(\x02R\x0ewatermarkGamma\x12'\n" +
+	"\x0fwatermark_delta\x18\x1c \x01(\x02R\x0ewatermarkDelta\x123\n" +
+	"\x16cuda_graph_batch_sizes\x18& \x03(\rR\x13cudaGraphBatchSizes\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +
@@ -2752,7 +2907,18 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\rGrammarChoice\x12\x16\n" +
 	"\x06values\x18\x01 \x03(\tR\x06values\"\x1c\n" +
 	"\bTokenIds\x12\x10\n" +
-	"\x03ids\x18\x01 \x03(\rR\x03ids*\x85\x01\n" +
+	"\x03ids\x18\x01 \x03(\rR\x03ids\"\xfa\x02\n" +
+	"\x0eBestOfSequence\x12%\n" +
+	"\x0egenerated_text\x18\x01 \x01(\tR\rgeneratedText\x12>\n" +
+	"\rfinish_reason\x18\x02 \x01(\x0e2\x19.genserve.v1.FinishReasonR\ffinishReason\x12)\n" +
+	"\x10generated_tokens\x18\x03 \x01(\rR\x0fgeneratedTokens\x12\x17\n" +
+	"\x04seed\x18\x04 \x01(\x04H\x00R\x04seed\x88\x01\x01\x12,\n" +
+	"\aprefill\x18\x05 \x03(\v2\x12.genserve.v1.TokenR\aprefill\x12*\n" +
+	"\x06tokens\x18\x06 \x03(\v2\x12.genserve.v1.TokenR\x06tokens\x125\n" +
+	"\n" +
+	"top_tokens\x18\a \x03(\v2\x16.genserve.v1.TopTokensR\ttopTokens\x12#\n" +
+	"\rcached_tokens\x18\b \x01(\rR\fcachedTokensB\a\n" +
+	"\x05_seed*\x85\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x01\x12\x1b\n" +
@@ -2782,7 +2948,7 @@ func file_genserve_v1_generate_proto_rawDescGZIP() []byte {
 }
 
 var file_genserve_v1_generate_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_genserve_v1_generate_proto_goTypes = []any{
 	(FinishReason)(0),              // 0: genserve.v1.FinishReason
 	(*GenerateParameters)(nil),     // 1: genserve.v1.GenerateParameters
@@ -2814,63 +2980,69 @@ var file_genserve_v1_generate_proto_goTypes = []any{
 	(*Grammar)(nil),                // 27: genserve.v1.Grammar
 	(*GrammarChoice)(nil),          // 28: genserve.v1.GrammarChoice
 	(*TokenIds)(nil),               // 29: genserve.v1.TokenIds
-	nil,                            // 30: genserve.v1.GenerateParameters.LogitBiasEntry
+	(*BestOfSequence)(nil),         // 30: genserve.v1.BestOfSequence
+	nil,                            // 31: genserve.v1.GenerateParameters.LogitBiasEntry
 }
 var file_genserve_v1_generate_proto_depIdxs = []int32{
 	27, // 0: genserve.v1.GenerateParameters.grammar:type_name -> genserve.v1.Grammar
-	30, // 1: genserve.v1.GenerateParameters.logit_bias:type_name -> genserve.v1.GenerateParameters.LogitBiasEntry
+	31, // 1: genserve.v1.GenerateParameters.logit_bias:type_name -> genserve.v1.GenerateParameters.LogitBiasEntry
 	2,  // 2: genserve.v1.TopTokens.tokens:type_name -> genserve.v1.Token
 	0,  // 3: genserve.v1.Details.finish_reason:type_name -> genserve.v1.FinishReason
 	2,  // 4: genserve.v1.Details.prefill:type_name -> genserve.v1.Token
 	2,  // 5: genserve.v1.Details.tokens:type_name -> genserve.v1.Token
 	3,  // 6: genserve.v1.Details.top_tokens:type_name -> genserve.v1.TopTokens
-	1,  // 7: genserve.v1.GenerateRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	29, // 8: genserve.v1.GenerateRequest.input_ids:type_name -> genserve.v1.TokenIds
-	4,  // 9: genserve.v1.GenerateResult.details:type_name -> genserve.v1.Details
-	6,  // 10: genserve.v1.GenerateResponse.results:type_name -> genserve.v1.GenerateResult
-	1,  // 11: genserve.v1.GenerateStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	0,  // 12: genserve.v1.StreamDetails.finish_reason:type_name -> genserve.v1.FinishReason
-	2,  // 13: genserve.v1.GenerateStreamResponse.token:type_name -> genserve.v1.Token
-	2,  // 14: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
-	9,  // 15: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
-	16, // 16: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
-	18, // 17: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
-	1,  // 18: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	19, // 19: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
-	2,  // 20: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
-	2,  // 21: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
-	18, // 22: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
-	0,  // 23: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
-	22, // 24: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
-	23, // 25: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
-	21, // 26: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
-	18, // 27: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
-	1,  // 28: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	19, // 29: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
-	2,  // 30: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
-	2,  // 31: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
-	0,  // 32: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
-	21, // 33: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
-	28, // 34: genserve.v1.Grammar.choice:type_name -> genserve.v1.GrammarChoice
-	5,  // 35: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
-	8,  // 36: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
-	11, // 37: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
-	13, // 38: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
-	15, // 39: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
-	20, // 40: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
-	25, // 41: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
-	7,  // 42: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
-	10, // 43: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
-	12, // 44: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
-	14, // 45: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
-	17, // 46: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
-	24, // 47: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
-	26, // 48: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
-	42, // [42:49] is the sub-list for method output_type
-	35, // [35:42] is the sub-list for method input_type
-	35, // [35:35] is the sub-list for extension type_name
-	35, // [35:35] is the sub-list for extension extendee
-	0,  // [0:35] is the sub-list for field type_name
+	30, // 7: genserve.v1.Details.best_of_sequences:type_name -> genserve.v1.BestOfSequence
+	1,  // 8: genserve.v1.GenerateRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	29, // 9: genserve.v1.GenerateRequest.input_ids:type_name -> genserve.v1.TokenIds
+	4,  // 10: genserve.v1.GenerateResult.details:type_name -> genserve.v1.Details
+	6,  // 11: genserve.v1.GenerateResponse.results:type_name -> genserve.v1.GenerateResult
+	1,  // 12: genserve.v1.GenerateStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	0,  // 13: genserve.v1.StreamDetails.finish_reason:type_name -> genserve.v1.FinishReason
+	2,  // 14: genserve.v1.GenerateStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 15: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
+	9,  // 16: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
+	16, // 17: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
+	18, // 18: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 19: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	19, // 20: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	2,  // 21: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
+	2,  // 22: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
+	18, // 23: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
+	0,  // 24: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
+	22, // 25: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
+	23, // 26: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
+	21, // 27: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
+	18, // 28: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 29: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	19, // 30: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	2,  // 31: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 32: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
+	0,  // 33: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
+	21, // 34: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
+	28, // 35: genserve.v1.Grammar.choice:type_name -> genserve.v1.GrammarChoice
+	0,  // 36: genserve.v1.BestOfSequence.finish_reason:type_name -> genserve.v1.FinishReason
+	2,  // 37: genserve.v1.BestOfSequence.prefill:type_name -> genserve.v1.Token
+	2,  // 38: genserve.v1.BestOfSequence.tokens:type_name -> genserve.v1.Token
+	3,  // 39: genserve.v1.BestOfSequence.top_tokens:type_name -> genserve.v1.TopTokens
+	5,  // 40: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
+	8,  // 41: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
+	11, // 42: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
+	13, // 43: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
+	15, // 44: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
+	20, // 45: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
+	25, // 46: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
+	7,  // 47: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
+	10, // 48: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
+	12, // 49: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
+	14, // 50: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
+	17, // 51: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
+	24, // 52: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
+	26, // 53: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
+	47, // [47:54] is the sub-list for method output_type
+	40, // [40:47] is the sub-list for method input_type
+	40, // [40:40] is the sub-list for extension type_name
+	40, // [40:40] is the sub-list for extension extendee
+	0,  // [0:40] is the sub-list for field type_name
 }
 
 func init() { file_genserve_v1_generate_proto_init() }
@@ -2894,13 +3066,14 @@ func file_genserve_v1_generate_proto_init() {
 		(*Grammar_Ebnf)(nil),
 		(*Grammar_Choice)(nil),
 	}
+	file_genserve_v1_generate_proto_msgTypes[29].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_genserve_v1_generate_proto_rawDesc), len(file_genserve_v1_generate_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   30,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

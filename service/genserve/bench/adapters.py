@@ -6,7 +6,7 @@ round-robin over K = 1, 4, 16 adapters (every step mixes them), and the generate
 throughput of each is reported relative to the base model (LoRAX's claim: near base-model
 throughput).
 
-    genserve-bench adapters --concurrency 32 --requests 96 -- --dtype bfloat16
+    genserve-bench adapters --concurrency 32 --requests 96 --rounds 3 -- --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -59,24 +60,43 @@ def _throughput(result: RunResult) -> float:
 
 
 async def _measure(
-    address: str, concurrency: int, num_requests: int, max_new: int, ks: Sequence[int]
+    address: str,
+    concurrency: int,
+    num_requests: int,
+    max_new: int,
+    ks: Sequence[int],
+    rounds: int,
 ) -> list[dict[str, object]]:
+    """Base model and each K, interleaved ``rounds`` times (base, K1, K4, ... per round) so
+    that machine noise hits all of them alike; each row reports the median round."""
     prompts = make_prompts(max(num_requests, 64), 64, max_new, seed=0)
-    rows: list[dict[str, object]] = []
+    samples: dict[int, list[float]] = {k: [] for k in (0, *ks)}
+    failures: dict[int, int] = dict.fromkeys(samples, 0)
     async with grpc.aio.insecure_channel(address) as channel:
         # Warm-up (not measured): every adapter installed, kernels and allocator warm.
         warm = [replace(p, adapter_id=f"a{i % max(ks)}") for i, p in enumerate(prompts[:32])]
         await run_level([channel], warm, concurrency, len(warm), 600, 600, stagger=False)
-        for k in (0, *ks):
-            batch = [replace(p, adapter_id=f"a{i % k}" if k else "") for i, p in enumerate(prompts)]
-            result = await run_level(
-                [channel], batch, concurrency, num_requests, 1800, 1800, name=f"k{k}"
-            )
-            failed = sum(r.error is not None for r in result.records)
-            rows.append({"adapters": k, "tokens_per_s": _throughput(result), "failed": failed})
+        for _ in range(rounds):
+            for k in samples:
+                batch = [
+                    replace(p, adapter_id=f"a{i % k}" if k else "") for i, p in enumerate(prompts)
+                ]
+                result = await run_level(
+                    [channel], batch, concurrency, num_requests, 1800, 1800, name=f"k{k}"
+                )
+                failures[k] += sum(r.error is not None for r in result.records)
+                samples[k].append(_throughput(result))
+    rows: list[dict[str, object]] = [
+        {"adapters": k, "tokens_per_s": statistics.median(v), "failed": failures[k]}
+        for k, v in samples.items()
+    ]
     base = float(rows[0]["tokens_per_s"])  # type: ignore[arg-type]
-    for row in rows:
+    for row, k in zip(rows, samples, strict=True):
         row["vs_base"] = float(row["tokens_per_s"]) / base if base else 0.0  # type: ignore[arg-type]
+        # Per round against the same round's base run: the spread says how much to trust it.
+        row["vs_base_rounds"] = [
+            round(v / b, 3) if b else 0.0 for v, b in zip(samples[k], samples[0], strict=True)
+        ]
     return rows
 
 
@@ -96,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=50181)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="Interleaved repeats.")
     parser.add_argument("--out", type=Path, help="Write the rows as JSON here.")
     args = parser.parse_args(args_in)
     ks = [int(k) for k in args.adapters.split(",") if k]
@@ -127,16 +148,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             asyncio.run(server.wait_healthy(900))
             rows = asyncio.run(
-                _measure(server.address, args.concurrency, args.requests, args.max_new_tokens, ks)
+                _measure(
+                    server.address,
+                    args.concurrency,
+                    args.requests,
+                    args.max_new_tokens,
+                    ks,
+                    args.rounds,
+                )
             )
         finally:
             server.stop()
-    print(f"{'adapters':>8} {'tokens/s':>10} {'vs base':>8} {'failed':>6}")
+    print(f"{'adapters':>8} {'tokens/s':>10} {'vs base':>8} {'failed':>6}  per round")
     for row in rows:
         label = "base" if row["adapters"] == 0 else str(row["adapters"])
         print(
             f"{label:>8} {float(row['tokens_per_s']):>10.1f} "  # type: ignore[arg-type]
-            f"{float(row['vs_base']):>8.2f} {row['failed']:>6}"  # type: ignore[arg-type]
+            f"{float(row['vs_base']):>8.2f} {row['failed']:>6}  "  # type: ignore[arg-type]
+            f"{row['vs_base_rounds']}"
         )
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=2))

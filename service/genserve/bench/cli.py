@@ -6,7 +6,6 @@ Examples::
 
     genserve-bench --address 127.0.0.1:50051 --concurrency 1,8,32 --out bench-results/
     genserve-bench --hf-baseline --hf-batch-sizes 1,32 --launch -- --dtype bfloat16
-    genserve-bench grammar --launch --concurrency 1,32     # structured output's cost
 
 Everything after ``--`` is passed to ``genserve`` when ``--launch`` is given.
 """
@@ -50,6 +49,17 @@ def _concurrency_list(text: str) -> tuple[str, ...]:
     return parts
 
 
+HF_MODES = ("eager", "static", "static-compile")
+
+
+def _hf_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [m for m in modes if m not in HF_MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"bad mode(s) {bad or text!r}; choose from {HF_MODES}")
+    return modes
+
+
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
     """Every option of one benchmark invocation (see ``--help``)."""
@@ -77,6 +87,8 @@ class BenchConfig:
     hf_batch_sizes: tuple[int, ...]
     hf_min_prompts: int
     hf_generate_batch: bool
+    hf_modes: tuple[str, ...]
+    hf_device: str
     threads: int
     progress: bool
     launch: bool
@@ -173,6 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="skip transformers' continuous batching baseline",
     )
+    add(
+        "--hf-modes",
+        type=_hf_modes,
+        default=("eager",),
+        help="transformers generate() setups at each --hf-batch-sizes: eager (dynamic cache), "
+        "static (static cache), static-compile (static cache + torch.compile: CUDA graphs)",
+    )
+    add(
+        "--hf-device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the baselines run (auto: cuda when available)",
+    )
     add("--threads", type=int, default=2, help="torch threads of the baseline and launched server")
     add("--no-progress", dest="progress", action="store_false", help="no progress bars")
     add(
@@ -218,10 +243,18 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the process exit code (1 when any request failed)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--make-model"]:  # genserve-bench --make-model SHAPE DIR [options]
+        from genserve.bench.make_model import main as make_model_main
+
+        return make_model_main(args[1:])
     if args[:1] == ["adapters"]:  # the multi-LoRA scenario has its own options
         from genserve.bench.adapters import main as adapters_main
 
         return adapters_main(args[1:])
+    if args[:1] == ["cpu"]:  # CPU decode against llama.cpp / transformers, in-process
+        from genserve.bench.cpu_compare import main as cpu_main
+
+        return cpu_main(args[1:])
     if args[:1] == ["grammar"]:  # constrained vs unconstrained decoding, side by side
         from genserve.bench.grammar_compare import main as grammar_main
 

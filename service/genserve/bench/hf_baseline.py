@@ -3,6 +3,9 @@
 * :func:`run_padded_generate` — what most users run: ``model.generate()`` on left-padded
   batches of ``batch_size`` prompts, greedy.  A batch ends when its longest row ends; rows
   that finished early keep occupying the batch.
+* :func:`run_static_generate` — ``generate()`` with a static KV cache and (on CUDA) its
+  ``torch.compile`` forward (``mode="reduce-overhead"``: CUDA graphs), at a fixed batch and
+  a fixed padded prompt width so it compiles once; the strongest plain-transformers setup.
 * :func:`run_generate_batch` — transformers' own continuous batching
   (``model.generate_batch``, present in the installed 5.x), all prompts submitted at once.
 
@@ -39,8 +42,11 @@ class _StepClock:
         return scores
 
 
-def load_model(model_dir: Path, dtype: str, num_threads: int) -> tuple[Any, Any]:
-    """Load a ``save_pretrained`` directory (weights + tokenizer) for CPU inference.
+def load_model(
+    model_dir: Path, dtype: str, num_threads: int, device: str = "cpu"
+) -> tuple[Any, Any]:
+    """Load a ``save_pretrained`` directory (weights + tokenizer) on ``device`` (``auto``:
+    CUDA when available).
 
     Sets torch's intra-op thread count for this process to ``num_threads``.
     """
@@ -48,7 +54,9 @@ def load_model(model_dir: Path, dtype: str, num_threads: int) -> tuple[Any, Any]
 
     torch.set_num_threads(num_threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).to(device)
     model.eval()
     return model, tokenizer
 
@@ -87,8 +95,15 @@ def run_padded_generate(
     prompts: Sequence[Prompt],
     batch_size: int,
     on_done: Callable[[int], None] | None = None,
+    *,
+    generate_kwargs: dict[str, Any] | None = None,
+    pad_to: int | None = None,
+    system: str = "hf_generate",
 ) -> RunResult:
     """Greedy ``generate()`` over ``prompts`` in consecutive left-padded batches.
+
+    ``generate_kwargs`` are added to every ``generate()`` call; ``pad_to`` left-pads every
+    batch to that many prompt tokens (fixed shapes for compiled runs).
 
     Each row's start is its batch's start (before tokenization); its tokens are the ones up to
     its first EOS.  ``on_done(n)`` is called after each batch with the number of prompts done.
@@ -111,10 +126,18 @@ def run_padded_generate(
         batch = prompts[first : first + batch_size]
         clock = _StepClock()
         start = time.perf_counter()
-        encoded = tokenizer([p.text for p in batch], return_tensors="pt", padding=True)
+        if pad_to is None:
+            encoded = tokenizer([p.text for p in batch], return_tensors="pt", padding=True)
+        else:
+            encoded = tokenizer(
+                [p.text for p in batch], return_tensors="pt", padding="max_length",
+                max_length=pad_to,
+            )  # fmt: skip
+        encoded = encoded.to(model.device)
         with torch.inference_mode():
             output = model.generate(
                 **encoded,
+                **(generate_kwargs or {}),
                 max_new_tokens=num_new,
                 **_sampling_kwargs(prompts),
                 pad_token_id=pad_id,
@@ -147,12 +170,57 @@ def run_padded_generate(
     wall = max(r.end for r in records) - min(r.start for r in records)
     notes = [f"{num_early_eos} of {len(records)} rows ended with EOS"] if num_early_eos else []
     return RunResult(
-        name=f"hf_generate_b{batch_size}",
-        system="hf_generate",
+        name=f"{system}_b{batch_size}",
+        system=system,
         concurrency=batch_size,
         records=tuple(records),
         wall_s=wall,
         notes=tuple(notes),
+    )
+
+
+def run_static_generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    batch_size: int,
+    compile: bool = True,
+    on_done: Callable[[int], None] | None = None,
+) -> RunResult:
+    """``generate()`` with ``cache_implementation="static"`` at a fixed ``batch_size``, every
+    batch padded to the longest prompt, and the forward compiled when ``compile`` (on CUDA
+    transformers then captures CUDA graphs; on CPU ``compile`` forces compilation of all
+    devices, which is slow).  One unmeasured batch runs first so compilation and graph capture
+    stay outside the measured span.  The last batch is filled up with repeated prompts when
+    ``len(prompts)`` is not a multiple of ``batch_size`` (a static cache has a fixed batch);
+    only the real prompts are recorded."""
+    from transformers import CompileConfig
+
+    pad_to = max(len(tokenizer(p.text)["input_ids"]) for p in prompts)
+    kwargs: dict[str, Any] = {"cache_implementation": "static", "disable_compile": not compile}
+    if compile:
+        kwargs["compile_config"] = CompileConfig(
+            fullgraph=True, mode="reduce-overhead", _compile_all_devices=model.device.type == "cpu"
+        )
+    remainder = len(prompts) % batch_size
+    padded = list(prompts) + [prompts[0]] * ((batch_size - remainder) % batch_size)
+    run_padded_generate(  # warm-up: compile and capture, not measured
+        model, tokenizer, padded[:batch_size], batch_size, generate_kwargs=kwargs, pad_to=pad_to
+    )
+    system = "hf_static_compile" if compile else "hf_static"
+    result = run_padded_generate(
+        model, tokenizer, padded, batch_size, on_done, generate_kwargs=kwargs, pad_to=pad_to,
+        system=system,
+    )  # fmt: skip
+    records = result.records[: len(prompts)]
+    wall = max(r.end for r in records) - min(r.start for r in records)
+    return RunResult(
+        name=result.name,
+        system=system,
+        concurrency=batch_size,
+        records=records,
+        wall_s=wall,
+        notes=(*result.notes, f"prompts left-padded to {pad_to} tokens"),
     )
 
 

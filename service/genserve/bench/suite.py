@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import math
 import os
 import platform
@@ -173,7 +174,9 @@ def _run_baselines(config: BenchConfig, prompts: Sequence[Prompt]) -> list[RunRe
     from genserve.bench import hf_baseline
 
     model_dir = _baseline_model_dir(config)
-    model, tokenizer = hf_baseline.load_model(model_dir, config.dtype, config.threads)
+    model, tokenizer = hf_baseline.load_model(
+        model_dir, config.dtype, config.threads, config.hf_device
+    )
     # One short unmeasured call: the first generate() pays one-time setup costs.
     hf_baseline.run_padded_generate(
         model, tokenizer, [Prompt(-1, prompts[0].text, 0, 4)], batch_size=1
@@ -184,11 +187,20 @@ def _run_baselines(config: BenchConfig, prompts: Sequence[Prompt]) -> list[RunRe
         with tqdm(
             total=num, desc=f"HF generate() b={batch_size}", unit="req", disable=not config.progress
         ) as bar:
-            results.append(
-                hf_baseline.run_padded_generate(
-                    model, tokenizer, prompts[:num], batch_size, on_done=bar.update
+            if "eager" in config.hf_modes:
+                results.append(
+                    hf_baseline.run_padded_generate(
+                        model, tokenizer, prompts[:num], batch_size, on_done=bar.update
+                    )
                 )
-            )
+            for mode in ("static", "static-compile"):  # fixed batch, compiled once
+                if mode in config.hf_modes:
+                    results.append(
+                        hf_baseline.run_static_generate(
+                            model, tokenizer, prompts[:num], batch_size,
+                            compile=mode == "static-compile",
+                        )
+                    )  # fmt: skip
     if config.hf_generate_batch and hf_baseline.has_generate_batch(model):
         num = max(config.hf_batch_sizes)
         if config.progress:
@@ -342,7 +354,7 @@ def _report(
     json_path = config.out / "results.json"
     report.write_json(json_path, results)
     written = [json_path]
-    if genserve:
+    if genserve and importlib.util.find_spec("matplotlib") is not None:  # GPU box: maybe not
         png_path = config.out / "bench.png"
         report.plot(png_path, genserve, baselines)
         written.append(png_path)

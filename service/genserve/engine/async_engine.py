@@ -184,7 +184,17 @@ class AsyncEngine:
             return None
         if self.adapters is None:
             raise AdapterNotFoundError(f"adapter {adapter_id!r}: LoRA is not enabled")
-        return await self.adapters.acquire(adapter_id)
+        ref = await self.adapters.acquire(adapter_id)
+        # Read and lay the adapter out for its slot in a thread now, so the step that first
+        # runs it only copies tensors (a runner without the hook loads it on that step).
+        prepare = getattr(self._runner, "prepare_adapter", None)
+        if prepare is not None:
+            try:
+                await asyncio.to_thread(prepare, ref)
+            except BaseException:
+                self.adapters.release(ref)
+                raise
+        return ref
 
     async def _generate(
         self, req: GenerationRequest, adapter: AdapterRef | None
@@ -210,6 +220,7 @@ class AsyncEngine:
                 # adapters never shares KV.
                 cache_salt=f"lora:{adapter.adapter_id}" if adapter else None,
                 adapter=adapter,
+                fork_of=req.fork_of,
             )
         )
         self._wake.set()

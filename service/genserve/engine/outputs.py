@@ -26,6 +26,7 @@ class GenerationRequest:
     adapter_id: str | None = None  # LoRA adapter asked for; None: the server's default
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the stop string / stop token's text
+    fork_of: str | None = None  # best_of / n follower: shares this request's prompt KV
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,8 @@ class Request:
     # preemption with the output tokens themselves, so nothing is replayed).
     grammar: GrammarState | None = None
     adapter: AdapterRef | None = None  # LoRA adapter and its runner slot; None: base model
+    # best_of / n: the request whose computed prompt blocks this one shares (prompt_fork.py)
+    fork_of: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     # Positions whose KV is in this request's blocks (computed or taken from the prefix cache).

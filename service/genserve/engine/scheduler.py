@@ -38,13 +38,15 @@ that step's ``update_from_output``.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 
+from genserve.engine.prompt_fork import Wait, computed_prefix
 from genserve.engine.request import FinishReason, Request, RequestStatus
 from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.engine.scheduler_output import EngineCoreOutput, SchedulerStats
@@ -101,9 +103,13 @@ class Scheduler:
         self._last_step = (0, 0, 0)
         self._proposer = NgramProposer(config.speculate_ngram_max, config.speculate_ngram_min)
         self._draft_lengths = DraftLengthController(config.num_speculative_tokens)
-        self._mask_filler: BitmaskFiller | None = None  # on the first constrained step
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
+        # LoRA adapter cycling: when each running adapter joined the running set.
+        self._adapter_active_since: dict[str, float] = {}
+        self._yielding_adapters: set[str] = set()
+        self.clock: Callable[[], float] = time.monotonic  # tests substitute their own
+        self._mask_filler: BitmaskFiller | None = None  # made on the first constrained step
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -326,21 +332,23 @@ class Scheduler:
     def _grammar_bitmask(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[object | None, tuple[str, ...]]:
-        """One packed bitmask row per sampling chunk of a constrained request, filled in a
-        worker thread while the step's forward pass runs (a ``PendingBitmask``)."""
+        """One packed bitmask row per sampling chunk of a constrained request, filled for all
+        of them in one call in the grammar thread while the forward runs (a
+        :class:`~genserve.engine.grammar.PendingBitmask`; the runner waits for it)."""
         states = []
+        req_ids = []
         for c in chunks:
             grammar = self._requests[c.req_id].grammar
             if c.sample and grammar is not None:
-                states.append((c.req_id, grammar))
+                states.append(grammar)
+                req_ids.append(c.req_id)
         if not states:
             return None, ()
         if self._mask_filler is None:
             from genserve.engine.grammar import BitmaskFiller  # only constrained steps pay
 
             self._mask_filler = BitmaskFiller()
-        pending = self._mask_filler.start([grammar for _, grammar in states])
-        return pending, tuple(req_id for req_id, _ in states)
+        return self._mask_filler.submit(states), tuple(req_ids)
 
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens a running request gets this step: its decode token, or a prompt chunk
@@ -412,9 +420,12 @@ class Scheduler:
         reserve_tokens = sum(self._policy.growth_estimate(r) for r in self._running)
         admissions: list[_Admission] = []
         adapters = {r.adapter.adapter_id for r in self._running if r.adapter is not None}
+        cycled_out = self._cycled_out_adapters(adapters)
         for req in self._waiting:
             if len(admissions) >= slots or budget <= 0:
                 break
+            if req.adapter is not None and req.adapter.adapter_id in cycled_out:
+                continue  # its turn is over while another adapter waits: let it drain
             if req.adapter is not None and req.adapter.adapter_id not in adapters:
                 if cfg.max_loras_per_batch is not None and (
                     len(adapters) >= cfg.max_loras_per_batch
@@ -423,7 +434,10 @@ class Scheduler:
                     # would otherwise keep this adapter waiting forever.
                     break
                 adapters.add(req.adapter.adapter_id)
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            prefix = computed_prefix(req, self._requests, self.kv)  # best_of / n forks
+            if isinstance(prefix, Wait):
+                break  # head of line: its leader's prompt is not computed yet
+            computed_blocks, num_cached = prefix
             remaining = req.num_tokens - num_cached
             if cfg.chunked_prefill_enabled:
                 num_new = min(remaining, cfg.max_chunk_tokens, budget)
@@ -447,6 +461,48 @@ class Scheduler:
         for adm in admissions:
             self._start_running(adm, chunks, new_requests)
         return sum(adm.num_new_tokens for adm in admissions)
+
+    def _cycled_out_adapters(self, running: set[str]) -> set[str]:
+        """LoRAX's ``--adapter-cycle-time-s``: adapters whose waiting requests are skipped.
+
+        When ``max_loras_per_batch`` is reached and requests of another adapter are kept
+        out by it, each adapter that has been running for longer than the cycle time
+        (oldest first, at most one per adapter kept out) *yields*: it takes no new
+        requests, its running ones finish, and its place goes to a waiting adapter.  It
+        keeps yielding until no adapter is kept out any more (every one that waited got in),
+        then queues again like any other; its clock restarts when it runs again."""
+        now = self.clock()
+        since = self._adapter_active_since
+        for adapter_id in list(since):
+            if adapter_id not in running:
+                del since[adapter_id]
+        for adapter_id in running:
+            since.setdefault(adapter_id, now)
+        yielding = self._yielding_adapters
+        cap = self.config.max_loras_per_batch
+        kept_out = {
+            r.adapter.adapter_id
+            for r in self._waiting
+            if r.adapter is not None
+            and r.adapter.adapter_id not in running
+            and r.adapter.adapter_id not in yielding
+        }
+        if cap is None or not kept_out:
+            yielding.clear()
+            return yielding
+        if len(running) >= cap:
+            budget = len(kept_out) - len(yielding & running)
+            expired = sorted(
+                (t, adapter_id)
+                for adapter_id, t in since.items()
+                if adapter_id not in yielding and now - t >= self.config.adapter_cycle_time_s
+            )
+            for _, adapter_id in expired[: max(0, budget)]:
+                log.info(
+                    "adapter_cycled_out", adapter_id=adapter_id, active_s=now - since[adapter_id]
+                )
+                yielding.add(adapter_id)
+        return yielding
 
     def _start_running(
         self, adm: _Admission, chunks: list[ScheduledChunk], new_requests: list[NewRequestData]

@@ -66,6 +66,10 @@ class SchedulerConfig:
     speculate_ngram_min: int = 1
     # --max-loras-per-batch (SGLang): distinct LoRA adapters running at once (None: no cap).
     max_loras_per_batch: int | None = None
+    # --adapter-cycle-time-s (LoRAX): while requests of an adapter wait for a place under
+    # max_loras_per_batch, an adapter that has been running longer than this stops taking
+    # new requests (those already running finish), so the waiting adapter gets its turn.
+    adapter_cycle_time_s: float = 2.0
 
     def __post_init__(self) -> None:
         positive = {

@@ -1,11 +1,13 @@
-// Fused elementwise ops of a Llama layer on CPU in half precision.
+// Fused elementwise ops of a Llama layer on CPU, in float32 and half precision.
 //
 // On the default model a decode step's matmuls run near the machine's peak, and what is left
 // is dominated by small elementwise ops: each norm is ~8 torch ops, the rotary embedding 5,
 // the gated MLP activation 2, every one paying dispatch and a pass over memory.  Each op here
 // does the same arithmetic in one pass per row, rounding to the storage dtype at the same
 // points the torch path does (so results match it, up to the order of the float32 sum inside
-// the norm).
+// the norm and the last bit of silu's exp).  In float32 the "rounding" is a no-op, and the
+// products and sums of rotary and silu_and_mul must stay separately rounded operations as in
+// torch: hence no fused multiply-add contraction in this file.
 //
 //   rms_norm(x, w, eps)           w * to_dtype(x_f * rsqrt(mean(x_f^2) + eps))
 //   add_rms_norm(x, r, w, eps)    r' = to_dtype(x + r); (r', rms_norm(r', w, eps))
@@ -24,6 +26,9 @@
 #include <vector>
 
 #include "vec_math.h"
+
+// x * c + y * s must not become fma(x, c, y * s): torch rounds the product first.
+#pragma GCC optimize("fp-contract=off")
 
 namespace {
 
@@ -110,12 +115,18 @@ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens,
 
 void check_half(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name,
-              " must be bfloat16 or float16");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf ||
+                  t.scalar_type() == at::kFloat,
+              name, " must be float32, bfloat16 or float16");
 }
 
 #define GENSERVE_DISPATCH_HALF(dtype, ...)                     \
   switch (dtype) {                                             \
+    case at::kFloat: {                                         \
+      using scalar_t = float;                                  \
+      __VA_ARGS__();                                           \
+      break;                                                   \
+    }                                                          \
     case at::kBFloat16: {                                      \
       using scalar_t = c10::BFloat16;                          \
       __VA_ARGS__();                                           \

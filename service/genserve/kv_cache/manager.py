@@ -223,6 +223,10 @@ class KVCacheManager:
         """The request's block table (block ids in position order)."""
         return tuple(b.block_id for b in self._req_blocks.get(req_id, ()))
 
+    def owned_blocks(self, req_id: str) -> list[KVBlock]:
+        """The request's block table (a copy); see engine/prompt_fork.py."""
+        return list(self._req_blocks.get(req_id, ()))
+
     def num_owned_blocks(self, req_id: str) -> int:
         return len(self._req_blocks.get(req_id, ()))
 

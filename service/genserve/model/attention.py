@@ -14,11 +14,11 @@ Two backends:
 - :class:`TorchPagedAttention` (CPU, or CUDA without flash-attn): cache per layer
   ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` (K and V stacked, head-major, so
   that gathering a batch's blocks yields ``[heads, seqs, context, head_dim]`` with no
-  transpose copy); ``F.scaled_dot_product_attention`` does the math.  On CPU in half
-  precision, decodes instead go through genserve's C++ kernel
+  transpose copy); ``F.scaled_dot_product_attention`` does the math.  On CPU (float32 or
+  half precision), decodes instead go through genserve's C++ kernel
   (``genserve.kernels.paged_attention_cpu``), which reads K/V in place through the block
-  table (no gather copy, no padding to the longest context) with a float32 softmax; float32
-  keeps SDPA, whose results transformers' reference shares.  On CUDA, decodes go through
+  table (no gather copy, no padding to the longest context) with a float32 softmax; it
+  differs from SDPA only in the order of float32 sums.  On CUDA, decodes go through
   genserve's Triton kernel (``genserve.kernels.triton_attention``), which also reads the
   blocks in place.
 - :class:`FlashPagedAttention` (CUDA with ``flash_attn``, float16/bfloat16, and block size a
@@ -399,8 +399,8 @@ def select_backend(
     device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int = 128
 ) -> AttentionBackend:
     """flash-attn when it can run (CUDA, importable, half precision, a block size its paged
-    kernels accept), else the torch backend — with genserve's CPU decode kernel on CPU in
-    half precision when it builds (``genserve.kernels.cpu``), and on CUDA with genserve's
+    kernels accept), else the torch backend — with genserve's CPU decode kernel on CPU
+    when it builds (``genserve.kernels.cpu``), and on CUDA with genserve's
     Triton decode kernel (``genserve.kernels.triton_attention``) when Triton is installed."""
     if (
         device.type == "cuda"

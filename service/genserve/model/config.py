@@ -112,7 +112,7 @@ def _rope_config(hf: Any) -> RopeConfig:
     theta = float(params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     if float(params.pop("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError("partial rotary embeddings are not supported")
-    if rope_type in ("llama3", "yarn", "longrope"):
+    if rope_type in ("llama3", "yarn", "longrope", "dynamic"):
         params.setdefault("original_max_position_embeddings", hf.max_position_embeddings)
     numeric = {k: float(v) for k, v in params.items() if isinstance(v, int | float)}
     return RopeConfig(rope_type=rope_type, theta=theta, params=numeric)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.model import rope_scaling
 from genserve.model.config import RopeConfig, UnsupportedModelError
 from genserve.model.lora import LoraHook
 from genserve.model.weights import WeightSource
@@ -64,7 +65,10 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-            bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+            bias: torch.Tensor | None, matvec_rows: int = 0) -> torch.Tensor:  # fmt: skip
+    if x.shape[0] <= matvec_rows and weight.numel():  # few rows: stream W (kernels/matvec_cpu)
+        small: torch.Tensor = torch.ops.genserve.matvec(x, weight, bias)
+        return small
     if packed is not None:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return out
@@ -76,6 +80,9 @@ class _Packable(nn.Module):
 
     weight: torch.Tensor
     packed: torch.Tensor | None = None
+    # Steps of at most this many rows use genserve's weight-streaming CPU matvec (set by
+    # LlamaForCausalLM.use_fused_cpu_ops; 0: never).
+    matvec_rows: int = 0
 
     def pack(self, release: bool = True) -> None:
         """Switch to the prepacked weight (if it applies); ``release`` frees the plain copy
@@ -127,14 +134,14 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (float32) as transformers computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "default":
+    if rope.rope_type in ("default", "dynamic"):  # dynamic: per step, see cos_sin
         return inv_freq
     if rope.rope_type == "linear":
         return inv_freq / rope.params["factor"]
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope.params)
     raise UnsupportedModelError(
-        f"rope type {rope.rope_type!r} is not supported (default, linear, llama3 are)"
+        f"rope type {rope.rope_type!r} is not supported (default, linear, dynamic, llama3 are)"
     )
 
 
@@ -162,6 +169,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim).to(device), persistent=False)
+        self.rope, self.head_dim = rope, head_dim
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -170,6 +178,8 @@ class RotaryEmbedding(nn.Module):
         per step and shared by every layer.  The first half of ``sin`` is negated so that
         :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
+        if self.rope.rope_type == "dynamic":  # issue #15 --rope-scaling dynamic
+            freqs = rope_scaling.dynamic_freqs(positions, self.rope, self.head_dim)
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
         sin = emb.sin()
         sin[:, : freqs.shape[1]].neg_()
@@ -214,7 +224,7 @@ class ColumnParallelLinear(_Packable):
     lora: LoraHook | None = None  # multi-LoRA deltas (genserve.model.lora), when enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight, self.packed, self.bias)  # [num_tokens, local_out]
+        y = _linear(x, self.weight, self.packed, self.bias, self.matvec_rows)  # [tokens, out]
         return y if self.lora is None else self.lora.add_delta(x, y)
 
     def load(self, weights: WeightSource, prefixes: Sequence[str]) -> None:
@@ -326,11 +336,11 @@ class RowParallelLinear(_Packable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size == 1:
-            y1 = _linear(x, self.weight, self.packed, self.bias)
+            y1 = _linear(x, self.weight, self.packed, self.bias, self.matvec_rows)
             return y1 if self.lora is None else self.lora.add_delta(x, y1)
         # The bias is added once, after the partial sums are reduced; a LoRA delta (A split
         # on the input features like W) is a partial sum too and joins the same all-reduce.
-        partial = _linear(x, self.weight, self.packed, None)
+        partial = _linear(x, self.weight, self.packed, None, self.matvec_rows)
         if self.lora is not None:
             partial = self.lora.add_delta(x, partial)
         y = self.ctx.all_reduce(partial)
@@ -383,7 +393,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab_size]
-        local = _linear(hidden, self.weight, self.packed, None)
+        local = _linear(hidden, self.weight, self.packed, None, self.matvec_rows)
         if self.ctx.world_size == 1:
             return local
         return self.ctx.all_gather(local, dim=-1)[:, : self.vocab_size]

@@ -25,6 +25,7 @@ from genserve.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    _Packable,
     apply_rotary,
 )
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
@@ -225,16 +226,25 @@ class LlamaForCausalLM(nn.Module):
         # A tied head shares the embedding's matrix, which the embedding lookup still needs.
         self.lm_head.pack(release=not self.config.tie_word_embeddings)
 
-    def use_fused_cpu_ops(self) -> None:
+    def use_fused_cpu_ops(self, matvec_rows: int = 0) -> None:
         """Route norms, rotary and the MLP activation through genserve's one-pass CPU ops
-        (``genserve.kernels``; half precision on CPU only, where they round exactly as the
-        torch ops do).  Call once the kernels are loaded."""
+        (``genserve.kernels``; CPU only, where they round as the torch ops do, up to the
+        order of float32 sums).  Steps of at most ``matvec_rows`` rows run every projection
+        through the weight-streaming matvec kernel.  Call once the kernels are loaded."""
         for layer in self._layers:
             layer.input_layernorm.fused = True
             layer.post_attention_layernorm.fused = True
             layer.self_attn.fused = True
             layer.mlp.fused = True
+            for linear in self._linears(layer):
+                linear.matvec_rows = matvec_rows
         self.norm.fused = True
+        self.lm_head.matvec_rows = matvec_rows
+
+    @staticmethod
+    def _linears(layer: LlamaDecoderLayer) -> tuple[_Packable, ...]:
+        attn, mlp = layer.self_attn, layer.mlp
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     def enable_lora(self, step: StepAdapters) -> dict[str, tuple[LoraHook, ModuleSplit]]:
         """Attach a LoRA hook to every adaptable projection; returns, per PEFT module path

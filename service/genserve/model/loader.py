@@ -56,6 +56,9 @@ class ResolvedModel:
     local_dir: Path
     model_id: str
     revision: str | None = None
+    # Issue #15 --rope-scaling / --rope-factor (model/rope_scaling.py); None: as the model.
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
 
 
 def default_gguf_path() -> Path:

@@ -6,6 +6,7 @@ call can end maps to one gRPC status with a message a person can act on."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from genserve.engine.grammar_spec import GrammarError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason
 from genserve.model.lora import AdapterError
-from genserve.server import chat
+from genserve.server import best_of, chat
 from genserve.server.grammar_params import GrammarUnsupportedError, attach_grammar
 from genserve.server.observe import RequestObserver, bind_call
 from genserve.server.param_validation import prompt_inputs, stop_token_id
@@ -272,13 +273,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 for i, (text, ids) in enumerate(prompts)
             ]
             reqs = [await self._with_grammar(r, params) for r in reqs]
-            self._admit(len(reqs))
+            count = best_of.num_sequences(params, limits, not reqs[0].sampling.greedy)
+            seqs = [s for r in reqs for s in best_of.fork(r, count)]
+            self._admit(len(seqs))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
         try:
-            results = await self._collect_all(reqs)
+            results = await self._collect_all(seqs)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
+        if count > 1:
+            return self._parallel_response(prompts, seqs, results, params, count)
         response = pb.GenerateResponse()
         for (text, _), req, collected in zip(prompts, reqs, results, strict=True):
             assert collected.final is not None
@@ -291,11 +296,77 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             response.results.append(result)
         return response
 
+    def _parallel_response(
+        self,
+        prompts: list[tuple[str, tuple[int, ...] | None]],
+        seqs: list[GenerationRequest],
+        results: list[_Collected],
+        params: pb.GenerateParameters,
+        count: int,
+    ) -> pb.GenerateResponse:
+        """best_of / n (server/best_of.py): per input, ``n`` results (the best first with
+        best_of, else in sequence order); the rest go to ``details.best_of_sequences``."""
+        n = params.n if params.HasField("n") else 1
+        want_details = params.details or params.decoder_input_details
+        response = pb.GenerateResponse()
+        for p, (text, _) in enumerate(prompts):
+            group = range(p * count, (p + 1) * count)
+            leader = results[p * count].final
+            assert leader is not None
+            details = []
+            for i in group:
+                d = self._details(seqs[i], results[i], params)
+                if i != p * count and not d.prefill:  # followers skip prompt logprobs
+                    d.prefill.extend(_token_pb(t) for t in leader.prefill)
+                details.append(d)
+            sums = [best_of.cumulative_logprob(results[i].tokens) for i in group]
+            order = best_of.ranked(sums) if params.HasField("best_of") else list(range(count))
+            for rank, j in enumerate(order[:n]):
+                final = results[p * count + j].final
+                assert final is not None
+                generated = final.generated_text
+                result = pb.GenerateResult(
+                    generated_text=text + generated if params.return_full_text else generated
+                )
+                if want_details:
+                    result.details.CopyFrom(details[j])
+                    if rank == 0:
+                        result.details.best_of_sequences.extend(
+                            self._best_of_sequence(details[k], results[p * count + k], text, params)
+                            for k in order[n:]
+                        )
+                response.results.append(result)
+        return response
+
+    @staticmethod
+    def _best_of_sequence(
+        d: pb.Details, collected: _Collected, text: str, params: pb.GenerateParameters
+    ) -> pb.BestOfSequence:
+        final = collected.final
+        assert final is not None
+        generated = final.generated_text
+        seq = pb.BestOfSequence(
+            generated_text=text + generated if params.return_full_text else generated,
+            finish_reason=d.finish_reason,
+            generated_tokens=d.generated_tokens,
+            prefill=d.prefill,
+            tokens=d.tokens,
+            top_tokens=d.top_tokens,
+            cached_tokens=d.cached_tokens,
+        )
+        if d.HasField("seed"):
+            seq.seed = d.seed
+        return seq
+
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         params = request.parameters
         try:
+            try:
+                best_of.check_stream(params)
+            except ValidationError as exc:
+                raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             ((text, ids),) = self._prompts(
                 [request.inputs] if request.inputs or not request.input_ids else [],
                 [request.input_ids] if request.input_ids else [],
@@ -422,6 +493,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             )
             for i, params in enumerate(plan.choice_params)
         ]
+        # Choices share the rendered prompt's KV: prefilled once (engine/prompt_fork.py).
+        reqs[1:] = [dataclasses.replace(r, fork_of=reqs[0].req_id) for r in reqs[1:]]
         return plan, reqs
 
     async def _plan_chat_with_grammar(

@@ -33,6 +33,8 @@ class Limits:
     max_total_tokens: int
     max_client_batch_size: int
     vocab_size: int = 0  # the model's logits width; 0: the tokenizer's vocabulary size
+    watermark_gamma: float = 0.5  # --watermark-gamma
+    watermark_delta: float = 2.0  # --watermark-delta
 
 
 def validate_batch_size(num_inputs: int, limits: Limits) -> None:
@@ -111,6 +113,9 @@ def _sampling(params: pb.GenerateParameters, limits: Limits) -> tuple[SamplingPa
         seed=seed or 0,
         num_top_tokens=top_n,
         prompt_logprobs=params.decoder_input_details,
+        watermark=params.watermark,
+        watermark_gamma=limits.watermark_gamma,
+        watermark_delta=limits.watermark_delta,
     )
     return sampling, seed
 
@@ -127,15 +132,6 @@ def validate(
     """Tokenize and check one input; raises ValidationError or UnsupportedError.
     ``prompt_ids``: the input already tokenized (a rendered chat), used instead of
     encoding ``text``."""
-    if params.HasField("best_of") and params.best_of > 1:
-        if params.best_of > limits.max_best_of:
-            raise ValidationError(
-                f"`best_of` is {params.best_of}; at most {limits.max_best_of} is allowed "
-                "(--max-best-of)"
-            )
-        raise UnsupportedError("`best_of` > 1 is not implemented by this server yet")
-    if params.watermark:
-        raise UnsupportedError("`watermark` is not implemented by this server yet")
     if not text and prompt_ids is None:
         raise ValidationError("`inputs` cannot be empty")
     if len(params.stop) > limits.max_stop_sequences:
@@ -146,6 +142,9 @@ def validate(
     if any(not s for s in params.stop):
         raise ValidationError("`stop` sequences cannot be empty strings")
     sampling, seed = _sampling(params, limits)
+    from genserve.server.best_of import num_sequences  # imports this module
+
+    num_sequences(params, limits, not sampling.greedy)  # best_of / n checks
     from genserve.server.param_validation import ExtraParams  # imports this module
 
     extras = ExtraParams.check(params, limits.vocab_size or tokenizer.vocab_size)

@@ -9,6 +9,7 @@ tokenize exactly as they would for the real model (vocabulary 49152).
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,12 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
 
 
 def default_tokenizer_dir() -> Path:
-    """The converted embedded default model (converted once and cached, like the server)."""
+    """The converted embedded default model (converted once and cached, like the server),
+    or ``$GENSERVE_TOKENIZER_DIR`` when set: a directory holding that tokenizer's files, for
+    machines without the embedded model's package (the GPU machine: scripts/gpu-check.sh)."""
+    override = os.environ.get("GENSERVE_TOKENIZER_DIR")
+    if override:
+        return Path(override)
     from genserve.config import load_config
     from genserve.model.loader import resolve_model
 
@@ -53,6 +59,8 @@ def make_tiny_model(
     seed: int = 0,
     *,
     tokenizer_dir: Path | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
     **overrides: Any,
 ) -> Path:
     """Write a random-weight ``arch`` model (float32) and a tokenizer into ``out_dir``.
@@ -60,7 +68,9 @@ def make_tiny_model(
     ``overrides`` replace config fields (e.g. ``num_attention_heads=6,
     num_key_value_heads=3, hidden_size=96`` for tensor-parallel tests — transformers wants
     the hidden size divisible by the head count —, or ``rope_parameters={...}``).
-    ``tokenizer_dir`` defaults to the embedded default model.  Returns ``out_dir``.
+    ``tokenizer_dir`` defaults to the embedded default model.  ``dtype``/``device``: how the
+    weights are initialised and saved (real-shape models: bfloat16 on CUDA).  Returns
+    ``out_dir``.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -78,7 +88,8 @@ def make_tiny_model(
         **fields,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))

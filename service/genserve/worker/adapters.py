@@ -24,8 +24,9 @@ from genserve.model.lora import (
     SUPPORTED_MODULES,
     AdapterError,
     LoraHook,
-    LoraPiece,
     ModuleSplit,
+    SlotWeights,
+    StepAdapters,
     lora_scale,
     slice_pair,
 )
@@ -46,24 +47,55 @@ class AdapterWeights:
     base_model: str | None
 
 
-def resolve_adapter_dir(adapter_id: str, path: str | None, source: str) -> Path:
-    """The directory holding the adapter ``adapter_id`` (``path`` if given)."""
-    if path:
-        local = Path(path)
+def resolve_adapter_dir(
+    adapter_id: str, path: str | None, source: str, hub_cache: Path | None = None
+) -> Path:
+    """The PEFT directory of ``adapter_id``: ``path`` (its ``--lora-adapters`` entry) or the
+    id itself, probed as a local directory first; with ``--adapter-source hub`` anything
+    else is a hub id looked up in the local Hugging Face cache (``hub_cache``; default: the
+    hub client's, ``HF_HUB_CACHE``), never downloaded.  Raises
+    :class:`AdapterNotFoundError` (NOT_FOUND) when there is nothing there and
+    :class:`~genserve.model.lora.AdapterError` (INVALID_ARGUMENT) for a directory that is
+    not a PEFT LoRA adapter; both name the adapter."""
+    target = path or adapter_id
+    local = Path(target).expanduser()
+    if local.is_dir():
+        directory = local
     elif source == "hub":
-        from huggingface_hub import snapshot_download
-
-        try:
-            local = Path(snapshot_download(adapter_id, local_files_only=True))
-        except Exception as exc:  # the hub client raises several kinds for "not cached"
-            raise AdapterNotFoundError(
-                f"adapter {adapter_id!r} is not in the local Hugging Face cache"
-            ) from exc
+        directory = _hub_snapshot(adapter_id, target, hub_cache)
     else:
-        local = Path(adapter_id)
-    if not (local / "adapter_config.json").is_file():
-        raise AdapterNotFoundError(f"adapter {adapter_id!r}: no adapter_config.json in {local}")
-    return local
+        raise AdapterNotFoundError(
+            f"adapter {adapter_id!r}: no directory {str(local)!r} (--adapter-source local "
+            "takes a directory path; hub ids need --adapter-source hub)"
+        )
+    if not (directory / "adapter_config.json").is_file():
+        raise AdapterError(
+            f"adapter {adapter_id!r}: {directory} is not a PEFT adapter (no adapter_config.json)"
+        )
+    return directory
+
+
+def _hub_snapshot(adapter_id: str, repo_id: str, hub_cache: Path | None) -> Path:
+    """The cached snapshot of hub repo ``repo_id`` (its ``main`` revision), offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        found = snapshot_download(
+            repo_id,
+            local_files_only=True,
+            cache_dir=str(hub_cache) if hub_cache is not None else None,
+        )
+    except HFValidationError as exc:
+        raise AdapterNotFoundError(
+            f"adapter {adapter_id!r}: {repo_id!r} is neither a local directory nor a hub id ({exc})"
+        ) from exc
+    except Exception as exc:  # the hub client raises several kinds for "not cached"
+        raise AdapterNotFoundError(
+            f"adapter {adapter_id!r}: {repo_id!r} is not in the local Hugging Face cache "
+            "(genserve never downloads adapters: fetch it with `huggingface-cli download`)"
+        ) from exc
+    return Path(found)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -125,31 +157,67 @@ def read_adapter(adapter_id: str, directory: Path, config: ModelConfig) -> Adapt
     return AdapterWeights(adapter_id, modules, base if isinstance(base, str) else None)
 
 
-def install(
-    adapter: AdapterWeights,
-    slot: int,
-    targets: dict[str, tuple[LoraHook, ModuleSplit]],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """Put this rank's slices of ``adapter`` into ``slot`` of every hook (replacing what the
-    slot held); hooks the adapter does not target are cleared for the slot."""
-    pieces: dict[int, list[LoraPiece]] = {}
-    hooks = {id(hook): hook for hook, _ in targets.values()}
+Targets = dict[str, tuple[LoraHook, ModuleSplit]]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedAdapter:
+    """One adapter as this rank's per-projection slot contents (:class:`SlotWeights`, in the
+    model's dtype and on its device), ready for a cheap copy into a slot."""
+
+    adapter_id: str
+    per_hook: dict[int, SlotWeights]  # id(hook) -> weights; absent: not targeted
+
+
+def _hook_widths(targets: Targets) -> dict[int, int]:
+    """Each hook's local output width (its pieces' rows, summed over the fused matrices)."""
+    widths: dict[int, int] = {}
+    for hook, split in targets.values():
+        rows = sum(stop - start for start, stop in split.out_rows)
+        widths[id(hook)] = max(widths.get(id(hook), 0), split.out_lo + rows)
+    return widths
+
+
+def prepare(
+    adapter: AdapterWeights, targets: Targets, dtype: torch.dtype, device: torch.device
+) -> PreparedAdapter:
+    """Slice ``adapter`` for this rank and lay it out per projection: the A of every piece
+    it adapts stacked (one shrink for q/k/v or gate/up), Bᵀ·scale block-diagonal (one
+    expand writes each piece's columns).  Heavy (reads, copies, converts): run it off the
+    step thread."""
+    widths = _hook_widths(targets)
+    pieces: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for path, (a, b, scale) in adapter.modules.items():
         hook, split = targets[path]
         a_local, b_local = slice_pair(a, b, split)
-        lo = split.out_lo
-        piece = LoraPiece(
-            lo,
-            lo + b_local.shape[0],
-            a_local.to(device=device, dtype=dtype),
-            b_local.to(device=device, dtype=dtype),
-            scale,
+        pieces.setdefault(id(hook), []).append((split.out_lo, a_local, b_local * scale))
+    per_hook: dict[int, SlotWeights] = {}
+    for key, parts in pieces.items():
+        parts.sort(key=lambda part: part[0])
+        rank = sum(part[1].shape[0] for part in parts)
+        b_block = torch.zeros(rank, widths[key], dtype=torch.float32)
+        cols = torch.zeros(rank, 2, dtype=torch.int32)
+        row = 0
+        for lo, a_local, b_scaled in parts:
+            r = a_local.shape[0]
+            hi = lo + b_scaled.shape[0]
+            b_block[row : row + r, lo:hi] = b_scaled.t()
+            cols[row : row + r, 0] = lo
+            cols[row : row + r, 1] = hi
+            row += r
+        a_cat = torch.cat([part[1] for part in parts], dim=0)
+        per_hook[key] = SlotWeights(
+            a_cat.to(device=device, dtype=dtype).contiguous(),
+            b_block.to(device=device, dtype=dtype).contiguous(),
+            cols.to(device=device),
         )
-        pieces.setdefault(id(hook), []).append(piece)
+    return PreparedAdapter(adapter.adapter_id, per_hook)
+
+
+def install(prepared: PreparedAdapter, slot: int, targets: Targets, step: StepAdapters) -> None:
+    """Copy ``prepared`` into ``slot`` of every hook (replacing what the slot held): the
+    cheap part, done on the step thread.  Hooks it does not target get a zero slot."""
+    step.num_slots = max(step.num_slots, slot + 1)
+    hooks = {id(hook): hook for hook, _ in targets.values()}
     for key, hook in hooks.items():
-        if key in pieces:
-            hook.slots[slot] = pieces[key]
-        else:
-            hook.slots.pop(slot, None)
+        hook.set_slot(slot, prepared.per_hook.get(key))

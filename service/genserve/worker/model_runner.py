@@ -17,8 +17,11 @@ chunk, and the prompt positions of requests asking for prompt logprobs).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,7 @@ import numpy as np
 import structlog
 import torch
 
+from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
 from genserve.model.config import ModelConfig
 from genserve.model.loader import ResolvedModel
@@ -44,7 +48,9 @@ from genserve.step import (
     SchedulerOutput,
     TokenLogprob,
 )
-from genserve.worker.adapters import install, read_adapter
+from genserve.worker.adapters import PreparedAdapter, install, prepare, read_adapter
+from genserve.worker.cuda_graphs import DecodeGraphs
+from genserve.worker.graph_plan import GraphPlan, graph_forward, plan_graphs
 from genserve.worker.sampler import Sampler, SamplingRow
 
 log = structlog.get_logger("genserve.worker")
@@ -53,6 +59,8 @@ log = structlog.get_logger("genserve.worker")
 _CUDA_ACTIVATION_RESERVE = 0.1
 # Prompt-logprob rows per LM-head call: bounds the float32 logits to ~100 MB (vocab 49152).
 _PROMPT_LOGPROB_ROWS = 512
+# Adapters prepared ahead of their first step (requests cancelled meanwhile leave entries).
+_MAX_PREPARED_ADAPTERS = 16
 
 
 @dataclass(slots=True)
@@ -114,15 +122,29 @@ class ModelRunner:
             _keep_freed_memory()
         self.parallel = parallel or ParallelContext.single()
         self.config = ModelConfig.from_pretrained(model.local_dir, trust_remote_code)
+        if model.rope_scaling is not None or model.rope_factor is not None:
+            self.config = dataclasses.replace(
+                self.config,
+                rope=rope_scaling.override(
+                    self.config.rope,
+                    model.rope_scaling,
+                    model.rope_factor,
+                    self.config.max_position_embeddings,
+                ),
+            )
         with torch.inference_mode():
             self.model = build_model(self.config, self.parallel, dtype, device)
             with SafetensorsWeights(model.local_dir) as weights:
                 self.model.load_weights(weights)
-            self.model.pack_weights()
         from genserve.kernels import cpu as cpu_kernels
 
         if cpu_kernels.usable(device, dtype):
-            self.model.use_fused_cpu_ops()
+            # Decode-sized steps stream the plain weights through genserve's matvec (faster
+            # than oneDNN's packed bf16 weights up to 32 rows, equal at 32), so none are packed.
+            self.model.use_fused_cpu_ops(matvec_rows=cpu_kernels.MATVEC_MAX_ROWS)
+        else:
+            with torch.inference_mode():
+                self.model.pack_weights()
         self.model.eval()
         self.sampler = Sampler(device)
         self._requests: dict[str, _RequestState] = {}
@@ -131,10 +153,16 @@ class ModelRunner:
         self._lora_step = StepAdapters()
         self._lora_targets: dict[str, tuple[LoraHook, ModuleSplit]] | None = None
         self._slot_ids: dict[int, str] = {}
+        # Adapters read and laid out off the step thread (prepare_adapter), by (id, path),
+        # waiting for their first step; bounded in case requests are cancelled first.
+        self._prepared: OrderedDict[tuple[str, str], PreparedAdapter] = OrderedDict()
+        self._lora_lock = threading.Lock()
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.num_blocks = 0
         self.backend: AttentionBackend | None = None
+        self._graph_plan: GraphPlan | None = None  # CUDA graphs for decode steps (#12)
+        self._graphs: DecodeGraphs | None = None
         log.info(
             "model_loaded",
             model_id=model.model_id,
@@ -163,7 +191,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * fraction - (total - free)
-            return max(0, int(budget * (1.0 - _CUDA_ACTIVATION_RESERVE)))
+            graph_bytes = self._graph_plan.reserve_bytes if self._graph_plan else 0
+            return max(0, int(budget * (1.0 - _CUDA_ACTIVATION_RESERVE)) - graph_bytes)
         return max(0, int(_available_ram_bytes() * fraction))
 
     @torch.inference_mode()
@@ -178,6 +207,10 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(
             num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
         )
+        if self._graph_plan is not None:  # one scratch block past the scheduler's, for padding
+            shape = self.backend.kv_cache_shape(
+                num_blocks + 1, block_size, self.model.num_local_kv_heads, self.config.head_dim
+            )
         pool = _zeros((self.config.num_layers, *shape), self.dtype, self.device)
         self.kv_caches = list(pool.unbind(0))
         self.block_size = block_size
@@ -225,7 +258,21 @@ class ModelRunner:
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
         self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
+        self._graphs = None
         self.initialize_kv_cache(self.num_blocks, self.block_size)
+        if self._graph_plan is not None:
+            self._graphs = self._graph_plan.capture(self)
+
+    def enable_cuda_graphs(self, sizes: tuple[int, ...], max_seq_len: int, block_size: int) -> None:
+        """Capture decode steps of ``sizes`` rows as CUDA graphs in :meth:`warmup`; call
+        before sizing the KV cache, whose budget then leaves room for the graphs (measured by
+        a trial capture).  No-op on CPU or without the Triton decode kernel (logged)."""
+        self._graph_plan = plan_graphs(self, sizes, max_seq_len, block_size)
+
+    @property
+    def cuda_graph_sizes(self) -> tuple[int, ...]:
+        """Batch sizes replayed from CUDA graphs (empty: every step runs eagerly)."""
+        return self._graphs.captured_sizes if self._graphs is not None else ()
 
     # ------------------------------------------------------------------------- steps
     @torch.inference_mode()
@@ -254,9 +301,15 @@ class ModelRunner:
         for c in chunks[num_single:num_decode_chunks]:
             seqs += [SeqSpec(1, c.start_pos + j, c.block_ids) for j in range(len(c.token_ids))]
         num_decodes = len(seqs)
+        if self._graphs is not None and num_decode_chunks == len(chunks):  # pure decode
+            hidden_or_none = graph_forward(self._graphs, self._lora_rows(chunks), chunks, seqs)
+        else:
+            hidden_or_none = None
         seqs += [
             SeqSpec(len(c.token_ids), c.start_pos, c.block_ids) for c in chunks[num_decode_chunks:]
         ]
+        if hidden_or_none is not None:
+            return self._finish_step(step, chunks, hidden_or_none)
         meta = self.backend.build(seqs, num_decodes, self.block_size)
         token_ids = torch.tensor(
             list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
@@ -270,7 +323,18 @@ class ModelRunner:
                 [s for c, s in zip(chunks, slots, strict=True) for _ in c.token_ids], self.device
             )
         hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        return self._finish_step(step, chunks, hidden)
 
+    def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether any chunk of the step runs under a LoRA adapter."""
+        if self._lora_targets is None:
+            return False
+        return any(self._requests[c.req_id].adapter_slot >= 0 for c in chunks)
+
+    def _finish_step(
+        self, step: SchedulerOutput, chunks: list[ScheduledChunk], hidden: torch.Tensor
+    ) -> RunnerOutput:
+        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``."""
         offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
         sample_chunks = [i for i, c in enumerate(chunks) if c.sample]
         sampled: tuple[SampledToken, ...] = ()
@@ -291,14 +355,48 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, prompt_parts) if prompt_parts else ()
         return RunnerOutput(step.step_id, sampled, prompt_logprobs)
 
+    def prepare_adapter(self, ref: AdapterRef) -> None:
+        """Read, validate and lay out ``ref``'s adapter for its slot, so that the step that
+        first runs it only copies tensors.  Blocking and thread-safe: the engine calls it
+        from a worker thread while steps run.  Raises
+        :class:`~genserve.model.lora.AdapterError` for an adapter that does not fit."""
+        key = (ref.adapter_id, ref.path)
+        with self._lora_lock:
+            if self._slot_ids.get(ref.slot) == ref.adapter_id or key in self._prepared:
+                return
+            targets = self._enable_lora()
+        weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
+        prepared = prepare(weights, targets, self.dtype, self.device)
+        with self._lora_lock:
+            self._prepared[key] = prepared
+            while len(self._prepared) > _MAX_PREPARED_ADAPTERS:
+                self._prepared.popitem(last=False)
+
+    def _enable_lora(self) -> dict[str, tuple[LoraHook, ModuleSplit]]:
+        """The model's LoRA hooks, attached on first use (base-only serving pays nothing).
+        Attaching is safe while a step runs: hooks do nothing until the runner marks rows."""
+        if self._lora_targets is None:
+            from genserve.kernels import cpu as cpu_kernels
+
+            # The BGMV kernel computes every row's delta in one op per projection; without
+            # it (GPU, no compiler, --disable-cpu-kernels) the batched torch path runs.
+            self._lora_step.use_kernel = self.device.type == "cpu" and cpu_kernels.load()
+            self._lora_targets = self.model.enable_lora(self._lora_step)
+        return self._lora_targets
+
     def _ensure_adapter(self, ref: AdapterRef) -> None:
-        """Make slot ``ref.slot`` hold ``ref.adapter_id`` (read from ``ref.path``)."""
+        """Make slot ``ref.slot`` hold ``ref.adapter_id``: a slot copy of the adapter
+        prepared off this thread, or (a shard worker, a test driving the runner directly)
+        read and prepared here."""
         if self._slot_ids.get(ref.slot) == ref.adapter_id:
             return
-        if self._lora_targets is None:
-            self._lora_targets = self.model.enable_lora(self._lora_step)
-        weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
-        install(weights, ref.slot, self._lora_targets, self.dtype, self.device)
+        with self._lora_lock:
+            targets = self._enable_lora()
+            prepared = self._prepared.pop((ref.adapter_id, ref.path), None)
+        if prepared is None:
+            weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
+            prepared = prepare(weights, targets, self.dtype, self.device)
+        install(prepared, ref.slot, targets, self._lora_step)
         self._slot_ids[ref.slot] = ref.adapter_id
 
     def _state(self, req_id: str) -> _RequestState:
@@ -320,12 +418,11 @@ class ModelRunner:
         for c in chunks:
             first_row[c.req_id] = row
             row += c.num_draft_tokens + 1
-        from genserve.engine.grammar import PendingBitmask
-
-        pending = step.grammar_bitmask
-        assert isinstance(pending, PendingBitmask)
-        # Filled in a worker thread while the forward pass ran; ready by now, or nearly.
-        return pending.wait(), [first_row[r] for r in step.grammar_req_ids]
+        bitmask = step.grammar_bitmask
+        if not isinstance(bitmask, torch.Tensor):  # a PendingBitmask, filled during forward
+            bitmask = bitmask.result()  # type: ignore[attr-defined]
+        assert isinstance(bitmask, torch.Tensor)
+        return bitmask, [first_row[r] for r in step.grammar_req_ids]
 
     def _sample(
         self,
@@ -352,6 +449,7 @@ class ModelRunner:
                     s.num_tokens + j,
                     s.token_counts,
                     s.output_counts,
+                    c.token_ids[len(c.token_ids) - c.num_draft_tokens - 1 + j],
                 )
                 for j in range(c.num_draft_tokens + 1)
             ]

@@ -16,50 +16,81 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 
 from genserve.model.loader import ResolvedModel, resolve_model
-from genserve.step import NewRequestData, SamplingParams, ScheduledChunk, SchedulerOutput
+from genserve.step import (
+    NewRequestData,
+    SamplingParams,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from genserve.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
 
 
-def _decode_run(
-    runner: ModelRunner, batch: int, prompt_len: int, new_tokens: int, seed: int
-) -> tuple[float, float]:
-    """Seconds spent in the prefill step and in the decode steps."""
+def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    vocab = runner.config.vocab_size
-    prompts = [
-        torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)
-    ]
-    per_seq = -(-(prompt_len + new_tokens) // BLOCK_SIZE)
-    tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    ids = [f"bench-{i}" for i in range(batch)]
+    return [torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+
+
+def greedy_run(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    new_tokens: int,
+    decode_scope: AbstractContextManager[object] | None = None,
+) -> tuple[float, float, list[list[int]]]:
+    """Prefill ``prompts`` in one step, then ``new_tokens - 1`` greedy decode steps of all of
+    them (inside ``decode_scope``, e.g. a profiler).  Returns the seconds of the prefill step
+    and of the decode steps, and each prompt's generated ids.  The KV cache must hold
+    ``len(prompts) * ceil((longest prompt + new_tokens) / BLOCK_SIZE)`` blocks."""
+    per_seq = -(-(max(map(len, prompts)) + new_tokens) // BLOCK_SIZE)
+    tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    ids = [f"bench-{i}" for i in range(len(prompts))]
     new = tuple(
-        NewRequestData(r, tuple(p), prompt_len, 0, SamplingParams())
+        NewRequestData(r, tuple(p), len(p), 0, SamplingParams())
         for r, p in zip(ids, prompts, strict=True)
     )
     chunks = tuple(
         ScheduledChunk(r, tuple(p), 0, t, True)
         for r, p, t in zip(ids, prompts, tables, strict=True)
     )
+    tokens: dict[str, list[int]] = {r: [] for r in ids}
     start = time.perf_counter()
     out = runner.execute_model(SchedulerOutput(0, chunks, new))
-    prefilled = time.perf_counter()
-    for step in range(1, new_tokens):
-        last = {s.req_id: s.token_id for s in out.sampled}
-        pos = prompt_len + step - 1
-        chunks = tuple(
-            ScheduledChunk(r, (last[r],), pos, t, True) for r, t in zip(ids, tables, strict=True)
-        )
-        out = runner.execute_model(SchedulerOutput(step, chunks))
-    done = time.perf_counter()
+    with decode_scope or nullcontext():
+        prefilled = time.perf_counter()
+        for step in range(1, new_tokens):
+            for s in out.sampled:
+                tokens[s.req_id].append(s.token_id)
+            chunks = tuple(
+                ScheduledChunk(r, (tokens[r][-1],), len(p) + step - 1, t, True)
+                for r, p, t in zip(ids, prompts, tables, strict=True)
+            )
+            out = runner.execute_model(SchedulerOutput(step, chunks))
+        done = time.perf_counter()
+    for s in out.sampled:
+        tokens[s.req_id].append(s.token_id)
     runner.execute_model(SchedulerOutput(new_tokens, (), finished_req_ids=tuple(ids)))
-    return prefilled - start, done - prefilled
+    return prefilled - start, done - prefilled, [tokens[r] for r in ids]
+
+
+def _decode_run(
+    runner: ModelRunner,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    seed: int,
+    decode_scope: AbstractContextManager[object] | None = None,
+) -> tuple[float, float]:
+    """Seconds spent in the prefill step and in the decode steps of random prompts."""
+    prompts = random_prompts(runner.config.vocab_size, batch, prompt_len, seed)
+    prefill_s, decode_s, _ = greedy_run(runner, prompts, new_tokens, decode_scope)
+    return prefill_s, decode_s
 
 
 def _hf_run(
@@ -93,6 +124,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--hf", action="store_true", help="also run transformers generate()")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--cuda-graphs",
+        default="0",
+        help="decode batch sizes captured as CUDA graphs (0: eager), e.g. 1,32,64",
+    )
+    parser.add_argument("--profile-out", type=Path, default=None, help="write the table here")
     parser.add_argument(
         "--disable-cpu-kernels", action="store_true", help="torch ops only (A/B the kernels)"
     )
@@ -105,10 +143,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     resolved: ResolvedModel = resolve_model(args.model_id, cache_dir=args.cache_dir)
-    runner = ModelRunner(resolved, dtype, torch.device("cpu"))
+    device = torch.device(args.device)
+    runner = ModelRunner(resolved, dtype, device)
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
+    from genserve.worker.cuda_graphs import parse_batch_sizes
+
+    graph_sizes = parse_batch_sizes(args.cuda_graphs)
+    if graph_sizes:
+        runner.enable_cuda_graphs(graph_sizes, per_seq * BLOCK_SIZE, BLOCK_SIZE)
     runner.initialize_kv_cache(max(args.batch) * per_seq + 1, BLOCK_SIZE)
     runner.warmup()
+    print(f"cuda graphs: {list(runner.cuda_graph_sizes) or 'off'}", flush=True)
     for batch in args.batch:
         _decode_run(runner, batch, args.prompt_len, 8, seed=0)  # first-touch of this shape
         prefill_s, decode_s = _decode_run(runner, batch, args.prompt_len, args.new_tokens, seed=1)
@@ -126,11 +171,31 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"transformers generate() {args.dtype} batch {batch}: {rate:.1f} tok/s", flush=True
             )
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+        from genserve.worker.step_profile import StepProfiler
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _decode_run(runner, max(args.batch), args.prompt_len, min(16, args.new_tokens), seed=2)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        if device.type == "cuda":
+            # GPU: the raw op table with CUDA kernel times (the CPU-side part grouping below
+            # would only show launch overhead there).
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _decode_run(
+                    runner, max(args.batch), args.prompt_len, min(16, args.new_tokens), seed=2
+                )
+            tables = [prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)]
+        else:
+            steps = min(16, args.new_tokens)
+            tables = []
+            for batch in args.batch:
+                profiler = StepProfiler(runner)
+                _decode_run(runner, batch, args.prompt_len, steps, seed=2, decode_scope=profiler)
+                title = f"decode profile, {args.dtype}, batch {batch}"
+                tables.append(profiler.result(steps - 1).table(title))
+        for table in tables:
+            print(table, flush=True)
+        if args.profile_out is not None:
+            args.profile_out.parent.mkdir(parents=True, exist_ok=True)
+            args.profile_out.write_text("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":

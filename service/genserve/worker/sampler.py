@@ -22,11 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from genserve.step import SamplingParams, TokenLogprob
 from genserve.worker.logits_processors import apply_logit_controls, min_p_filter
+from genserve.worker.watermark import watermark_rows
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import BitmaskApplier
 
 _MASK64 = (1 << 64) - 1
 
@@ -60,6 +65,7 @@ class SamplingRow:
     token_counts: torch.Tensor | None = None
     # [vocab] float32 occurrences over the output only; required with a presence penalty.
     output_counts: torch.Tensor | None = None
+    prev_token: int = -1  # the token before this position (seeds the watermark green list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +80,11 @@ def _uses_penalty(p: SamplingParams) -> bool:
 
 
 class Sampler:
-    """Stateless; one instance per runner."""
+    """Stateless but for the grammar mask's scatter buffer; one instance per runner."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._grammar_mask: BitmaskApplier | None = None  # made on the first constrained step
 
     @torch.inference_mode()
     def __call__(
@@ -97,6 +104,7 @@ class Sampler:
 
         # logit_bias and min_new_tokens bans come first, as vLLM applies them (a copy if any).
         scores = apply_logit_controls(logits, params, [r.output_index for r in rows])
+        scores = watermark_rows(scores, logits, rows)  # TGI: before the penalties
         penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
         if penalised:
             if scores is logits:
@@ -106,11 +114,13 @@ class Sampler:
             )
 
         if grammar_bitmask is not None and grammar_rows:
-            from genserve.engine.grammar import apply_bitmask  # only constrained steps
-
             if scores is logits:
                 scores = logits.clone()  # logits stay the model's (prompt logprobs read them)
-            apply_bitmask(scores, grammar_bitmask, list(grammar_rows))
+            if self._grammar_mask is None:
+                from genserve.engine.grammar import BitmaskApplier  # only constrained steps
+
+                self._grammar_mask = BitmaskApplier()
+            self._grammar_mask(scores, grammar_bitmask, list(grammar_rows))
 
         token_ids = first_argmax(scores)  # [num_rows]; kept for greedy rows
         sampled = [i for i, p in enumerate(params) if not p.greedy]

@@ -46,6 +46,8 @@ class WorkerSpec:
     trust_remote_code: bool = False
     kernel_cache_dir: str | None = None  # genserve.kernels.cpu's build cache (None: default)
     cpu_kernels: bool = True
+    rope_scaling: str | None = None  # issue #15 --rope-scaling / --rope-factor
+    rope_factor: float | None = None
 
     def argv(self, rank: int, parent_fd: int) -> list[str]:
         args = [
@@ -67,6 +69,10 @@ class WorkerSpec:
             args.append(f"--num-threads={self.num_threads}")
         if self.json_output:
             args.append("--json-output")
+        if self.rope_scaling is not None:
+            args.append(f"--rope-scaling={self.rope_scaling}")
+        if self.rope_factor is not None:
+            args.append(f"--rope-factor={self.rope_factor}")
         if self.trust_remote_code:
             args.append("--trust-remote-code")
         if self.kernel_cache_dir is not None:

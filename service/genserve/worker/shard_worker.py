@@ -40,6 +40,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--kernel-cache-dir", default=None)
     p.add_argument("--disable-cpu-kernels", action="store_true")
+    p.add_argument("--rope-scaling", choices=("linear", "dynamic"), default=None)
+    p.add_argument("--rope-factor", type=float, default=None)
     return p.parse_args(argv)
 
 
@@ -105,7 +107,12 @@ def run(args: argparse.Namespace) -> None:
     device = rank_device(args.rank, torch.cuda.is_available())
     group = init_shard_group(args.rank, args.world_size, args.master_addr, args.master_port, device)
     runner = ModelRunner(
-        ResolvedModel(Path(args.model_dir), args.model_id or args.model_dir),
+        ResolvedModel(
+            Path(args.model_dir),
+            args.model_id or args.model_dir,
+            rope_scaling=args.rope_scaling,
+            rope_factor=args.rope_factor,
+        ),
         dtype=getattr(torch, args.dtype),
         device=device,
         parallel=group.parallel,

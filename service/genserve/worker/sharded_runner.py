@@ -202,6 +202,8 @@ def launch_sharded_runner(
         trust_remote_code=config.trust_remote_code,
         kernel_cache_dir=str(config.genserve_cache / "kernels"),
         cpu_kernels=not config.disable_cpu_kernels,
+        rope_scaling=model.rope_scaling,
+        rope_factor=model.rope_factor,
     )
     processes = ShardProcesses(spec, on_failure)
     try:

@@ -92,6 +92,18 @@ type tgiDetails struct {
 	Prefill         []tgiPrefillToken `json:"prefill"`
 	Tokens          []tgiToken        `json:"tokens"`
 	TopTokens       [][]tgiToken      `json:"top_tokens,omitempty"`
+	// Issue #15: the sequences best_of generated and did not return (TGI's shape).
+	BestOfSequences []tgiBestOfSequence `json:"best_of_sequences,omitempty"`
+}
+
+type tgiBestOfSequence struct {
+	GeneratedText   string            `json:"generated_text"`
+	FinishReason    string            `json:"finish_reason"`
+	GeneratedTokens uint32            `json:"generated_tokens"`
+	Seed            *uint64           `json:"seed"`
+	Prefill         []tgiPrefillToken `json:"prefill"`
+	Tokens          []tgiToken        `json:"tokens"`
+	TopTokens       [][]tgiToken      `json:"top_tokens,omitempty"`
 }
 
 type tgiGenerateResponse struct {
@@ -155,7 +167,28 @@ func toTGIDetails(d *genservev1.Details) *tgiDetails {
 	for _, top := range d.GetTopTokens() {
 		out.TopTokens = append(out.TopTokens, toTGITokens(top.GetTokens()))
 	}
+	for _, b := range d.GetBestOfSequences() {
+		out.BestOfSequences = append(out.BestOfSequences, toTGIBestOf(b))
+	}
 	return out
+}
+
+func toTGIBestOf(b *genservev1.BestOfSequence) tgiBestOfSequence {
+	seq := tgiBestOfSequence{
+		GeneratedText:   b.GetGeneratedText(),
+		FinishReason:    tgiFinishReason(b.GetFinishReason()),
+		GeneratedTokens: b.GetGeneratedTokens(),
+		Seed:            b.Seed,
+		Prefill:         make([]tgiPrefillToken, 0, len(b.GetPrefill())),
+		Tokens:          toTGITokens(b.GetTokens()),
+	}
+	for _, t := range b.GetPrefill() {
+		seq.Prefill = append(seq.Prefill, tgiPrefillToken{ID: t.GetId(), Text: t.GetText(), Logprob: logprobPtr(t)})
+	}
+	for _, top := range b.GetTopTokens() {
+		seq.TopTokens = append(seq.TopTokens, toTGITokens(top.GetTokens()))
+	}
+	return seq
 }
 
 func toTGIStreamResponse(m *genservev1.GenerateStreamResponse, wantDetails bool) tgiStreamResponse {

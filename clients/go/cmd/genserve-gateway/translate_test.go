@@ -77,6 +77,25 @@ func TestTGIDetails(t *testing.T) {
 	}
 }
 
+func TestTGIBestOfSequences(t *testing.T) {
+	d := toTGIDetails(&genservev1.Details{
+		FinishReason: genservev1.FinishReason_FINISH_REASON_LENGTH, GeneratedTokens: 1, Seed: proto.Uint64(5),
+		Tokens: []*genservev1.Token{{Id: 2, Text: "b", Logprob: proto.Float32(-1)}},
+		BestOfSequences: []*genservev1.BestOfSequence{{
+			GeneratedText: "c", FinishReason: genservev1.FinishReason_FINISH_REASON_EOS_TOKEN,
+			GeneratedTokens: 1, Seed: proto.Uint64(6),
+			Tokens: []*genservev1.Token{{Id: 3, Text: "c", Logprob: proto.Float32(-2)}},
+		}},
+	})
+	want := `{"finish_reason":"length","generated_tokens":1,"seed":5,"prefill":[],` +
+		`"tokens":[{"id":2,"text":"b","logprob":-1,"special":false}],` +
+		`"best_of_sequences":[{"generated_text":"c","finish_reason":"eos_token","generated_tokens":1,"seed":6,` +
+		`"prefill":[],"tokens":[{"id":3,"text":"c","logprob":-2,"special":false}]}]}`
+	if got := mustJSON(t, d); got != want {
+		t.Errorf("got  %s\nwant %s", got, want)
+	}
+}
+
 func TestErrorStatusMapping(t *testing.T) {
 	cases := []struct {
 		code      codes.Code

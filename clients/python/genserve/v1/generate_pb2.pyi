@@ -19,7 +19,7 @@ FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "seed", "stop", "truncate", "return_full_text", "details", "decoder_input_details", "top_n_tokens", "best_of", "watermark", "presence_penalty", "grammar", "min_p", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "adapter_id")
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "seed", "stop", "truncate", "return_full_text", "details", "decoder_input_details", "top_n_tokens", "best_of", "watermark", "presence_penalty", "grammar", "min_p", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "n", "adapter_id")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class GenerateParameters(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     do_sample: bool
@@ -80,8 +81,9 @@ class GenerateParameters(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     skip_special_tokens: bool
     include_stop_str_in_output: bool
+    n: int
     adapter_id: str
-    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., min_p: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., min_p: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., adapter_id: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "logprob", "special")
@@ -102,7 +104,7 @@ class TopTokens(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class Details(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "input_length", "cached_tokens", "stop_token_id")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "input_length", "cached_tokens", "stop_token_id", "best_of_sequences")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class Details(_message.Message):
     INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BEST_OF_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     generated_tokens: int
     seed: int
@@ -121,7 +124,8 @@ class Details(_message.Message):
     input_length: int
     cached_tokens: int
     stop_token_id: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., input_length: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    best_of_sequences: _containers.RepeatedCompositeFieldContainer[BestOfSequence]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., input_length: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., best_of_sequences: _Optional[_Iterable[_Union[BestOfSequence, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("inputs", "parameters", "input_ids")
@@ -200,7 +204,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "vocab_size", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id")
+    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "vocab_size", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id", "watermark_gamma", "watermark_delta", "cuda_graph_batch_sizes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +231,9 @@ class InfoResponse(_message.Message):
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_DELTA_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPH_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_dtype: str
@@ -253,7 +260,10 @@ class InfoResponse(_message.Message):
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras_per_batch: int
     default_adapter_id: str
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ...) -> None: ...
+    watermark_gamma: float
+    watermark_delta: float
+    cuda_graph_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ..., watermark_gamma: _Optional[float] = ..., watermark_delta: _Optional[float] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "add_special_tokens")
@@ -438,3 +448,23 @@ class TokenIds(_message.Message):
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BestOfSequence(_message.Message):
+    __slots__ = ("generated_text", "finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "cached_tokens")
+    GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int
+    prefill: _containers.RepeatedCompositeFieldContainer[Token]
+    tokens: _containers.RepeatedCompositeFieldContainer[Token]
+    top_tokens: _containers.RepeatedCompositeFieldContainer[TopTokens]
+    cached_tokens: int
+    def __init__(self, generated_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

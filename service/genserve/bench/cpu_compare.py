@@ -1,0 +1,243 @@
+"""``genserve-bench cpu``: decode speed on this CPU, genserve against llama.cpp and
+transformers, each in this process on the same prompts, next to the machine's limits.
+
+    genserve-bench cpu --streams 1,32 --new-tokens 64 --repeats 3 --llamacpp F32,Q8_0
+
+Every engine runs the same random prompts (``--prompt-len`` tokens) with greedy decoding;
+a run is one prefill of all streams then ``new-tokens - 1`` batched decode steps, and the
+figure is generated tokens per second over the decode steps.  Engines and stream counts are
+interleaved within each repeat, and the median over repeats is reported (the machines this
+runs on are shared: compare within one run, never across runs).
+
+* genserve: its model runner (the step a server runs: attention metadata, forward, sampler),
+  without gRPC, per ``--precisions`` (float32, bfloat16).
+* llama.cpp (``--llamacpp``, needs the ``llamacpp`` extra): the embedded GGUF re-encoded by
+  llama.cpp's own quantizer to each format named, batched the way ``llama-server -np N`` does.
+* transformers: ``generate()`` on the same float32 weights (unpadded: equal prompt lengths);
+  decode time is ``generate(N)`` minus ``generate(1)``.
+
+The limits (``genserve.bench.machine_limits``): at 1 stream, read bandwidth / weight bytes
+per token at the engine's storage precision; at more streams, the float32 GEMM rate / flops
+per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from genserve.bench import machine_limits
+
+# Bytes per weight of each storage format (GGUF blocks of 32 carry their scales).
+BYTES_PER_PARAM = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "F32": 4.0,
+    "F16": 2.0,
+    "Q8_0": 34 / 32,
+    "Q4_0": 18 / 32,
+    "Q4_1": 20 / 32,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    name: str
+    storage: str  # key of BYTES_PER_PARAM
+    # (prompts, new_tokens) -> (decode tok/s, generated ids per prompt)
+    run: Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
+
+
+def _genserve_engine(local_dir: Path, precision: str, max_streams: int, max_len: int) -> Engine:
+    from genserve.model.loader import ResolvedModel
+    from genserve.worker.model_runner import ModelRunner
+    from genserve.worker.runner_bench import BLOCK_SIZE, greedy_run
+
+    runner = ModelRunner(
+        ResolvedModel(local_dir, "bench"), getattr(torch, precision), torch.device("cpu")
+    )
+    runner.initialize_kv_cache(max_streams * -(-max_len // BLOCK_SIZE) + 1, BLOCK_SIZE)
+    runner.warmup()
+
+    def run(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        _, decode_s, tokens = greedy_run(runner, prompts, new_tokens)
+        return len(prompts) * (new_tokens - 1) / decode_s, tokens
+
+    return Engine(f"genserve {precision}", precision, run)
+
+
+def _hf_engine(local_dir: Path) -> Engine:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(local_dir), dtype=torch.float32).eval()
+
+    def generate(ids: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
+        start = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return time.perf_counter() - start, out
+
+    def run(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            first_s, _ = generate(ids, 1)
+            total_s, out = generate(ids, new_tokens)
+        decode_s = max(total_s - first_s, 1e-9)
+        return len(prompts) * (new_tokens - 1) / decode_s, out[:, ids.shape[1] :].tolist()
+
+    return Engine("transformers float32", "float32", run)
+
+
+def _llamacpp_engine(
+    source: Path, ftype: str, cache: Path, threads: int, max_streams: int, max_len: int
+) -> Engine:
+    from genserve.bench.llamacpp_baseline import LlamaCppModel, make_gguf
+
+    model = LlamaCppModel(make_gguf(source, cache, ftype, threads), max_streams, max_len, threads)
+
+    def run(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        result = model.greedy(prompts, new_tokens)
+        return result.decode_tok_s, result.tokens
+
+    return Engine(f"llama.cpp {ftype}", ftype, run)
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of streams whose greedy continuations are identical."""
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def run_compare(args: argparse.Namespace) -> dict[str, object]:
+    from genserve.model.config import ModelConfig
+    from genserve.model.loader import default_gguf_path, resolve_model
+    from genserve.worker.runner_bench import random_prompts
+
+    torch.set_num_threads(args.threads)
+    resolved = resolve_model(None, cache_dir=args.cache_dir)
+    config = ModelConfig.from_pretrained(resolved.local_dir)
+    cost = machine_limits.model_cost(
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_layers,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.vocab_size,
+    )
+    limits = machine_limits.measure(cost, rows=max(args.streams))
+    print(
+        f"machine: read {limits.read_gb_s:.1f} GB/s, float32 GEMM {limits.matmul_gflop_s:.0f} "
+        f"GFLOP/s at {limits.matmul_rows} rows, {limits.threads} threads",
+        flush=True,
+    )
+    max_streams, max_len = max(args.streams), args.prompt_len + args.new_tokens
+    engines = [
+        _genserve_engine(resolved.local_dir, p, max_streams, max_len) for p in args.precisions
+    ]
+    if args.llamacpp:
+        source = default_gguf_path()
+        engines += [
+            _llamacpp_engine(source, f, args.cache_dir / "gguf", args.threads, max_streams, max_len)
+            for f in args.llamacpp
+        ]
+    if args.hf:
+        engines.append(_hf_engine(resolved.local_dir))
+    rates: dict[tuple[str, int], list[float]] = {}
+    tokens: dict[tuple[str, int], list[list[int]]] = {}
+    for rep in range(args.repeats):
+        for streams in args.streams:
+            prompts = random_prompts(config.vocab_size, streams, args.prompt_len, seed=rep)
+            for engine in engines:
+                rate, out = engine.run(prompts, args.new_tokens)
+                rates.setdefault((engine.name, streams), []).append(rate)
+                if rep == 0:
+                    tokens[(engine.name, streams)] = out
+                print(f"  repeat {rep} {engine.name} x{streams}: {rate:.1f} tok/s", flush=True)
+    rows = []
+    reference = f"genserve {args.precisions[0]}"
+    for engine in engines:
+        for streams in args.streams:
+            values = rates[(engine.name, streams)]
+            median = statistics.median(values)
+            if streams == 1:
+                limit = cost.bandwidth_tok_s(limits, BYTES_PER_PARAM[engine.storage])
+            else:
+                limit = cost.matmul_tok_s(limits)
+            rows.append(
+                {
+                    "engine": engine.name,
+                    "streams": streams,
+                    "tok_s": median,
+                    "min": min(values),
+                    "max": max(values),
+                    "limit_tok_s": limit,
+                    "percent_of_limit": 100 * median / limit,
+                    "same_tokens_as_" + reference: _agreement(
+                        tokens[(engine.name, streams)], tokens[(reference, streams)]
+                    ),
+                }
+            )
+    return {"limits": limits.as_dict(), "matmul_params": cost.matmul_params, "rows": rows}
+
+
+def format_table(result: Mapping[str, object]) -> str:
+    rows = result["rows"]
+    assert isinstance(rows, list)
+    agree = next(k for k in rows[0] if k.startswith("same_tokens_as_"))
+    lines = [
+        "| engine | streams | decode tok/s (median) | min-max | limit tok/s | % of limit | "
+        f"{agree.replace('_', ' ')} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['engine']} | {r['streams']} | {r['tok_s']:.1f} | {r['min']:.1f}-{r['max']:.1f}"
+            f" | {r['limit_tok_s']:.0f} | {r['percent_of_limit']:.0f}% | {r[agree] * 100:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="genserve-bench cpu", description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=lambda t: [int(x) for x in _csv(t)], default=[1, 32])
+    parser.add_argument("--prompt-len", type=int, default=40)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precisions", type=_csv, default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--llamacpp", type=_csv, default=[], help="GGUF formats for llama.cpp, e.g. F32,Q8_0"
+    )
+    parser.add_argument("--no-hf", dest="hf", action="store_false")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path.home() / ".cache" / "genserve" / "models"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results") / "cpu.json")
+    args = parser.parse_args(argv)
+    bad = [f for f in args.llamacpp if f not in BYTES_PER_PARAM]
+    if bad or any(p not in ("float32", "bfloat16") for p in args.precisions):
+        parser.error(f"unknown format in --llamacpp/--precisions: {bad or args.precisions}")
+    if not args.streams or min(args.streams) < 1 or args.new_tokens < 2 or args.repeats < 1:
+        parser.error("--streams >= 1, --new-tokens >= 2, --repeats >= 1")
+    result = run_compare(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(format_table(result))
+    return 0

@@ -1,0 +1,193 @@
+// Weight-streaming matmul for decode steps: y = x W^T (+ b), W [N, K] stored in float32 or
+// bfloat16, x [M, K] with M small (up to 8 in registers; more in chunks over each block of W
+// kept in L1), every product accumulated in float32.
+//
+// With one to a few rows a decode step is a matrix-vector product: each weight is used M
+// times, so the cost is reading W once, and the only goal is to stream W at the memory
+// bandwidth.  torch's CPU GEMMs are tuned for the other regime (MKL's float32 path at one row
+// measured ~55 GB/s on 7 MB of weights; bfloat16 at one row is slower still, because oneDNN
+// converts and packs per call).  Here each thread streams its own contiguous band of W rows,
+// four at a time, converting bf16 to float32 in registers (a shift: bf16 is float32's high
+// half), with 4 * M independent vector accumulators so FMA latency is hidden.
+//
+// The vector type is GCC's generic vector of one register's width (AVX-512 when built with
+// -march=x86-64-v4, AVX2 with x86-64-v3), so the same source serves both ISA builds
+// (genserve.kernels.cpu names the build after the level torch detected at run time).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// One native vector register of floats: 16 lanes with AVX-512, 8 with AVX2 (so that the
+// accumulators below fit the 32 or 16 registers the ISA has), 4 on the SSE baseline.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+typedef float f32v __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t u32v __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t u16v __attribute__((vector_size(kLanes * 2)));
+
+inline f32v load16(const float* p) {
+  f32v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline f32v load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // One vpmovzxwd from memory (GCC's generic conversion splits it into two halves and
+  // shuffles them back together, which made this loop shuffle-bound).
+  const __m512i wide =
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+  return (f32v)_mm512_castsi512_ps(wide);
+#elif defined(__AVX2__)
+  const __m256i wide =
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+  return (f32v)_mm256_castsi256_ps(wide);
+#else
+  u16v h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32v wide = __builtin_convertvector(h, u32v) << 16;
+  f32v v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+#endif
+}
+
+inline float hsum(f32v v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// Rows [o0, o0 + O) of W against all M rows of x (float32, [M, K]); out is float32 [M, N].
+template <int M, int O, typename W>
+inline void dot_block(const float* x, const W* w, int64_t K, int64_t N, int64_t o0, float* out) {
+  f32v acc[O][M];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < M; ++r) acc[o][r] = f32v{};
+  const int64_t vec_end = K - K % kLanes;
+  for (int64_t k = 0; k < vec_end; k += kLanes) {
+    f32v xv[M];
+    for (int r = 0; r < M; ++r) xv[r] = load16(x + r * K + k);
+    for (int o = 0; o < O; ++o) {
+      // Rows are short (a few KB): ask for the next block's rows now, before the hardware
+      // prefetcher would have noticed the stream.
+      __builtin_prefetch(w + (o0 + O + o) * K + k);
+      const f32v wv = load16(w + (o0 + o) * K + k);
+      for (int r = 0; r < M; ++r) acc[o][r] += xv[r] * wv;
+    }
+  }
+  for (int o = 0; o < O; ++o) {
+    for (int r = 0; r < M; ++r) {
+      float s = hsum(acc[o][r]);
+      for (int64_t k = vec_end; k < K; ++k) s += x[r * K + k] * to_f32(w[(o0 + o) * K + k]);
+      out[r * N + o0 + o] = s;
+    }
+  }
+}
+
+template <int M, typename W>
+void matvec_rows(const float* x, const W* w, int64_t K, int64_t N, float* out) {
+  // Four W rows per block for one or two x rows, fewer as M grows (registers: O * M + M
+  // accumulators and inputs out of 32 AVX-512 / 16 AVX2 vector registers).
+  constexpr int O = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  // Each task streams >= 256 KiB of W, so a small matrix stays on one thread.
+  const int64_t grain = std::max<int64_t>(O, (1 << 18) / std::max<int64_t>(1, K * sizeof(W)));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    int64_t o = begin;
+    for (; o + O <= end; o += O) dot_block<M, O>(x, w, K, N, o, out);
+    for (; o < end; ++o) dot_block<M, 1>(x, w, K, N, o, out);
+  });
+}
+
+// More rows than one block's accumulators hold: each block of four W rows (a few KB, kept in
+// L1) is applied to the rows of x a few at a time, so W is still read from memory once.
+constexpr int kChunk = kLanes >= 16 ? 4 : 2;
+
+template <typename W>
+void matmul_chunked(const float* x, const W* w, int64_t M, int64_t K, int64_t N, float* out) {
+  constexpr int O = 4;
+  const int64_t grain = std::max<int64_t>(O, (1 << 16) / std::max<int64_t>(1, K * sizeof(W)));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    int64_t o = begin;
+    for (; o + O <= end; o += O) {
+      int64_t r = 0;
+      for (; r + kChunk <= M; r += kChunk) {
+        dot_block<kChunk, O>(x + r * K, w, K, N, o, out + r * N);
+      }
+      for (; r < M; ++r) dot_block<1, O>(x + r * K, w, K, N, o, out + r * N);
+    }
+    for (; o < end; ++o) {
+      for (int64_t r = 0; r < M; ++r) dot_block<1, 1>(x + r * K, w, K, N, o, out + r * N);
+    }
+  });
+}
+
+template <typename W>
+void dispatch_rows(int64_t M, const float* x, const W* w, int64_t K, int64_t N, float* out) {
+  switch (M) {
+    case 1: return matvec_rows<1>(x, w, K, N, out);
+    case 2: return matvec_rows<2>(x, w, K, N, out);
+    case 3: return matvec_rows<3>(x, w, K, N, out);
+    case 4: return matvec_rows<4>(x, w, K, N, out);
+    case 5: return matvec_rows<5>(x, w, K, N, out);
+    case 6: return matvec_rows<6>(x, w, K, N, out);
+    case 7: return matvec_rows<7>(x, w, K, N, out);
+    case 8: return matvec_rows<8>(x, w, K, N, out);
+    default: return matmul_chunked(x, w, M, K, N, out);
+  }
+}
+
+// x: [M, K] float32 or bfloat16; weight: [N, K] float32 or bfloat16; bias: [N] or None.
+// Returns [M, N] in x's dtype (float32 sums, rounded once at the end).
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "matvec: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "matvec: x [M, K] and weight [N, K] expected");
+  const auto wt = weight.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "matvec: float32 or bfloat16 weight");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "matvec: float32 or bfloat16 x");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const auto xf = x.to(at::kFloat).contiguous();
+  const auto wc = weight.contiguous();
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0 && N > 0) {
+    if (wt == at::kFloat) {
+      dispatch_rows(M, xf.data_ptr<float>(), wc.data_ptr<float>(), K, N, out.data_ptr<float>());
+    } else {
+      dispatch_rows(M, xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), K, N,
+                    out.data_ptr<float>());
+    }
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "matvec: bias must be [N]");
+    out.add_(bias->to(at::kFloat));
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genserve, m) {
+  m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("matvec", &matvec); }

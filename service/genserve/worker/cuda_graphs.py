@@ -1,0 +1,267 @@
+"""CUDA graphs for decode steps: the model's forward over a padded decode batch, captured once
+per batch-size bucket at start-up and replayed, so a step costs a few launches instead of
+hundreds of Python-issued ones (issue #12: the runner's step time was flat from batch 1 to 64,
+i.e. launch-bound).
+
+How (the same shape as TGI's ``cuda_graph_warmup``, vLLM's CUDAGraphRunner and SGLang's
+``cuda_graph_runner``):
+
+- Static input buffers sized for the largest bucket: token ids, positions, slot mapping, block
+  table ``[max_bucket, max_blocks_per_seq]``, context lengths.  A step copies its rows into
+  them and replays the smallest bucket that holds its rows; padding rows decode token 0 at
+  position 0 into a *scratch block* — one KV block allocated past the scheduler's blocks and
+  never handed out — so padding never writes into a real sequence's cache.
+- The block table always has ``max_blocks_per_seq`` columns (the longest request's blocks); the
+  Triton decode kernel walks only the blocks a row's context length covers, so the width costs
+  nothing at run time.  Graphs therefore need that kernel (``torch-sdpa+triton-decode``): the
+  SDPA fallback gathers the whole padded width every step, and flash-attn takes its maximum
+  context length as a host integer, which a graph would freeze.
+- Every bucket shares one memory pool, captured largest first so smaller ones reuse it.
+- What is replayed: ``model.forward`` only (embeddings → last layer).  The LM head, sampling,
+  grammar masks and penalties stay eager on the rows that exist, so they are independent of the
+  graph.  Pure-decode steps replay (speculative chunks too: each draft token is a decode row);
+  steps with a prefill chunk, with LoRA rows (the adapter hooks index per-step row tensors
+  that the graph would freeze), or with a context longer than the table run eagerly.
+
+The pure functions (bucket lists, padding) run anywhere and are unit-tested on CPU;
+:class:`DecodeGraphs` with ``capture=False`` runs the same static-buffer forward eagerly, which
+is how CPU tests check the padding and scratch-block logic against the ordinary path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from genserve.model.attention import TorchAttentionMetadata
+
+log = structlog.get_logger("genserve.worker")
+
+# Default buckets: every power of two up to 8, then steps of 8 (what TGI and vLLM default to);
+# a step pads to the next bucket, so at most 7 wasted rows above 8.
+_DEFAULT_MAX_BATCH = 256
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` → ``(1, 2, 4, 8)`` (sorted, unique); ``"0"`` → ``()`` (graphs off)."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"expected comma-separated batch sizes or 0, got {text!r}") from None
+    if values == [0]:
+        return ()
+    if not values or values[0] < 1:
+        raise ValueError(f"batch sizes must be positive (or a single 0 to disable), got {text!r}")
+    return tuple(values)
+
+
+def default_batch_sizes(max_batch: int | None) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 8, up to ``max_batch`` (256 when unknown)."""
+    limit = max(1, min(max_batch or _DEFAULT_MAX_BATCH, _DEFAULT_MAX_BATCH))
+    sizes = [s for s in (1, 2, 4, 8) if s <= limit]
+    sizes += list(range(16, limit + 1, 8))
+    if sizes[-1] < limit:
+        # The bucket that holds the largest batch.
+        sizes.append(1 << (limit - 1).bit_length() if limit < 8 else -(-limit // 8) * 8)
+    return tuple(sizes)
+
+
+def pick_bucket(num_rows: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size holding ``num_rows`` rows, or None (run eagerly)."""
+    if num_rows < 1:
+        return None
+    for size in sizes:  # sorted ascending
+        if size >= num_rows:
+            return size
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedDecode:
+    """One decode step's inputs padded to ``bucket`` rows (numpy, copied into the buffers)."""
+
+    num_rows: int
+    bucket: int
+    token_ids: np.ndarray  # [bucket] int64
+    positions: np.ndarray  # [bucket] int64
+    slots: np.ndarray  # [bucket] int64
+    # [bucket, columns] int64: only the columns this step's longest context covers (at most
+    # the buffer's width); copying all ``width`` columns would move bucket * width * 8 bytes
+    # per step (16 MB at 256 rows of a 131072-token model).  Columns past them keep stale
+    # entries in the buffer, which no row reads.
+    block_table: np.ndarray
+    context_lens: np.ndarray  # [bucket] int64
+
+
+def pad_decode_batch(
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    bucket: int,
+    width: int,
+    block_size: int,
+    scratch_block: int,
+) -> PaddedDecode | None:
+    """Pad decode rows (one token each; row ``i`` at ``positions[i]`` with blocks
+    ``block_ids[i]``) to ``bucket`` rows of a ``width``-column block table.
+
+    Padding rows decode token 0 at position 0 in ``scratch_block``; unused table cells hold
+    ``scratch_block`` too (never read: a row reads only the blocks its context covers).
+    Returns None when a row's context needs more than ``width`` blocks (run eagerly)."""
+    n = len(token_ids)
+    if not (n == len(positions) == len(block_ids)) or n > bucket:
+        raise ValueError(f"{n} rows do not fit bucket {bucket} or the inputs disagree")
+    columns = max((p // block_size + 1 for p in positions), default=1)
+    if columns > width:
+        return None
+    table = np.full((bucket, columns), scratch_block, dtype=np.int64)
+    pos = np.zeros(bucket, dtype=np.int64)
+    pos[:n] = positions
+    for i, (p, blocks) in enumerate(zip(positions, block_ids, strict=True)):
+        needed = p // block_size + 1
+        if needed > width or needed > len(blocks):
+            return None
+        table[i, :needed] = blocks[:needed]
+    slots = np.full(bucket, scratch_block * block_size, dtype=np.int64)
+    rows = np.arange(n)
+    slots[:n] = table[rows, pos[:n] // block_size] * block_size + pos[:n] % block_size
+    ids = np.zeros(bucket, dtype=np.int64)
+    ids[:n] = token_ids
+    return PaddedDecode(n, bucket, ids, pos, slots, table, pos + 1)
+
+
+class DecodeGraphs:
+    """Static decode buffers and, on CUDA, one captured graph per bucket.
+
+    ``model`` is the runner's model (``forward(token_ids, positions, kv_caches, meta)`` →
+    hidden ``[rows, hidden]``).  With ``capture=False`` (CPU tests) :meth:`run` calls that
+    forward eagerly on the buffers, so padding is checked without a GPU."""
+
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: list[torch.Tensor],
+        sizes: Sequence[int],
+        width: int,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+        use_triton_decode: bool,
+    ) -> None:
+        if not sizes:
+            raise ValueError("no batch sizes to capture")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = tuple(sorted(sizes))
+        self.width = width
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.device = device
+        self.use_triton_decode = use_triton_decode
+        largest = self.sizes[-1]
+
+        def buf(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int64, device=device)
+
+        self.token_ids = buf(largest)
+        self.positions = buf(largest)
+        self.slots = buf(largest)
+        self.block_table = buf(largest, width)
+        self.context_lens = buf(largest)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.num_runs = 0  # steps served from the buffers (tests check the path was taken)
+        self._reset_to_padding()
+
+    def _reset_to_padding(self) -> None:
+        """Every row a padding row (scratch block, position 0): what capture runs on."""
+        self.token_ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(self.scratch_block * self.block_size)
+        self.block_table.fill_(self.scratch_block)
+        self.context_lens.fill_(1)
+
+    def _meta(self, size: int) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata(
+            slots=self.slots[:size],
+            num_decodes=size,
+            decode_blocks=self.block_table[:size].reshape(-1),  # a view: rows are contiguous
+            decode_max_blocks=self.width,
+            decode_positions=self.positions[:size],
+            decode_context_lens=self.context_lens[:size],
+            prefills=[],
+            device=self.device,
+            use_triton_decode=self.use_triton_decode,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        out: torch.Tensor = self.model(
+            self.token_ids[:size], self.positions[:size], self.kv_caches, self._meta(size)
+        )
+        return out
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared pool.  Raises on failure
+        (the runner then logs a warning and stays eager)."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                self._reset_to_padding()
+                for _ in range(2):  # lazy inits (Triton compile, cuBLAS handles) stay outside
+                    self._forward(size)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._outputs[size] = self._forward(size)
+                self._graphs[size] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+
+    def run(self, padded: PaddedDecode) -> torch.Tensor:
+        """Hidden states ``[num_rows, hidden]`` of a padded decode step (valid until the next
+        call: they live in the graph's output buffer)."""
+        b = padded.bucket
+        self.token_ids[:b].copy_(torch.from_numpy(padded.token_ids), non_blocking=True)
+        self.positions[:b].copy_(torch.from_numpy(padded.positions), non_blocking=True)
+        self.slots[:b].copy_(torch.from_numpy(padded.slots), non_blocking=True)
+        columns = padded.block_table.shape[1]
+        self.block_table[:b, :columns].copy_(torch.from_numpy(padded.block_table))
+        self.context_lens[:b].copy_(torch.from_numpy(padded.context_lens), non_blocking=True)
+        self.num_runs += 1
+        graph = self._graphs.get(b)
+        if graph is None:  # not captured (CPU tests): the same forward, eagerly
+            return self._forward(b)[: padded.num_rows]
+        graph.replay()
+        return self._outputs[b][: padded.num_rows]
+
+
+def measure_capture_bytes(build: Any, device: torch.device) -> int:
+    """Device memory the graphs take, measured by capturing them once (``build()`` returns a
+    :class:`DecodeGraphs` over a throw-away cache) and releasing them: free memory before
+    minus free memory after capture, pool and graph executables included."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info(device)
+    graphs = build()
+    graphs.capture()
+    torch.cuda.synchronize(device)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    del graphs
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return max(0, free_before - free_after)

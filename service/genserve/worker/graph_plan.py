@@ -1,0 +1,149 @@
+"""The runner's side of CUDA graphs (#12): whether graphs apply, how much memory they need
+before the KV cache is sized, capturing them after warm-up, and routing a step to them.
+
+Kept out of ``model_runner.py`` so the runner only has one-line hooks; the graph machinery
+itself is in :mod:`genserve.worker.cuda_graphs`.  Any failure while planning or capturing is
+logged as a warning and the runner stays eager: graphs are an optimisation, never a reason
+not to serve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from genserve.model.attention import SeqSpec, TorchPagedAttention, select_backend
+from genserve.worker.cuda_graphs import (
+    DecodeGraphs,
+    measure_capture_bytes,
+    pad_decode_batch,
+    pick_bucket,
+)
+
+if TYPE_CHECKING:
+    from genserve.step import ScheduledChunk
+    from genserve.worker.model_runner import ModelRunner
+
+log = structlog.get_logger("genserve.worker")
+
+# Measured graph memory is reserved with this margin (allocator rounding between the trial
+# capture and the real one).
+_RESERVE_MARGIN = 1.25
+
+
+@dataclass(frozen=True, slots=True)
+class GraphPlan:
+    sizes: tuple[int, ...]
+    width: int  # block-table columns: blocks of the longest request
+    reserve_bytes: int  # kept out of the KV-cache budget
+
+    def capture(self, runner: ModelRunner) -> DecodeGraphs | None:
+        """Capture over the runner's (freshly zeroed) cache; None, with a warning, on failure."""
+        if runner._lora_targets is not None:
+            log.warning("cuda_graphs_disabled", reason="LoRA hooks attached before capture")
+            return None
+        try:
+            graphs = _build(runner, runner.kv_caches, self)
+            graphs.capture()
+        except Exception as exc:  # any capture failure means "stay eager"
+            log.warning("cuda_graphs_capture_failed", error=repr(exc), fallback="eager")
+            torch.cuda.empty_cache()
+            return None
+        log.info(
+            "cuda_graphs_captured",
+            batch_sizes=list(graphs.captured_sizes),
+            seconds=round(graphs.capture_seconds, 2),
+            reserved_bytes=self.reserve_bytes,
+        )
+        return graphs
+
+
+def _build(runner: ModelRunner, kv_caches: list[torch.Tensor], plan: GraphPlan) -> DecodeGraphs:
+    block_dim = 2  # TorchPagedAttention's cache: [2, kv_heads, num_blocks, block_size, hd]
+    num_blocks = kv_caches[0].shape[block_dim]
+    return DecodeGraphs(
+        runner.model,
+        kv_caches,
+        plan.sizes,
+        plan.width,
+        kv_caches[0].shape[3],
+        scratch_block=num_blocks - 1,
+        device=runner.device,
+        use_triton_decode=True,
+    )
+
+
+def plan_graphs(
+    runner: ModelRunner, sizes: Sequence[int], max_seq_len: int, block_size: int
+) -> GraphPlan | None:
+    """A plan when graphs can run (CUDA, single process, the Triton decode kernel), with the
+    memory they take measured by a trial capture on a throw-away cache; else None (logged)."""
+    if not sizes:
+        return None
+    if runner.device.type != "cuda":
+        log.info("cuda_graphs_ignored", reason="not on CUDA")
+        return None
+    if runner.parallel.world_size > 1:
+        log.warning("cuda_graphs_disabled", reason="tensor parallelism is not captured yet")
+        return None
+    backend = select_backend(runner.device, block_size, runner.dtype, runner.config.head_dim)
+    if not (isinstance(backend, TorchPagedAttention) and backend.use_triton_decode):
+        log.warning(
+            "cuda_graphs_disabled",
+            reason=f"attention backend {backend.name} cannot be captured (needs triton-decode)",
+        )
+        return None
+    width = -(-max_seq_len // block_size)
+    plan = GraphPlan(tuple(sorted(sizes)), width, 0)
+    try:
+        shape = backend.kv_cache_shape(
+            width + 1, block_size, runner.model.num_local_kv_heads, runner.config.head_dim
+        )
+        trial_cache = list(
+            torch.zeros(
+                (runner.config.num_layers, *shape), dtype=runner.dtype, device=runner.device
+            )
+        )
+        with torch.inference_mode():
+            used = measure_capture_bytes(lambda: _build(runner, trial_cache, plan), runner.device)
+        trial_cache.clear()  # free the throw-away cache before the real one is sized
+        torch.cuda.empty_cache()
+    except Exception as exc:  # a failed trial means "stay eager"
+        log.warning("cuda_graphs_capture_failed", error=repr(exc), fallback="eager")
+        torch.cuda.empty_cache()
+        return None
+    log.info("cuda_graphs_planned", batch_sizes=list(plan.sizes), measured_bytes=used)
+    return GraphPlan(plan.sizes, width, int(used * _RESERVE_MARGIN))
+
+
+def graph_forward(
+    graphs: DecodeGraphs,
+    has_lora_rows: bool,
+    chunks: Sequence[ScheduledChunk],
+    seqs: Sequence[SeqSpec],
+) -> torch.Tensor | None:
+    """Hidden states of a pure-decode step (``seqs``: one decode row per token of
+    ``chunks``) from a graph, or None when it must run eagerly (LoRA rows, no bucket, a
+    context wider than the table)."""
+    if has_lora_rows:
+        return None
+    bucket = pick_bucket(len(seqs), graphs.sizes)
+    if bucket is None:
+        return None
+    token_ids = [t for c in chunks for t in c.token_ids]
+    padded = pad_decode_batch(
+        token_ids,
+        [s.start_pos for s in seqs],
+        [s.block_ids for s in seqs],
+        bucket,
+        graphs.width,
+        graphs.block_size,
+        graphs.scratch_block,
+    )
+    if padded is None:
+        return None
+    return graphs.run(padded)

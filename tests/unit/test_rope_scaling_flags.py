@@ -1,0 +1,121 @@
+"""--rope-scaling / --rope-factor against transformers with the same ``rope_scaling`` config,
+on a tiny float32 model whose context (64 positions) the prompts run past."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from genserve.model.config import RopeConfig
+from genserve.model.loader import ResolvedModel
+from genserve.model.rope_scaling import override, scaled_max_positions, sequence_lengths
+from genserve.worker.model_runner import ModelRunner
+from tests.conftest import TinyModelFactory
+from tests.unit.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, Driver, random_prompts
+
+MAX_POS = 64
+
+
+def _hf_scaled(model_dir: Path, kind: str, factor: float) -> Any:
+    config = AutoConfig.from_pretrained(str(model_dir))
+    scaling = {"rope_type": kind, "factor": factor}
+    if getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
+        config.rope_parameters = {**config.rope_parameters, **scaling}
+    else:
+        config.rope_scaling = scaling
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
+
+
+def _hf_greedy(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    lps = [
+        torch.log_softmax(lg[0].float(), -1)[t].item()
+        for lg, t in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, lps
+
+
+@pytest.mark.parametrize(("kind", "factor"), [("linear", 4.0), ("dynamic", 2.0)])
+def test_rope_flags_match_transformers_past_context(
+    tiny_model_factory: TinyModelFactory, kind: str, factor: float
+) -> None:
+    model_dir = tiny_model_factory("llama", seed=11, max_position_embeddings=MAX_POS)
+    runner = ModelRunner(
+        ResolvedModel(model_dir, "tiny", rope_scaling=kind, rope_factor=factor),
+        torch.float32,
+        torch.device("cpu"),
+    )
+    assert runner.config.rope.rope_type == kind
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    runner.warmup()
+    # One prompt past the context, one inside it, batched together: the dynamic scaling of
+    # one sequence must not leak into the other.
+    prompts = random_prompts([90, 20], seed=12)
+    driver = Driver(runner, budget=256)
+    reqs = [driver.add(f"r{i}", p, 10) for i, p in enumerate(prompts)]
+    driver.run()
+    hf = _hf_scaled(model_dir, kind, factor)
+    unscaled = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for req, prompt in zip(reqs, prompts, strict=True):
+        ids, lps = _hf_greedy(hf, prompt, 10)
+        assert [s.token_id for s in req.out] == ids, req.req_id
+        assert [s.logprob for s in req.out] == pytest.approx(lps, abs=1e-4), req.req_id
+    # The scaling is real: past the context, the unscaled model computes something else.
+    _, plain_lps = _hf_greedy(unscaled, prompts[0], 10)
+    assert [s.logprob for s in reqs[0].out] != pytest.approx(plain_lps, abs=1e-4)
+
+
+def test_override_semantics() -> None:
+    rope = RopeConfig(theta=10000.0)
+    assert override(rope, None, None, 64) is rope
+    assert override(rope, None, 3.0, 64).rope_type == "linear"  # TGI: factor alone is linear
+    assert override(rope, "dynamic", None, 64).params["factor"] == 1.0
+    assert scaled_max_positions(64, "dynamic", 2.0) == 128
+    assert scaled_max_positions(64, None, None) == 64
+    with pytest.raises(ValueError, match="linear or dynamic"):
+        override(rope, "yarn", 2.0, 64)
+
+
+def test_sequence_lengths_split_flat_batch() -> None:
+    # decode at 70, prefill 0..3, decode at 5: runs end at 70, 3, 5
+    positions = torch.tensor([70, 0, 1, 2, 3, 5])
+    assert sequence_lengths(positions).tolist() == [71, 4, 4, 4, 4, 6]
+
+
+def test_dynamic_from_the_checkpoint_config(tiny_model_factory: TinyModelFactory) -> None:
+    """A config.json that ships ``rope_scaling: dynamic`` is served like the flag."""
+    model_dir = tiny_model_factory(
+        "llama",
+        seed=11,
+        max_position_embeddings=MAX_POS,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    runner = ModelRunner(ResolvedModel(model_dir, "tiny"), torch.float32, torch.device("cpu"))
+    assert runner.config.rope.rope_type == "dynamic"
+    assert runner.config.rope.params["original_max_position_embeddings"] == MAX_POS
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    runner.warmup()
+    prompt = random_prompts([80], seed=13)[0]
+    driver = Driver(runner, budget=256)
+    req = driver.add("r", prompt, 6)
+    driver.run()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids, lps = _hf_greedy(hf, prompt, 6)
+    assert [s.token_id for s in req.out] == ids
+    assert [s.logprob for s in req.out] == pytest.approx(lps, abs=1e-4)
