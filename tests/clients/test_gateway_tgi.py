@@ -126,3 +126,44 @@ def test_request_id_reaches_the_server(dialects: DialectGateway) -> None:
     while "gateway-req-4242" not in dialects.server.logs():
         assert time.monotonic() < deadline, "X-Request-Id not forwarded as gRPC metadata"
         time.sleep(0.05)
+
+
+def test_grammar_json_and_regex(dialects: DialectGateway) -> None:
+    """TGI's `grammar` ({"type": "json" | "regex", "value": ...}) through InferenceClient:
+    the gateway maps it onto GenerateParameters.grammar, the output follows it and ends by
+    EOS where the grammar completes; a bad regex is the server's INVALID_ARGUMENT (422)."""
+    import re
+
+    import jsonschema  # type: ignore[import-untyped]
+
+    hf = InferenceClient(base_url=dialects.gateway.url)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
+        "required": ["ok", "size"],
+        "additionalProperties": False,
+    }
+    out = hf.text_generation(
+        PROMPT, max_new_tokens=40, details=True, grammar={"type": "json", "value": schema}
+    )
+    jsonschema.validate(json.loads(out.generated_text), schema)
+    assert out.details is not None and out.details.finish_reason == "eos_token"
+    out = hf.text_generation(
+        PROMPT, max_new_tokens=20, details=True, grammar={"type": "regex", "value": "[0-9]{4}"}
+    )
+    assert re.fullmatch("[0-9]{4}", out.generated_text), out.generated_text
+    assert out.details is not None and out.details.finish_reason == "eos_token"
+    streamed = "".join(
+        hf.text_generation(
+            PROMPT, max_new_tokens=20, stream=True, grammar={"type": "regex", "value": "(yes|no)"}
+        )
+    )
+    assert streamed in ("yes", "no")
+    with pytest.raises(ValidationError, match=r"grammar\.regex"):
+        hf.text_generation(PROMPT, grammar={"type": "regex", "value": "(unclosed"})
+    status, reply = dialects.gateway.json(
+        "POST",
+        "/generate",
+        {"inputs": "x", "parameters": {"grammar": {"type": "ebnf", "value": "x"}}},
+    )
+    assert status == 422 and "grammar" in reply["error"]

@@ -50,9 +50,16 @@ func tgiParameters(raw json.RawMessage) (*genservev1.GenerateParameters, error) 
 			delete(fields, k)
 		}
 	}
+	grammar, err := takeTGIGrammar(fields)
+	if err != nil {
+		return nil, err
+	}
 	cleaned, _ := json.Marshal(fields)
 	if err := protojson.Unmarshal(cleaned, params); err != nil {
 		return nil, invalidArg("parameters", "invalid parameters: "+protoPosition.ReplaceAllString(err.Error(), ""))
+	}
+	if grammar != nil {
+		params.Grammar = grammar
 	}
 	return params, nil
 }
