@@ -122,7 +122,13 @@ def test_worker_killed_mid_generation(tiny_llama: Path) -> None:
             for call in calls:
                 assert call.code == grpc.StatusCode.UNAVAILABLE, (call.code, call.details)
                 assert shard in call.details
+            # The Watch update travels on its own stream, so it may land just after the calls
+            # failed: wait for it up to the 2 s the server has to report the death.
+            deadline = killed_at + 2.0
             not_serving = [t for t, status in health if status == NOT_SERVING]
+            while not not_serving and time.monotonic() < deadline:
+                time.sleep(0.02)
+                not_serving = [t for t, status in health if status == NOT_SERVING]
             assert not_serving, f"health never turned NOT_SERVING: {health}"
             assert not_serving[0] - killed_at < 2.0
             # While it lingers, new calls are refused with the reason.

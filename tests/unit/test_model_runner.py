@@ -151,7 +151,11 @@ def hf_model(model_dir: Path) -> Any:
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    model = hf_model(model_dir)
+    return hf_greedy_with(hf_model(model_dir), prompt, max_new)
+
+
+def hf_greedy_with(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs for ``prompt`` with a loaded model."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(

@@ -15,7 +15,13 @@ from genserve.model.loader import ResolvedModel
 from genserve.model.rope_scaling import override, scaled_max_positions, sequence_lengths
 from genserve.worker.model_runner import ModelRunner
 from tests.conftest import TinyModelFactory
-from tests.unit.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, Driver, random_prompts
+from tests.unit.test_model_runner import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    Driver,
+    hf_greedy_with,
+    random_prompts,
+)
 
 MAX_POS = 64
 
@@ -28,27 +34,6 @@ def _hf_scaled(model_dir: Path, kind: str, factor: float) -> Any:
     else:
         config.rope_scaling = scaling
     return AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
-
-
-def _hf_greedy(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    lps = [
-        torch.log_softmax(lg[0].float(), -1)[t].item()
-        for lg, t in zip(out.logits, tokens, strict=True)
-    ]
-    return tokens, lps
 
 
 @pytest.mark.parametrize(("kind", "factor"), [("linear", 4.0), ("dynamic", 2.0)])
@@ -73,11 +58,11 @@ def test_rope_flags_match_transformers_past_context(
     hf = _hf_scaled(model_dir, kind, factor)
     unscaled = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     for req, prompt in zip(reqs, prompts, strict=True):
-        ids, lps = _hf_greedy(hf, prompt, 10)
+        ids, lps = hf_greedy_with(hf, prompt, 10)
         assert [s.token_id for s in req.out] == ids, req.req_id
         assert [s.logprob for s in req.out] == pytest.approx(lps, abs=1e-4), req.req_id
     # The scaling is real: past the context, the unscaled model computes something else.
-    _, plain_lps = _hf_greedy(unscaled, prompts[0], 10)
+    _, plain_lps = hf_greedy_with(unscaled, prompts[0], 10)
     assert [s.logprob for s in reqs[0].out] != pytest.approx(plain_lps, abs=1e-4)
 
 
@@ -116,6 +101,6 @@ def test_dynamic_from_the_checkpoint_config(tiny_model_factory: TinyModelFactory
     req = driver.add("r", prompt, 6)
     driver.run()
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    ids, lps = _hf_greedy(hf, prompt, 6)
+    ids, lps = hf_greedy_with(hf, prompt, 6)
     assert [s.token_id for s in req.out] == ids
     assert [s.logprob for s in req.out] == pytest.approx(lps, abs=1e-4)
