@@ -55,6 +55,9 @@ def _worker(rank: int, world: int, port: int, model_dirs: list[str], out_dir: st
             logits = run_model(Path(model_dir), ParallelContext(rank, world))
             if rank == 0:
                 torch.save(logits, Path(out_dir) / f"{i}.pt")
+        # Both ranks reach teardown together: a rank tearing gloo down while its peer still
+        # has a collective in flight can abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
