@@ -158,14 +158,9 @@ func toTGIDetails(d *genservev1.Details) *tgiDetails {
 		FinishReason:    tgiFinishReason(d.GetFinishReason()),
 		GeneratedTokens: d.GetGeneratedTokens(),
 		Seed:            d.Seed,
-		Prefill:         make([]tgiPrefillToken, 0, len(d.GetPrefill())),
+		Prefill:         toTGIPrefill(d.GetPrefill()),
 		Tokens:          toTGITokens(d.GetTokens()),
-	}
-	for _, t := range d.GetPrefill() {
-		out.Prefill = append(out.Prefill, tgiPrefillToken{ID: t.GetId(), Text: t.GetText(), Logprob: logprobPtr(t)})
-	}
-	for _, top := range d.GetTopTokens() {
-		out.TopTokens = append(out.TopTokens, toTGITokens(top.GetTokens()))
+		TopTokens:       toTGITopTokens(d.GetTopTokens()),
 	}
 	for _, b := range d.GetBestOfSequences() {
 		out.BestOfSequences = append(out.BestOfSequences, toTGIBestOf(b))
@@ -174,21 +169,33 @@ func toTGIDetails(d *genservev1.Details) *tgiDetails {
 }
 
 func toTGIBestOf(b *genservev1.BestOfSequence) tgiBestOfSequence {
-	seq := tgiBestOfSequence{
+	return tgiBestOfSequence{
 		GeneratedText:   b.GetGeneratedText(),
 		FinishReason:    tgiFinishReason(b.GetFinishReason()),
 		GeneratedTokens: b.GetGeneratedTokens(),
 		Seed:            b.Seed,
-		Prefill:         make([]tgiPrefillToken, 0, len(b.GetPrefill())),
+		Prefill:         toTGIPrefill(b.GetPrefill()),
 		Tokens:          toTGITokens(b.GetTokens()),
+		TopTokens:       toTGITopTokens(b.GetTopTokens()),
 	}
-	for _, t := range b.GetPrefill() {
-		seq.Prefill = append(seq.Prefill, tgiPrefillToken{ID: t.GetId(), Text: t.GetText(), Logprob: logprobPtr(t)})
+}
+
+// toTGIPrefill: prompt tokens as TGI's prefill list (always an array, never null).
+func toTGIPrefill(tokens []*genservev1.Token) []tgiPrefillToken {
+	out := make([]tgiPrefillToken, 0, len(tokens))
+	for _, t := range tokens {
+		out = append(out, tgiPrefillToken{ID: t.GetId(), Text: t.GetText(), Logprob: logprobPtr(t)})
 	}
-	for _, top := range b.GetTopTokens() {
-		seq.TopTokens = append(seq.TopTokens, toTGITokens(top.GetTokens()))
+	return out
+}
+
+// toTGITopTokens: one list of alternatives per generated token; nil (omitted) without any.
+func toTGITopTokens(tops []*genservev1.TopTokens) [][]tgiToken {
+	var out [][]tgiToken
+	for _, top := range tops {
+		out = append(out, toTGITokens(top.GetTokens()))
 	}
-	return seq
+	return out
 }
 
 func toTGIStreamResponse(m *genservev1.GenerateStreamResponse, wantDetails bool) tgiStreamResponse {
