@@ -37,7 +37,8 @@ _SOURCES = [
     for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "matvec_cpu.cpp")
 ]
 _SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (model/lora.py)
-_HEADERS = [Path(__file__).with_name("vec_math.h")]
+_SOURCES.append(Path(__file__).with_name("quant_cpu.cpp"))  # --quantize (model/quantization.py)
+_HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h")]
 _OPS = (
     "paged_decode_attention",
     "rms_norm",
@@ -45,6 +46,7 @@ _OPS = (
     "silu_and_mul",
     "rotary",
     "matvec",
+    "qlinear",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 

@@ -25,6 +25,7 @@ from torch import nn
 from genserve.model import rope_scaling
 from genserve.model.config import RopeConfig, UnsupportedModelError
 from genserve.model.lora import LoraHook
+from genserve.model.quantization import QuantizedWeight
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
 
@@ -64,32 +65,64 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-            bias: torch.Tensor | None, matvec_rows: int = 0) -> torch.Tensor:  # fmt: skip
-    if x.shape[0] <= matvec_rows and weight.numel():  # few rows: stream W (kernels/matvec_cpu)
+def _linear(layer: _Packable, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x Wᵀ + b`` by the fastest path ``layer`` has: its quantized weight (genserve's
+    ``qlinear`` kernel, else the torch reference), the weight-streaming matvec for few rows,
+    oneDNN's packed weight, or ``F.linear``."""
+    quant = layer.quant
+    if quant is not None:
+        if layer.quant_kernel:  # kernels/quant_cpu.cpp: streams the packed weight, any M
+            q_out: torch.Tensor = torch.ops.genserve.qlinear(
+                x, quant.data, quant.scales, quant.mins, quant.bits, quant.group, bias
+            )
+            return q_out
+        return F.linear(x, quant.dequantize(x.dtype), bias)
+    weight = layer.weight
+    if x.shape[0] <= layer.matvec_rows and weight.numel():  # stream W (kernels/matvec_cpu)
         small: torch.Tensor = torch.ops.genserve.matvec(x, weight, bias)
         return small
-    if packed is not None:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if layer.packed is not None:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, layer.packed, bias, "none", [], ""
+        )
         return out
     return F.linear(x, weight, bias)
 
 
 class _Packable(nn.Module):
-    """A layer whose ``weight`` may be replaced by a prepacked copy once loaded."""
+    """A layer whose ``weight`` may be replaced by a prepacked copy once loaded, or by a
+    quantized one (``--quantize``)."""
 
     weight: torch.Tensor
     packed: torch.Tensor | None = None
     # Steps of at most this many rows use genserve's weight-streaming CPU matvec (set by
     # LlamaForCausalLM.use_fused_cpu_ops; 0: never).
     matvec_rows: int = 0
+    # --quantize: the weight in a quantized format (model/quantization.py), used instead of
+    # ``weight``; ``quant_kernel``: genserve's CPU kernel runs it (set with the fused ops).
+    quant: QuantizedWeight | None = None
+    quant_kernel: bool = False
 
     def pack(self, release: bool = True) -> None:
         """Switch to the prepacked weight (if it applies); ``release`` frees the plain copy
         (not done when the weight is shared, e.g. tied embeddings).  Call after loading."""
+        if self.quant is not None:
+            return
         self.packed = _pack_weight(self.weight)
         if self.packed is not None and release:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def set_quantized(self, quant: QuantizedWeight) -> None:
+        """Serve from ``quant`` (same shape as ``weight``) and free the plain weight; a tied
+        embedding and head share one ``quant``."""
+        if (quant.out_features, quant.in_features) != tuple(self.weight.shape):
+            raise ValueError(
+                f"quantized weight {(quant.out_features, quant.in_features)} does not match "
+                f"{tuple(self.weight.shape)}"
+            )
+        self.quant = quant.to(self.weight.device)
+        self.packed = None
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -224,7 +257,7 @@ class ColumnParallelLinear(_Packable):
     lora: LoraHook | None = None  # multi-LoRA deltas (genserve.model.lora), when enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(x, self.weight, self.packed, self.bias, self.matvec_rows)  # [tokens, out]
+        y = _linear(self, x, self.bias)  # [tokens, out]
         return y if self.lora is None else self.lora.add_delta(x, y)
 
     def load(self, weights: WeightSource, prefixes: Sequence[str]) -> None:
@@ -336,11 +369,11 @@ class RowParallelLinear(_Packable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size == 1:
-            y1 = _linear(x, self.weight, self.packed, self.bias, self.matvec_rows)
+            y1 = _linear(self, x, self.bias)
             return y1 if self.lora is None else self.lora.add_delta(x, y1)
         # The bias is added once, after the partial sums are reduced; a LoRA delta (A split
         # on the input features like W) is a partial sum too and joins the same all-reduce.
-        partial = _linear(x, self.weight, self.packed, None, self.matvec_rows)
+        partial = _linear(self, x, None)
         if self.lora is not None:
             partial = self.lora.add_delta(x, partial)
         y = self.ctx.all_reduce(partial)
@@ -371,13 +404,18 @@ class VocabParallelEmbedding(_Packable):
         self.start, self.stop, per_rank = ctx.padded_shard(vocab_size)
         self.weight = _empty(per_rank, hidden_size, dtype=dtype, device=device)
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:  # dequantize just the looked-up rows
+            return self.quant.rows(ids).dequantize(self.weight.dtype)
+        return F.embedding(ids, self.weight)
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         # token_ids: [num_tokens] -> [num_tokens, hidden]
         if self.ctx.world_size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self._lookup(token_ids)
         outside = (token_ids < self.start) | (token_ids >= self.stop)
         local = (token_ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside[:, None], 0.0)
+        out = self._lookup(local).masked_fill(outside[:, None], 0.0)
         return self.ctx.all_reduce(out)
 
     def load(self, weights: WeightSource, name: str) -> None:
@@ -393,7 +431,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab_size]
-        local = _linear(hidden, self.weight, self.packed, None, self.matvec_rows)
+        local = _linear(self, hidden, None)
         if self.ctx.world_size == 1:
             return local
         return self.ctx.all_gather(local, dim=-1)[:, : self.vocab_size]

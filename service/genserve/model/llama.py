@@ -240,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
                 linear.matvec_rows = matvec_rows
         self.norm.fused = True
         self.lm_head.matvec_rows = matvec_rows
+        for module in (*(m for layer in self._layers for m in self._linears(layer)), self.lm_head):
+            # The kernel reads groups in whole vectors (16 floats with AVX-512); a matrix
+            # whose groups are not (an odd shard) keeps the torch reference.
+            module.quant_kernel = module.quant is None or module.quant.group % 16 == 0
 
     @staticmethod
     def _linears(layer: LlamaDecoderLayer) -> tuple[_Packable, ...]:

@@ -59,6 +59,10 @@ class ResolvedModel:
     # Issue #15 --rope-scaling / --rope-factor (model/rope_scaling.py); None: as the model.
     rope_scaling: str | None = None
     rope_factor: float | None = None
+    # Issue #14: the GGUF file the weights were converted from (``--quantize gguf`` serves its
+    # quantized blocks), and the --quantize method (None: the model dtype).
+    gguf_file: Path | None = None
+    quantize: str | None = None
 
 
 def default_gguf_path() -> Path:
@@ -100,7 +104,8 @@ def resolve_model(
             )
         return _from_gguf(path, model_id, cache, trust_remote_code)
     if path.is_dir():
-        return ResolvedModel(_usable_dir(path, cache, trust_remote_code), model_id, revision)
+        usable = _usable_dir(path, cache, trust_remote_code)
+        return ResolvedModel(usable, model_id, revision, gguf_file=_gguf_source(path, usable))
     if _looks_local(model_id):
         raise ModelNotFoundError(f"--model-id {model_id!r}: no such file or directory")
     return _from_hub(model_id, revision, hub_cache, cache, trust_remote_code)
@@ -108,7 +113,14 @@ def resolve_model(
 
 def _from_gguf(gguf: Path, model_id: str, cache: Path, trust_remote_code: bool) -> ResolvedModel:
     local_dir = convert_gguf(gguf, cache, trust_remote_code)
-    return ResolvedModel(local_dir, model_id, f"sha256:{file_digest(gguf, cache)[:16]}")
+    digest = f"sha256:{file_digest(gguf, cache)[:16]}"
+    return ResolvedModel(local_dir, model_id, digest, gguf_file=gguf)
+
+
+def _gguf_source(model_dir: Path, usable: Path) -> Path | None:
+    """The one ``.gguf`` file of ``model_dir`` when its weights were converted from it."""
+    ggufs = sorted(model_dir.glob("*.gguf"))
+    return ggufs[0] if usable != model_dir and len(ggufs) == 1 else None
 
 
 def _usable_dir(model_dir: Path, cache: Path, trust_remote_code: bool) -> Path:

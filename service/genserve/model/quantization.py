@@ -68,6 +68,22 @@ class QuantizedWeight:
             self.bits, self.group,
         )  # fmt: skip
 
+    def columns(self, start: int, stop: int) -> QuantizedWeight:
+        """Input features ``[start, stop)`` (a row-parallel shard); whole groups only."""
+        if (start, stop) == (0, self.in_features):
+            return self
+        if start % self.group or stop % self.group:
+            raise QuantizationError(
+                f"columns [{start}, {stop}) do not fall on groups of {self.group} weights"
+            )
+        per_byte = 2 if self.bits == 4 else 1
+        g0, g1 = start // self.group, stop // self.group
+        mins = None if self.mins is None else self.mins[:, g0:g1].contiguous()
+        return QuantizedWeight(
+            self.data[:, start // per_byte : stop // per_byte].contiguous(),
+            self.scales[:, g0:g1].contiguous(), mins, self.bits, self.group,
+        )  # fmt: skip
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``W [N, K]`` in ``dtype`` (computed in float32: ``scale * q (+ min)``)."""
         n, k = self.out_features, self.in_features
@@ -129,3 +145,21 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     if method == "int4":
         return quantize_int4(weight)
     raise QuantizationError(f"no quantizer for {method!r} (int8, int4)")
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack matrices of one format along the output features (fused Q/K/V, gate/up)."""
+    first = parts[0]
+    for part in parts[1:]:
+        same = (part.bits, part.group, part.mins is None, part.in_features) == (
+            first.bits, first.group, first.mins is None, first.in_features,
+        )  # fmt: skip
+        if not same:
+            raise QuantizationError("fused matrices are stored in different formats")
+    mins = None
+    if first.mins is not None:
+        mins = torch.cat([p.mins for p in parts if p.mins is not None])
+    return QuantizedWeight(
+        torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]), mins,
+        first.bits, first.group,
+    )  # fmt: skip

@@ -33,7 +33,9 @@ from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
 from genserve.model.config import ModelConfig
 from genserve.model.loader import ResolvedModel
+from genserve.model.llama import LlamaForCausalLM
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
+from genserve.model.quantize_model import QuantizeSummary, quantize_model
 from genserve.model.registry import build_model
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
@@ -136,6 +138,7 @@ class ModelRunner:
             self.model = build_model(self.config, self.parallel, dtype, device)
             with SafetensorsWeights(model.local_dir) as weights:
                 self.model.load_weights(weights)
+        self.quantization = _quantize(self.model, model) if model.quantize else None
         from genserve.kernels import cpu as cpu_kernels
 
         if cpu_kernels.usable(device, dtype):
@@ -542,6 +545,26 @@ def _positions(chunks: list[ScheduledChunk], num_single: int) -> np.ndarray:
         for c in chunks[num_single:]
     ]
     return np.concatenate(parts)
+
+
+def _quantize(model: LlamaForCausalLM, resolved: ResolvedModel) -> QuantizeSummary:
+    """``--quantize``: the model's matrices in the quantized format (model/quantize_model)."""
+    from genserve.model.quantization import QuantizationError
+
+    method = str(resolved.quantize)
+    tensors = None
+    if method == "gguf":
+        from genserve.model.gguf_weights import read_gguf_quantized
+
+        if resolved.gguf_file is None:
+            raise QuantizationError(
+                "--quantize gguf keeps a GGUF file's quantization, but the model was not "
+                "loaded from a .gguf file (use --quantize int8 or int4 for other checkpoints)"
+            )
+        tensors = read_gguf_quantized(
+            resolved.gguf_file, model.config.num_heads, model.config.num_kv_heads
+        )
+    return quantize_model(model, method, tensors)
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,91 @@
+// The register-blocked dot products behind genserve's weight-streaming matmuls
+// (matvec_cpu.cpp for float32/bfloat16 weights, quant_cpu.cpp for quantized ones, which
+// dequantize a few rows into L1 and run the same loop over them).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace genserve_vec {
+
+// One native vector register of floats: 16 lanes with AVX-512, 8 with AVX2 (so that the
+// accumulators below fit the 32 or 16 registers the ISA has), 4 on the SSE baseline.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+typedef float f32v __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t u32v __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t u16v __attribute__((vector_size(kLanes * 2)));
+
+inline f32v load16(const float* p) {
+  f32v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline f32v load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // One vpmovzxwd from memory (GCC's generic conversion splits it into two halves and
+  // shuffles them back together, which made this loop shuffle-bound).
+  const __m512i wide =
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+  return (f32v)_mm512_castsi512_ps(wide);
+#elif defined(__AVX2__)
+  const __m256i wide =
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+  return (f32v)_mm256_castsi256_ps(wide);
+#else
+  u16v h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32v wide = __builtin_convertvector(h, u32v) << 16;
+  f32v v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+#endif
+}
+
+inline float hsum(f32v v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// Rows [o0, o0 + O) of W against all M rows of x (float32, [M, K]); out is float32 [M, N].
+template <int M, int O, typename W>
+inline void dot_block(const float* x, const W* w, int64_t K, int64_t N, int64_t o0, float* out) {
+  f32v acc[O][M];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < M; ++r) acc[o][r] = f32v{};
+  const int64_t vec_end = K - K % kLanes;
+  for (int64_t k = 0; k < vec_end; k += kLanes) {
+    f32v xv[M];
+    for (int r = 0; r < M; ++r) xv[r] = load16(x + r * K + k);
+    for (int o = 0; o < O; ++o) {
+      // Rows are short (a few KB): ask for the next block's rows now, before the hardware
+      // prefetcher would have noticed the stream.
+      __builtin_prefetch(w + (o0 + O + o) * K + k);
+      const f32v wv = load16(w + (o0 + o) * K + k);
+      for (int r = 0; r < M; ++r) acc[o][r] += xv[r] * wv;
+    }
+  }
+  for (int o = 0; o < O; ++o) {
+    for (int r = 0; r < M; ++r) {
+      float s = hsum(acc[o][r]);
+      for (int64_t k = vec_end; k < K; ++k) s += x[r * K + k] * to_f32(w[(o0 + o) * K + k]);
+      out[r * N + o0 + o] = s;
+    }
+  }
+}
+
+}  // namespace genserve_vec
