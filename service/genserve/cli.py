@@ -31,6 +31,7 @@ from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
 from genserve.limits import LimitsError, ServingLimits, derive_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
+from genserve.model.quantization import QUANTIZE_ALIASES
 from genserve.server.app import GrpcApp
 from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
@@ -87,7 +88,10 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         trust_remote_code=config.trust_remote_code,
     )
     resolved = dataclasses.replace(
-        resolved, rope_scaling=config.rope_scaling, rope_factor=config.rope_factor
+        resolved,
+        rope_scaling=config.rope_scaling,
+        rope_factor=config.rope_factor,
+        quantize=QUANTIZE_ALIASES.get(config.quantize or "", config.quantize),
     )
     cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
     if config.disable_cpu_kernels:
@@ -175,6 +179,8 @@ def _size_and_warm_up(
         block_size=limits.block_size,
         num_kv_blocks=limits.num_kv_blocks,
         cuda_graph_batch_sizes=list(runner.cuda_graph_sizes),
+        quantize=resolved.quantize or "",
+        model_weight_bytes=runner.weight_bytes(),
         max_concurrent_requests=config.max_concurrent_requests,
         max_best_of=config.max_best_of,
         watermark_gamma=config.watermark_gamma,

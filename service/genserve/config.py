@@ -47,6 +47,7 @@ class Config:
     watermark_delta: float = 2.0  # issue #15: TGI's green-logit bias
     rope_scaling: str | None = None  # issue #15: linear | dynamic (TGI's --rope-scaling)
     rope_factor: float | None = None
+    quantize: str | None = None  # issue #14: int8 | int4 | gguf (eetq: int8), weight-only
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_input_tokens: int | None = None
@@ -254,6 +255,13 @@ FLAGS: tuple[_Flag, ...] = (
         "rope_factor",
         "Rotary scaling factor; alone it implies --rope-scaling linear (as TGI).",
         _positive_float,
+    ),
+    _flag(
+        "quantize",
+        "Weight-only quantization, CPU kernels: int8 (per-channel; eetq is accepted as its "
+        "TGI name), int4 (groups of 32, Q4_1's scheme; the vocabulary matrix int8), or gguf "
+        "(keep a .gguf model's Q8_0/Q4_0/Q4_1 blocks). Activations stay in --dtype.",
+        choices=("int8", "int4", "gguf", "eetq"),
     ),
     _flag(
         "disable_grammar_support",

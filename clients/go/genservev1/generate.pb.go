@@ -1164,8 +1164,12 @@ type InfoResponse struct {
 	WatermarkDelta float32 `protobuf:"fixed32,28,opt,name=watermark_delta,json=watermarkDelta,proto3" json:"watermark_delta,omitempty"`
 	// #12: decode batch sizes replayed from CUDA graphs (--cuda-graphs); empty: all eager.
 	CudaGraphBatchSizes []uint32 `protobuf:"varint,38,rep,packed,name=cuda_graph_batch_sizes,json=cudaGraphBatchSizes,proto3" json:"cuda_graph_batch_sizes,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// #14 --quantize: the weight format served ("int8", "int4", "gguf"); empty: model_dtype.
+	Quantize string `protobuf:"bytes,39,opt,name=quantize,proto3" json:"quantize,omitempty"`
+	// Bytes of model weights held on shard 0 (quantized matrices at their packed size).
+	ModelWeightBytes uint64 `protobuf:"varint,40,opt,name=model_weight_bytes,json=modelWeightBytes,proto3" json:"model_weight_bytes,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1399,6 +1403,20 @@ func (x *InfoResponse) GetCudaGraphBatchSizes() []uint32 {
 		return x.CudaGraphBatchSizes
 	}
 	return nil
+}
+
+func (x *InfoResponse) GetQuantize() string {
+	if x != nil {
+		return x.Quantize
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetModelWeightBytes() uint64 {
+	if x != nil {
+		return x.ModelWeightBytes
+	}
+	return 0
 }
 
 type TokenizeRequest struct {
@@ -2778,7 +2796,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xac\t\n" +
+	"\vInfoRequest\"\xf6\t\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2812,7 +2830,9 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x12default_adapter_id\x18! \x01(\tR\x10defaultAdapterId\x12'\n" +
 	"\x0fwatermark_gamma\x18\x1b \x01(\x02R\x0ewatermarkGamma\x12'\n" +
 	"\x0fwatermark_delta\x18\x1c \x01(\x02R\x0ewatermarkDelta\x123\n" +
-	"\x16cuda_graph_batch_sizes\x18& \x03(\rR\x13cudaGraphBatchSizes\"s\n" +
+	"\x16cuda_graph_batch_sizes\x18& \x03(\rR\x13cudaGraphBatchSizes\x12\x1a\n" +
+	"\bquantize\x18' \x01(\tR\bquantize\x12,\n" +
+	"\x12model_weight_bytes\x18( \x01(\x04R\x10modelWeightBytes\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +

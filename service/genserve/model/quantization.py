@@ -99,6 +99,8 @@ class QuantizedWeight:
         return w.view(n, k).to(dtype)
 
     def to(self, device: torch.device) -> QuantizedWeight:
+        if self.data.device == device:
+            return self  # a tied embedding and head keep sharing one object
         mins = None if self.mins is None else self.mins.to(device)
         return QuantizedWeight(
             self.data.to(device), self.scales.to(device), mins, self.bits, self.group

@@ -104,60 +104,50 @@ def _from_float(model: LlamaForCausalLM, method: str, summary: QuantizeSummary) 
 def _from_gguf(
     model: LlamaForCausalLM, tensors: Mapping[str, QuantizedWeight], summary: QuantizeSummary
 ) -> None:
-    def assign(module: _Packable, names: list[str], build: QuantizedWeight | None) -> None:
-        if build is None:
-            summary.kept.extend(names)
-            return
-        module.set_quantized(build)
-        summary.quantized += 1
-
-    def have(*names: str) -> bool:
-        return all(n in tensors for n in names)
-
+    plan: list[tuple[_Packable, list[str]]] = []
     for i, layer in enumerate(model._layers):
-        prefix = f"model.layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [f"{prefix}.self_attn.{p}_proj.weight" for p in "qkv"]
-        assign(attn.qkv_proj, qkv, _qkv(attn.qkv_proj, *qkv, tensors) if have(*qkv) else None)
-        o = f"{prefix}.self_attn.o_proj.weight"
-        assign(attn.o_proj, [o], _row_parallel(attn.o_proj, tensors[o]) if have(o) else None)
-        gate_up = [f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight"]
-        built = _column_parallel(mlp.gate_up_proj, gate_up, tensors) if have(*gate_up) else None
-        assign(mlp.gate_up_proj, gate_up, built)
-        down = f"{prefix}.mlp.down_proj.weight"
-        assign(mlp.down_proj, [down], _row_parallel(mlp.down_proj, tensors[down]) if have(down) else None)  # fmt: skip
-    embed_name = "model.embed_tokens.weight"
-    embed = _vocab_rows(model.embed_tokens, tensors[embed_name]) if have(embed_name) else None
-    assign(model.embed_tokens, [embed_name], embed)
-    if model.config.tie_word_embeddings:
-        if embed is not None:
-            model.lm_head.set_quantized(embed)
-    else:
-        head = _vocab_rows(model.lm_head, tensors["lm_head.weight"]) if have("lm_head.weight") else None  # fmt: skip
-        assign(model.lm_head, ["lm_head.weight"], head)
+        attn = f"model.layers.{i}.self_attn"
+        mlp = f"model.layers.{i}.mlp"
+        plan += [
+            (layer.self_attn.qkv_proj, [f"{attn}.{p}_proj.weight" for p in "qkv"]),
+            (layer.self_attn.o_proj, [f"{attn}.o_proj.weight"]),
+            (layer.mlp.gate_up_proj, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]),
+            (layer.mlp.down_proj, [f"{mlp}.down_proj.weight"]),
+        ]
+    plan.append((model.embed_tokens, ["model.embed_tokens.weight"]))
+    if not model.config.tie_word_embeddings:
+        plan.append((model.lm_head, ["lm_head.weight"]))
+    for module, names in plan:
+        if not all(n in tensors for n in names):  # a type without a kernel: stays float
+            summary.kept.extend(names)
+            continue
+        module.set_quantized(_shard(module, [tensors[n] for n in names]))
+        summary.quantized += 1
+    embed = model.embed_tokens.quant
+    if model.config.tie_word_embeddings and embed is not None:
+        model.lm_head.set_quantized(embed)
+
+
+def _shard(module: _Packable, parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """This rank's part of the file's matrices, fused as ``module`` stores them."""
+    if isinstance(module, QKVParallelLinear):
+        return _qkv(module, *parts)
+    if isinstance(module, ColumnParallelLinear):  # gate/up
+        ranges = zip(parts, module.ranges, strict=True)
+        return cat_rows([part.rows(slice(a, b)) for part, (a, b) in ranges])
+    if isinstance(module, RowParallelLinear):
+        return parts[0].columns(*module.in_range)
+    assert isinstance(module, VocabParallelEmbedding)
+    return _vocab_rows(module, parts[0])
 
 
 def _qkv(
-    layer: QKVParallelLinear, q: str, k: str, v: str, tensors: Mapping[str, QuantizedWeight]
+    layer: QKVParallelLinear, q: QuantizedWeight, k: QuantizedWeight, v: QuantizedWeight
 ) -> QuantizedWeight:
     d = layer.head_dim
     kv_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in layer.kv_heads])
     start, stop = layer.q_range
-    return cat_rows(
-        [tensors[q].rows(slice(start, stop)), tensors[k].rows(kv_rows), tensors[v].rows(kv_rows)]
-    )
-
-
-def _column_parallel(
-    layer: ColumnParallelLinear, names: list[str], tensors: Mapping[str, QuantizedWeight]
-) -> QuantizedWeight:
-    return cat_rows(
-        [tensors[n].rows(slice(a, b)) for n, (a, b) in zip(names, layer.ranges, strict=True)]
-    )
-
-
-def _row_parallel(layer: RowParallelLinear, weight: QuantizedWeight) -> QuantizedWeight:
-    return weight.columns(*layer.in_range)
+    return cat_rows([q.rows(slice(start, stop)), k.rows(kv_rows), v.rows(kv_rows)])
 
 
 def _vocab_rows(layer: VocabParallelEmbedding, weight: QuantizedWeight) -> QuantizedWeight:
@@ -166,10 +156,10 @@ def _vocab_rows(layer: VocabParallelEmbedding, weight: QuantizedWeight) -> Quant
     pad = layer.weight.shape[0] - rows.out_features
     if pad <= 0:
         return rows
-    zero = QuantizedWeight(
-        torch.zeros((pad, rows.data.shape[1]), dtype=rows.data.dtype),
-        torch.zeros((pad, rows.scales.shape[1]), dtype=rows.scales.dtype),
-        None if rows.mins is None else torch.zeros((pad, rows.mins.shape[1]), dtype=rows.mins.dtype),
-        rows.bits, rows.group,
-    )  # fmt: skip
+
+    def zeros(like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((pad, like.shape[1]), dtype=like.dtype)
+
+    mins = None if rows.mins is None else zeros(rows.mins)
+    zero = QuantizedWeight(zeros(rows.data), zeros(rows.scales), mins, rows.bits, rows.group)
     return cat_rows([rows, zero])

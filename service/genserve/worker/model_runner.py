@@ -32,8 +32,8 @@ import torch
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
 from genserve.model.config import ModelConfig
-from genserve.model.loader import ResolvedModel
 from genserve.model.llama import LlamaForCausalLM
+from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.quantize_model import QuantizeSummary, quantize_model
 from genserve.model.registry import build_model
@@ -139,6 +139,13 @@ class ModelRunner:
             with SafetensorsWeights(model.local_dir) as weights:
                 self.model.load_weights(weights)
         self.quantization = _quantize(self.model, model) if model.quantize else None
+        if self.quantization is not None and device.type != "cpu":
+            log.warning(
+                "quantized_weights_without_kernel",
+                device=device.type,
+                detail="--quantize has CPU kernels only; on this device every matmul "
+                "dequantizes its weight first (correct, slower than --dtype alone)",
+            )
         from genserve.kernels import cpu as cpu_kernels
 
         if cpu_kernels.usable(device, dtype):
@@ -175,6 +182,18 @@ class ModelRunner:
             rank=self.parallel.rank,
             world_size=self.parallel.world_size,
         )
+
+    def weight_bytes(self) -> int:
+        """Bytes of model weights this rank holds (quantized matrices at their packed size,
+        a tied embedding and head once)."""
+        total = sum(p.nbytes for p in self.model.parameters())
+        seen: set[int] = set()
+        for module in self.model.modules():
+            quant = getattr(module, "quant", None)
+            if quant is not None and quant.data.data_ptr() not in seen:
+                seen.add(quant.data.data_ptr())
+                total += quant.nbytes
+        return int(total)
 
     # ----------------------------------------------------------------- KV cache sizing
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

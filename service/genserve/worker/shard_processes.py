@@ -48,6 +48,8 @@ class WorkerSpec:
     cpu_kernels: bool = True
     rope_scaling: str | None = None  # issue #15 --rope-scaling / --rope-factor
     rope_factor: float | None = None
+    quantize: str | None = None  # issue #14 --quantize (its canonical name)
+    gguf_file: str | None = None  # the .gguf the model was converted from (--quantize gguf)
 
     def argv(self, rank: int, parent_fd: int) -> list[str]:
         args = [
@@ -73,6 +75,10 @@ class WorkerSpec:
             args.append(f"--rope-scaling={self.rope_scaling}")
         if self.rope_factor is not None:
             args.append(f"--rope-factor={self.rope_factor}")
+        if self.quantize is not None:
+            args.append(f"--quantize={self.quantize}")
+        if self.gguf_file is not None:
+            args.append(f"--gguf-file={self.gguf_file}")
         if self.trust_remote_code:
             args.append("--trust-remote-code")
         if self.kernel_cache_dir is not None:

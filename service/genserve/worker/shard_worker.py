@@ -42,6 +42,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--disable-cpu-kernels", action="store_true")
     p.add_argument("--rope-scaling", choices=("linear", "dynamic"), default=None)
     p.add_argument("--rope-factor", type=float, default=None)
+    p.add_argument("--quantize", choices=("int8", "int4", "gguf"), default=None)
+    p.add_argument("--gguf-file", default=None)
     return p.parse_args(argv)
 
 
@@ -112,6 +114,8 @@ def run(args: argparse.Namespace) -> None:
             args.model_id or args.model_dir,
             rope_scaling=args.rope_scaling,
             rope_factor=args.rope_factor,
+            gguf_file=None if args.gguf_file is None else Path(args.gguf_file),
+            quantize=args.quantize,
         ),
         dtype=getattr(torch, args.dtype),
         device=device,

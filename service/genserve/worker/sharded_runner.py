@@ -204,6 +204,8 @@ def launch_sharded_runner(
         cpu_kernels=not config.disable_cpu_kernels,
         rope_scaling=model.rope_scaling,
         rope_factor=model.rope_factor,
+        quantize=model.quantize,
+        gguf_file=None if model.gguf_file is None else str(model.gguf_file),
     )
     processes = ShardProcesses(spec, on_failure)
     try:
