@@ -25,6 +25,8 @@ from genserve.v1 import generate_pb2_grpc as pb_grpc
 from genserve.worker.model_runner import ModelRunner
 from tests.e2e.prompts import PARITY_SERVER_ARGS, varied_prompts
 from tests.e2e.test_hf_parity import hf_greedy
+from tests.e2e.test_tensor_parallel import generate_all
+from tests.e2e.tp_utils import SERVER_ARGS, shard_args, start_servers
 from tests.utils.inproc_server import inproc_server
 from tests.utils.live_server import start_server
 
@@ -122,3 +124,19 @@ def test_gguf_blocks_serve_the_default_model_like_its_float_weights() -> None:
     # Q4_1 layers and a Q8_0 embedding: about a fifth of the float32 bytes.
     ratio = infos["gguf"].model_weight_bytes / infos["float32"].model_weight_bytes
     assert ratio < 0.3
+
+
+def test_two_shards_serve_int4_like_transformers_on_dequantized_weights(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    # Each shard quantizes its own slice: the row-parallel projections are split on input
+    # features at a multiple of 32, so the groups, and the result, are those of one shard.
+    prompts = varied_prompts(6, seed=5)
+    with start_servers([(tiny_llama, (*SERVER_ARGS, *shard_args(2), "--quantize", "int4"))]) as (
+        server,
+    ):
+        served = generate_all(server, prompts, 16)
+    expected = hf_greedy(_dequantized_copy(tiny_llama, tmp_path / "ref", "int4"), prompts, 16)
+    for prompt, got, (ids, logprobs) in zip(prompts, served, expected, strict=True):
+        assert [t.id for t in got.tokens] == ids, f"prompt {prompt[:40]!r}"
+        assert [t.logprob for t in got.tokens] == pytest.approx(logprobs, abs=1e-3)
