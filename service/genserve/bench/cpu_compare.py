@@ -10,9 +10,13 @@ interleaved within each repeat, and the median over repeats is reported (the mac
 runs on are shared: compare within one run, never across runs).
 
 * genserve: its model runner (the step a server runs: attention metadata, forward, sampler),
-  without gRPC, per ``--precisions`` (float32, bfloat16).
+  without gRPC, per ``--precisions``: ``float32``, ``bfloat16`` (weights and compute),
+  ``int8`` / ``int4`` (``--quantize``, float32 activations), ``gguf`` (``--quantize gguf`` on
+  the embedded Q4_1 file: its blocks as they are) and ``gguf:FORMAT`` (``--quantize gguf`` on
+  the file llama.cpp's quantizer wrote for ``--llamacpp FORMAT``: the very same weights).
 * llama.cpp (``--llamacpp``, needs the ``llamacpp`` extra): the embedded GGUF re-encoded by
-  llama.cpp's own quantizer to each format named, batched the way ``llama-server -np N`` does.
+  llama.cpp's own quantizer to each format named (Q4_1, the embedded file's own format, runs
+  the file itself), batched the way ``llama-server -np N`` does.
 * transformers: ``generate()`` on the same float32 weights (unpadded: equal prompt lengths);
   decode time is ``generate(N)`` minus ``generate(1)``.
 
@@ -24,6 +28,7 @@ per token.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -34,34 +39,42 @@ from pathlib import Path
 import torch
 
 from genserve.bench import machine_limits
+from genserve.bench.llamacpp_baseline import FTYPES
+from genserve.model.loader import ResolvedModel
 
-# Bytes per weight of each storage format (GGUF blocks of 32 carry their scales).
-BYTES_PER_PARAM = {
-    "float32": 4.0,
-    "bfloat16": 2.0,
-    "F32": 4.0,
-    "F16": 2.0,
-    "Q8_0": 34 / 32,
-    "Q4_0": 18 / 32,
-    "Q4_1": 20 / 32,
-}
+_PRECISIONS = ("float32", "bfloat16", "int8", "int4", "gguf")
+
+
+def _is_gguf_format(precision: str) -> bool:
+    return precision.startswith("gguf:") and precision.removeprefix("gguf:") in FTYPES
 
 
 @dataclass(frozen=True, slots=True)
 class Engine:
     name: str
-    storage: str  # key of BYTES_PER_PARAM
+    weight_bytes: float  # bytes of weights read per decode step (the bandwidth limit's)
     # (prompts, new_tokens) -> (decode tok/s, generated ids per prompt)
     run: Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
 
 
-def _genserve_engine(local_dir: Path, precision: str, max_streams: int, max_len: int) -> Engine:
-    from genserve.model.loader import ResolvedModel
+def _genserve_engine(
+    resolved: ResolvedModel, precision: str, max_streams: int, max_len: int, gguf_dir: Path
+) -> Engine:
     from genserve.worker.model_runner import ModelRunner
     from genserve.worker.runner_bench import BLOCK_SIZE, greedy_run
 
+    dtype, quantize = torch.float32, None
+    if precision == "bfloat16":
+        dtype = torch.bfloat16
+    elif precision in ("int8", "int4", "gguf"):
+        quantize = precision
+    elif precision.startswith("gguf:"):
+        assert resolved.gguf_file is not None
+        gguf = _llamacpp_file(resolved.gguf_file, precision.removeprefix("gguf:"), gguf_dir)
+        resolved = dataclasses.replace(resolved, gguf_file=gguf)
+        quantize = "gguf"
     runner = ModelRunner(
-        ResolvedModel(local_dir, "bench"), getattr(torch, precision), torch.device("cpu")
+        dataclasses.replace(resolved, quantize=quantize), dtype, torch.device("cpu")
     )
     runner.initialize_kv_cache(max_streams * -(-max_len // BLOCK_SIZE) + 1, BLOCK_SIZE)
     runner.warmup()
@@ -70,7 +83,7 @@ def _genserve_engine(local_dir: Path, precision: str, max_streams: int, max_len:
         _, decode_s, tokens = greedy_run(runner, prompts, new_tokens)
         return len(prompts) * (new_tokens - 1) / decode_s, tokens
 
-    return Engine(f"genserve {precision}", precision, run)
+    return Engine(f"genserve {precision}", runner.weight_bytes(), run)
 
 
 def _hf_engine(local_dir: Path) -> Engine:
@@ -98,21 +111,39 @@ def _hf_engine(local_dir: Path) -> Engine:
         decode_s = max(total_s - first_s, 1e-9)
         return len(prompts) * (new_tokens - 1) / decode_s, out[:, ids.shape[1] :].tolist()
 
-    return Engine("transformers float32", "float32", run)
+    params = sum(p.numel() for p in model.parameters())
+    return Engine("transformers float32", 4.0 * params, run)
+
+
+def _llamacpp_file(source: Path, ftype: str, cache: Path) -> Path:
+    """The GGUF llama.cpp runs for ``ftype``: the embedded file itself in its own format,
+    else llama.cpp's re-encoding of it."""
+    from genserve.bench.llamacpp_baseline import make_gguf
+
+    if source.stem.endswith(f".{ftype}"):
+        return source
+    return make_gguf(source, cache, ftype, torch.get_num_threads())
+
+
+def _gguf_weight_bytes(path: Path) -> float:
+    from gguf import GGUFReader
+
+    return float(sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors))
 
 
 def _llamacpp_engine(
     source: Path, ftype: str, cache: Path, threads: int, max_streams: int, max_len: int
 ) -> Engine:
-    from genserve.bench.llamacpp_baseline import LlamaCppModel, make_gguf
+    from genserve.bench.llamacpp_baseline import LlamaCppModel
 
-    model = LlamaCppModel(make_gguf(source, cache, ftype, threads), max_streams, max_len, threads)
+    path = _llamacpp_file(source, ftype, cache)
+    model = LlamaCppModel(path, max_streams, max_len, threads)
 
     def run(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         result = model.greedy(prompts, new_tokens)
         return result.decode_tok_s, result.tokens
 
-    return Engine(f"llama.cpp {ftype}", ftype, run)
+    return Engine(f"llama.cpp {ftype}", _gguf_weight_bytes(path), run)
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -144,13 +175,14 @@ def run_compare(args: argparse.Namespace) -> dict[str, object]:
         flush=True,
     )
     max_streams, max_len = max(args.streams), args.prompt_len + args.new_tokens
+    gguf_dir = args.cache_dir / "gguf"
     engines = [
-        _genserve_engine(resolved.local_dir, p, max_streams, max_len) for p in args.precisions
+        _genserve_engine(resolved, p, max_streams, max_len, gguf_dir) for p in args.precisions
     ]
     if args.llamacpp:
         source = default_gguf_path()
         engines += [
-            _llamacpp_engine(source, f, args.cache_dir / "gguf", args.threads, max_streams, max_len)
+            _llamacpp_engine(source, f, gguf_dir, args.threads, max_streams, max_len)
             for f in args.llamacpp
         ]
     if args.hf:
@@ -173,7 +205,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, object]:
             values = rates[(engine.name, streams)]
             median = statistics.median(values)
             if streams == 1:
-                limit = cost.bandwidth_tok_s(limits, BYTES_PER_PARAM[engine.storage])
+                limit = limits.read_gb_s * 1e9 / engine.weight_bytes
             else:
                 limit = cost.matmul_tok_s(limits)
             rows.append(
@@ -231,9 +263,10 @@ def main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "cpu.json")
     args = parser.parse_args(argv)
-    bad = [f for f in args.llamacpp if f not in BYTES_PER_PARAM]
-    if bad or any(p not in ("float32", "bfloat16") for p in args.precisions):
-        parser.error(f"unknown format in --llamacpp/--precisions: {bad or args.precisions}")
+    bad = [f for f in args.llamacpp if f not in FTYPES]
+    bad += [p for p in args.precisions if p not in _PRECISIONS and not _is_gguf_format(p)]
+    if bad:
+        parser.error(f"unknown format in --llamacpp/--precisions: {bad}")
     if not args.streams or min(args.streams) < 1 or args.new_tokens < 2 or args.repeats < 1:
         parser.error("--streams >= 1, --new-tokens >= 2, --repeats >= 1")
     result = run_compare(args)
