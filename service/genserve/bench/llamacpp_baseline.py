@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+EXTRA_BUFFER_TYPES = True
+
 # llama.cpp's ``enum llama_ftype`` values of the formats the comparison uses.
 FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
 
@@ -72,6 +74,8 @@ class LlamaCppModel:
         self._lib = lib
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = EXTRA_BUFFER_TYPES
         self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {path}")
