@@ -79,6 +79,10 @@ def test_summarize_against_baseline() -> None:
     table = markdown_table([own, row], "float32")
     assert table.splitlines()[0].startswith("| config |")
     assert "| int4 | 0.500 | 0.750 |" in table
+    assert "MiB" not in table  # no server reported its weight bytes
+    other.weight_bytes = 3 * 2**20
+    sized = markdown_table([summarize(base, other)], "float32")
+    assert "weights (MiB)" in sized and "| int4 | 3.0 | 0.500 |" in sized
 
 
 def test_fixed_inputs_and_cli_registration(capsys: pytest.CaptureFixture[str]) -> None:

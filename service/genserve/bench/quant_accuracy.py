@@ -28,7 +28,8 @@ Three measures per configuration:
 The default model is the embedded SmolLM2-135M-Instruct, a Q4_1 GGUF: ``float32`` serves its
 dequantized weights, so ``gguf`` (keeping Q4_1) should match float32 up to compute order, and
 ``int8``/``int4`` re-quantize weights that were already 4-bit.  Writes ``--out`` (JSON: the
-summary rows and every per-prompt measurement) and prints a markdown table.
+summary rows and every per-prompt measurement) and prints a markdown table, with each
+server's weight size where its Info reports ``model_weight_bytes``.
 
     genserve-bench quant-accuracy --configs float32,int8,int4,gguf --out quant-accuracy.json
     genserve-bench quant-accuracy --configs float32,bfloat16 --max-new-tokens 16
@@ -192,6 +193,7 @@ class ConfigResult:
     server_args: list[str]
     model_id: str = ""
     model_dtype: str = ""
+    weight_bytes: int = 0  # Info.model_weight_bytes where the server reports it, else 0
     prompt_ids: list[list[int]] = field(default_factory=list)  # the server's tokenization
     generated_ids: list[list[int]] = field(default_factory=list)  # greedy, per prompt
     generated_text: list[str] = field(default_factory=list)
@@ -212,6 +214,7 @@ def summarize(base: ConfigResult, other: ConfigResult) -> dict[str, float | str]
     return {
         "config": other.name,
         "model_dtype": other.model_dtype,
+        "weight_bytes": other.weight_bytes,
         "exact_match": sum(exact for exact, _ in pairs) / len(pairs),
         "mean_agreeing_prefix": sum(frac for _, frac in pairs) / len(pairs),
         "mean_abs_dlogprob": sum(deltas) / len(deltas) if deltas else 0.0,
@@ -222,15 +225,18 @@ def summarize(base: ConfigResult, other: ConfigResult) -> dict[str, float | str]
 
 
 def markdown_table(rows: Sequence[Mapping[str, float | str]], baseline: str) -> str:
-    """The summary rows as a markdown table."""
+    """The summary rows as a markdown table (weight sizes only where servers report them)."""
+    sizes = any(float(r.get("weight_bytes", 0)) > 0 for r in rows)
     lines = [
-        f"| config | greedy exact-match | mean agreeing prefix | mean \\|Δlogprob\\| "
+        f"| config |{' weights (MiB) |' if sizes else ''} greedy exact-match "
+        f"| mean agreeing prefix | mean \\|Δlogprob\\| "
         f"| max \\|Δlogprob\\| | perplexity | ppl / {baseline} |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|" + "---:|" * (7 if sizes else 6),
     ]
     for r in rows:
+        mib = f" {float(r.get('weight_bytes', 0)) / 2**20:.1f} |" if sizes else ""
         lines.append(
-            f"| {r['config']} | {float(r['exact_match']):.3f} "
+            f"| {r['config']} |{mib} {float(r['exact_match']):.3f} "
             f"| {float(r['mean_agreeing_prefix']):.3f} | {float(r['mean_abs_dlogprob']):.4f} "
             f"| {float(r['max_abs_dlogprob']):.4f} | {float(r['perplexity']):.3f} "
             f"| {float(r['ppl_ratio']):.4f} |"
@@ -287,6 +293,8 @@ async def measure(
         stub = generate_pb2_grpc.TextGenerationServiceStub(channel)
         info = await stub.Info(generate_pb2.InfoRequest(), timeout=timeout_s)
         result.model_id, result.model_dtype = info.model_id, info.model_dtype
+        if "model_weight_bytes" in info.DESCRIPTOR.fields_by_name:  # newer servers only
+            result.weight_bytes = int(info.model_weight_bytes)
         params = generate_pb2.GenerateParameters(
             max_new_tokens=max_new_tokens, details=True, decoder_input_details=True
         )
