@@ -259,6 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from genserve.bench.grammar_compare import main as grammar_main
 
         return grammar_main(args[1:])
+    if args[:1] == ["quant-accuracy"]:  # quantized weights against float32, one server each
+        from genserve.bench.quant_accuracy import main as quant_accuracy_main
+
+        return quant_accuracy_main(args[1:])
     config = parse_args(args)
     from genserve.bench.suite import run_suite
 
