@@ -132,12 +132,12 @@ def _gguf_weight_bytes(path: Path) -> float:
 
 
 def _llamacpp_engine(
-    source: Path, ftype: str, cache: Path, threads: int, max_streams: int, max_len: int
+    source: Path, ftype: str, cache: Path, args: argparse.Namespace, max_len: int
 ) -> Engine:
     from genserve.bench.llamacpp_baseline import LlamaCppModel
 
     path = _llamacpp_file(source, ftype, cache)
-    model = LlamaCppModel(path, max_streams, max_len, threads)
+    model = LlamaCppModel(path, max(args.streams), max_len, args.threads, args.llamacpp_extra_bufts)
 
     def run(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         result = model.greedy(prompts, new_tokens)
@@ -181,10 +181,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, object]:
     ]
     if args.llamacpp:
         source = default_gguf_path()
-        engines += [
-            _llamacpp_engine(source, f, gguf_dir, args.threads, max_streams, max_len)
-            for f in args.llamacpp
-        ]
+        engines += [_llamacpp_engine(source, f, gguf_dir, args, max_len) for f in args.llamacpp]
     if args.hf:
         engines.append(_hf_engine(resolved.local_dir))
     rates: dict[tuple[str, int], list[float]] = {}
@@ -222,7 +219,12 @@ def run_compare(args: argparse.Namespace) -> dict[str, object]:
                     ),
                 }
             )
-    return {"limits": limits.as_dict(), "matmul_params": cost.matmul_params, "rows": rows}
+    return {
+        "limits": limits.as_dict(),
+        "matmul_params": cost.matmul_params,
+        "llamacpp_extra_bufts": args.llamacpp_extra_bufts,
+        "rows": rows,
+    }
 
 
 def format_table(result: Mapping[str, object]) -> str:
@@ -257,6 +259,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--llamacpp", type=_csv, default=[], help="GGUF formats for llama.cpp, e.g. F32,Q8_0"
     )
+    parser.add_argument(
+        "--llamacpp-extra-bufts",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="llama.cpp's repacked weight layouts (AMX, interleaved Q4_0). Default: on, except "
+        "on AMX CPUs, where llama-cpp-python 0.3.36's AMX path segfaulted in a KVM guest",
+    )
     parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument(
         "--cache-dir", type=Path, default=Path.home() / ".cache" / "genserve" / "models"
@@ -269,6 +278,8 @@ def main(argv: Sequence[str]) -> int:
         parser.error(f"unknown format in --llamacpp/--precisions: {bad}")
     if not args.streams or min(args.streams) < 1 or args.new_tokens < 2 or args.repeats < 1:
         parser.error("--streams >= 1, --new-tokens >= 2, --repeats >= 1")
+    if args.llamacpp_extra_bufts is None:
+        args.llamacpp_extra_bufts = not bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
     result = run_compare(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

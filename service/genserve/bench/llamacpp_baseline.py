@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 
-EXTRA_BUFFER_TYPES = True
-
 # llama.cpp's ``enum llama_ftype`` values of the formats the comparison uses.
 FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
 
@@ -69,13 +67,22 @@ class LlamaCppRun:
 class LlamaCppModel:
     """One loaded GGUF with a context for up to ``max_streams`` sequences."""
 
-    def __init__(self, path: Path, max_streams: int, max_tokens_per_seq: int, threads: int):
+    def __init__(
+        self,
+        path: Path,
+        max_streams: int,
+        max_tokens_per_seq: int,
+        threads: int,
+        extra_bufts: bool = True,
+    ):
+        """``extra_bufts``: llama.cpp's repacked weight layouts (AMX tiles, interleaved
+        Q4_0/Q8_0 for AVX); off, it runs its plain CPU kernels."""
         lib = _llama_cpp()
         self._lib = lib
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
         if hasattr(mparams, "use_extra_bufts"):
-            mparams.use_extra_bufts = EXTRA_BUFFER_TYPES
+            mparams.use_extra_bufts = extra_bufts
         self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {path}")

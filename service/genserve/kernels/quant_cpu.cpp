@@ -5,15 +5,19 @@
 //           w = scale * q + min (GGUF Q4_0/Q4_1 blocks, --quantize int4).
 // Activations stay float32 (x in bfloat16 is widened once), every product is accumulated in
 // float32.  llama.cpp instead quantizes x to int8 per block and uses integer dot products;
-// keeping x in float keeps int8 weights within float rounding of the dequantized reference,
-// and at decode sizes the cost that matters is streaming W, which is the same either way.
+// keeping x in float keeps the result within float rounding of the dequantized reference
+// (the e2e tests compare greedy tokens against transformers on those weights), at the cost
+// of more instructions per weight: at one stream the 4-bit loop is compute-bound, not
+// bandwidth-bound (measured ~6 cycles per group of 32 weights and row on AVX-512).
 //
 // Three regimes by the number of rows M:
-// * M <= 8 (decode of a few streams): each W block is dequantized in registers right where
-//   it is used, O rows at a time, against all M rows of x (the float loop of matvec_core.h,
-//   with a dequantizing load);
-// * M <= 32 (batched decode): O rows of W are dequantized once into an L1 scratch and the
-//   float dot_block of matvec_core.h runs every row of x over them: W is still read once;
+// * few rows (decode of a few streams: up to 8 for per-row int8, 3 otherwise): each W block
+//   is dequantized in registers right where it is used, O rows at a time, against all M
+//   rows of x (the float loop of matvec_core.h, with a dequantizing load);
+// * up to 32 rows (batched decode): four rows of W are dequantized once into an L1 scratch
+//   and the float dot_block of matvec_core.h runs every row of x over them (an
+//   outer-product micro-kernel was tried here and measured no faster on the default
+//   model's shapes);
 // * larger M (prefill): bands of W rows are dequantized into a float buffer and multiplied
 //   with torch's GEMM, which is compute-bound there anyway.
 
@@ -30,9 +34,6 @@
 
 #include "matvec_core.h"
 
-#ifndef GENSERVE_REG_ROWS
-#define GENSERVE_REG_ROWS 3
-#endif
 
 namespace {
 
@@ -93,8 +94,26 @@ inline void chunk_to_float(const c10::Half* src, int64_t groups, int64_t o0, int
                            int64_t n, float (*dst)[kGroupChunk]) {
   for (int o = 0; o < O; ++o) {
     const c10::Half* row = src + (o0 + o) * groups + g0;
-    for (int64_t j = 0; j < n; ++j) dst[o][j] = half_to_float(row[j]);
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16)
+      _mm512_storeu_ps(dst[o] + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(row + j))));
+#elif defined(__F16C__)
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(dst[o] + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + j))));
+#endif
+    for (; j < n; ++j) dst[o][j] = half_to_float(row[j]);
   }
+}
+
+// sum_j a[j] * b[j] over n floats.
+inline float dot(const float* a, const float* b, int64_t n) {
+  f32v acc{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) acc += load16(a + j) * load16(b + j);
+  float s = hsum(acc);
+  for (; j < n; ++j) s += a[j] * b[j];
+  return s;
 }
 
 // Rows [o0, o0 + O) of W against M rows of x, dequantizing in registers.
@@ -150,8 +169,7 @@ inline void qdot_block(const float* x, const float* xsum, const QWeight& w, int6
     }
     chunk_to_float<O>(w.mins, w.groups, o0, g0, n, mins);
     for (int o = 0; o < O; ++o)
-      for (int r = 0; r < M; ++r)
-        for (int64_t j = 0; j < n; ++j) min_term[o][r] += mins[o][j] * xsum[r * w.groups + g0 + j];
+      for (int r = 0; r < M; ++r) min_term[o][r] += dot(mins[o], xsum + r * w.groups + g0, n);
     const uint8_t* q = static_cast<const uint8_t*>(w.data);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t g = g0 + j;
@@ -235,7 +253,7 @@ void qmatvec_rows(const float* x, const QWeight& w, int64_t N, float* out) {
   });
 }
 
-// 9..32 rows: four W rows dequantized into a per-task L1 scratch, then every row of x.
+// Up to 32 rows: four W rows dequantized into a per-task L1 scratch, then every row of x.
 void qmatmul_scratch(const float* x, const QWeight& w, int64_t M, int64_t N, float* out) {
   constexpr int O = 4;
   constexpr int kChunk = kLanes >= 16 ? 4 : 2;
@@ -280,7 +298,8 @@ void qmatmul_gemm(const at::Tensor& xf, const QWeight& w, int64_t N, at::Tensor&
 }
 
 constexpr int64_t kScratchMaxRows = 32;
-constexpr int64_t kRegisterRows4 = GENSERVE_REG_ROWS;
+// 4-bit and Q8_0 weights are dequantized in registers up to this many rows of x.
+constexpr int64_t kRegisterRows4 = 3;
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,

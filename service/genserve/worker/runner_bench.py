@@ -14,6 +14,7 @@ Machines here are shared: quote ratios from one run, not absolute numbers across
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -130,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="0",
         help="decode batch sizes captured as CUDA graphs (0: eager), e.g. 1,32,64",
     )
+    parser.add_argument("--quantize", choices=["int8", "int4", "gguf"], default=None)
     parser.add_argument("--profile-out", type=Path, default=None, help="write the table here")
     parser.add_argument(
         "--disable-cpu-kernels", action="store_true", help="torch ops only (A/B the kernels)"
@@ -143,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     resolved: ResolvedModel = resolve_model(args.model_id, cache_dir=args.cache_dir)
+    resolved = dataclasses.replace(resolved, quantize=args.quantize)
     device = torch.device(args.device)
     runner = ModelRunner(resolved, dtype, device)
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
