@@ -31,7 +31,7 @@ from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
 from genserve.limits import LimitsError, ServingLimits, derive_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
-from genserve.model.quantization import QUANTIZE_ALIASES
+from genserve.model.quantization import choose_method
 from genserve.server.app import GrpcApp
 from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
@@ -91,7 +91,6 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         resolved,
         rope_scaling=config.rope_scaling,
         rope_factor=config.rope_factor,
-        quantize=QUANTIZE_ALIASES.get(config.quantize or "", config.quantize),
     )
     cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
     if config.disable_cpu_kernels:
@@ -101,6 +100,13 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     dtype = choose_dtype(config.dtype, on_cuda)
     log.info("dtype", dtype=dtype.name, reason=dtype.reason)
     dtype_name = dtype.name
+    quantize = choose_method(
+        config.quantize,
+        from_gguf=resolved.gguf_file is not None,
+        kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
+    )
+    log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
+    resolved = dataclasses.replace(resolved, quantize=quantize.method)
     num_gpus = torch.cuda.device_count() if on_cuda else 0
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
     runner: ModelRunner

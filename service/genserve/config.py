@@ -259,9 +259,10 @@ FLAGS: tuple[_Flag, ...] = (
     _flag(
         "quantize",
         "Weight-only quantization, CPU kernels: int8 (per-channel; eetq is accepted as its "
-        "TGI name), int4 (groups of 32, Q4_1's scheme; the vocabulary matrix int8), or gguf "
-        "(keep a .gguf model's Q8_0/Q4_0/Q4_1 blocks). Activations stay in --dtype.",
-        choices=("int8", "int4", "gguf", "eetq"),
+        "TGI name), int4 (groups of 32, Q4_1's scheme; the vocabulary matrix int8), gguf "
+        "(keep a .gguf model's Q8_0/Q4_0/Q4_1 blocks), or none (all in --dtype). Activations "
+        "stay in --dtype. Default: gguf for a .gguf model on CPU, none otherwise.",
+        choices=("int8", "int4", "gguf", "eetq", "none"),
     ),
     _flag(
         "disable_grammar_support",

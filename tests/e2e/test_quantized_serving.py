@@ -3,8 +3,9 @@
 * int8 / int4 on a tiny Llama: greedy tokens and logprobs equal transformers' ``generate()``
   on the *dequantized* weights (the same quantizer, then float32): the server computes with
   exactly the quantized matrices, whatever path (registers, scratch, GEMM) a step takes.
-* gguf on the embedded default model: its Q4_1/Q8_0 blocks served as they are give the same
-  greedy tokens as the float32 weights transformers dequantizes from the same file.
+* gguf (the default for a .gguf model on CPU) on the embedded default model: its Q4_1/Q8_0
+  blocks served as they are give the same greedy tokens as the float32 weights transformers
+  dequantizes from the same file (``--quantize none``).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def test_gguf_blocks_serve_the_default_model_like_its_float_weights() -> None:
     params = pb.GenerateParameters(max_new_tokens=24, details=True)
     outputs: dict[str, list[list[int]]] = {}
     infos: dict[str, pb.InfoResponse] = {}
-    for label, extra in (("float32", ()), ("gguf", ("--quantize", "gguf"))):
+    # Unset, --quantize is gguf for a .gguf model on CPU: the default server is the second.
+    for label, extra in (("float32", ("--quantize", "none")), ("gguf", ())):
         with (
             start_server(
                 str(default_gguf_path()),
@@ -120,7 +122,7 @@ def test_gguf_blocks_serve_the_default_model_like_its_float_weights() -> None:
                 for p in prompts
             ]
     assert outputs["gguf"] == outputs["float32"]
-    assert infos["gguf"].quantize == "gguf"
+    assert infos["gguf"].quantize == "gguf" and infos["float32"].quantize == ""
     # Q4_1 layers and a Q8_0 embedding: about a fifth of the float32 bytes.
     ratio = infos["gguf"].model_weight_bytes / infos["float32"].model_weight_bytes
     assert ratio < 0.3

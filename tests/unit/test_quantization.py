@@ -3,6 +3,8 @@ against float64 products of the dequantized reference."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,9 +13,11 @@ from genserve.model.quantization import (
     QuantizationError,
     QuantizedWeight,
     cat_rows,
+    choose_method,
     quantize_int4,
     quantize_int8,
 )
+from genserve.model.quantized_cache import cache_path, load_or_build
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
 
@@ -112,3 +116,43 @@ def test_qlinear_rejects_inconsistent_arguments() -> None:
         torch.ops.genserve.qlinear(x, q.data, q.scales, None, 4, 32, None)
     with pytest.raises(RuntimeError, match="disagree on K"):
         torch.ops.genserve.qlinear(torch.randn(1, 32), q.data, q.scales, q.mins, 4, 32, None)
+
+
+def test_block_cache_round_trips_and_builds_once(tmp_path: Path) -> None:
+    w = _weight(8, 64, seed=4)
+    blocks = {"a.weight": quantize_int4(w), "b.weight": _q8_0(w), "c.weight": quantize_int8(w)}
+    calls: list[int] = []
+
+    def build() -> dict[str, QuantizedWeight]:
+        calls.append(1)
+        return blocks
+
+    path = cache_path(tmp_path, "0123456789abcdef0123")
+    first = load_or_build(path, build)
+    second = load_or_build(path, build)
+    assert calls == [1] and path.name == "gguf-blocks-0123456789abcdef.safetensors"
+    for loaded in (first, second):
+        assert set(loaded) == set(blocks)
+        for name, q in blocks.items():
+            got = loaded[name]
+            assert (got.bits, got.group, got.mins is None) == (q.bits, q.group, q.mins is None)
+            assert torch.equal(got.dequantize(), q.dequantize())
+    path.write_bytes(b"not a safetensors file")  # damaged: rebuilt, not fatal
+    assert set(load_or_build(path, build)) == set(blocks) and calls == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("requested", "from_gguf", "kernels", "expected"),
+    [
+        (None, True, True, "gguf"),  # a .gguf on CPU keeps its blocks
+        (None, True, False, None),  # no kernels (CUDA, disabled): dequantized
+        (None, False, True, None),
+        ("none", True, True, None),
+        ("eetq", False, True, "int8"),  # TGI's name
+        ("int4", False, False, "int4"),  # asked for: the torch reference serves it
+    ],
+)
+def test_default_method(
+    requested: str | None, from_gguf: bool, kernels: bool, expected: str | None
+) -> None:
+    assert choose_method(requested, from_gguf, kernels).method == expected

@@ -35,6 +35,28 @@ QUANTIZE_ALIASES = {"eetq": "int8"}
 GROUP_4BIT = 32
 
 
+@dataclass(frozen=True, slots=True)
+class MethodChoice:
+    method: str | None  # int8 | int4 | gguf, or None: every matrix in the model dtype
+    reason: str  # one line for the log
+
+
+def choose_method(requested: str | None, from_gguf: bool, kernels: bool) -> MethodChoice:
+    """The ``--quantize`` method served.  Unset, a model loaded from a ``.gguf`` file keeps
+    its quantized blocks where genserve's CPU kernels run them (its Q8_0/Q4 values are what
+    the float weights would be dequantized to, so the output is the same, at a fraction of
+    the bytes per token); ``none`` serves the dequantized float weights instead."""
+    if requested == "none":
+        return MethodChoice(None, "--quantize none")
+    if requested is not None:
+        return MethodChoice(QUANTIZE_ALIASES.get(requested, requested), "--quantize")
+    if from_gguf and kernels:
+        return MethodChoice("gguf", "auto: a .gguf model keeps its quantized blocks on CPU")
+    if from_gguf:
+        return MethodChoice(None, "auto: GGUF blocks dequantized (no quantized kernels here)")
+    return MethodChoice(None, "auto: the checkpoint's float weights")
+
+
 class QuantizationError(ValueError):
     """A matrix cannot take the requested format (shape not a multiple of the group)."""
 

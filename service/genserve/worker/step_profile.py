@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 # Op name (without the "aten::"/"genserve::" namespace) -> part of the step.  Ops not named
 # here count as "other ops".
 _PARTS: dict[str, str] = {
-    **dict.fromkeys(("mm", "addmm", "matvec", "qlinear", "_linear_pointwise", "bmm"), "projections"),
+    **dict.fromkeys(
+        ("mm", "addmm", "matvec", "qlinear", "_linear_pointwise", "bmm"), "projections"
+    ),
     **dict.fromkeys(
         (
             "_scaled_dot_product_flash_attention_for_cpu",
