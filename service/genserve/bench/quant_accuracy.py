@@ -56,8 +56,9 @@ from genserve.v1 import generate_pb2, generate_pb2_grpc
 
 # Extra server flags of each built-in configuration.
 BUILTIN_CONFIGS: dict[str, tuple[str, ...]] = {
-    "float32": ("--dtype", "float32"),
-    "bfloat16": ("--dtype", "bfloat16"),
+    # --quantize none: a .gguf model (the default one) keeps its blocks on CPU otherwise.
+    "float32": ("--dtype", "float32", "--quantize", "none"),
+    "bfloat16": ("--dtype", "bfloat16", "--quantize", "none"),
     "int8": ("--dtype", "float32", "--quantize", "int8"),
     "int4": ("--dtype", "float32", "--quantize", "int4"),
     "gguf": ("--dtype", "float32", "--quantize", "gguf"),
