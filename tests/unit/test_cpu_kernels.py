@@ -279,3 +279,26 @@ def test_reconfiguring_after_load_keeps_the_one_library(tmp_path: Path) -> None:
     finally:
         cpu_kernels.configure(*saved)
     assert cpu_kernels.load()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_equals_rotary_then_write_kv(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads, kv_heads, dim, blocks = 5, 6, 2, 16, 8
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    qk_in = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    cos = torch.randn(tokens, 1, dim, generator=gen).to(dtype)
+    sin = torch.randn(tokens, 1, dim, generator=gen).to(dtype)
+    slots = torch.tensor([3, 77, 16, 40, 127])  # scattered over the blocks
+    shape = (2, kv_heads, blocks, BLOCK_SIZE, dim)
+    expected_cache = torch.zeros(shape, dtype=dtype)
+    expected = torch.ops.genserve.rotary(qk_in, cos, sin)
+    flat = expected_cache.view(2, kv_heads, blocks * BLOCK_SIZE, dim)
+    flat[0].index_copy_(1, slots, expected[:, heads:].transpose(0, 1))
+    flat[1].index_copy_(1, slots, v.transpose(0, 1))
+    cache = torch.zeros(shape, dtype=dtype)
+    got = torch.ops.genserve.rotary_write_kv(qk_in, cos, sin, v, cache, slots)
+    assert torch.equal(got, expected) and torch.equal(cache, expected_cache)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.genserve.rotary_write_kv(qk_in, cos, sin, v, cache, slots * 100)

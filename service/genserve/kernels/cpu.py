@@ -45,6 +45,7 @@ _OPS = (
     "add_rms_norm",
     "silu_and_mul",
     "rotary",
+    "rotary_write_kv",
     "matvec",
     "qlinear",
 )

@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -203,6 +204,48 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// rotary(qk) and the step's K/V stored in one call (the CPU decode path): qk is
+// [tokens, heads + kv_heads, head_dim] (Q heads then K heads), v [tokens, kv_heads, head_dim],
+// kv_cache [2, kv_heads, blocks, block_size, head_dim] contiguous, slots [tokens] the flat
+// block * block_size + offset of each token.  Returns rotated qk; writes rotated K and V into
+// the cache, as TorchAttentionMetadata.write_kv's two index_copy_ calls do, minus their
+// Python and the transposed views they copy through.
+at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
+                           const at::Tensor& signed_sin, const at::Tensor& v,
+                           const at::Tensor& kv_cache, const at::Tensor& slots) {
+  auto out = rotary(qk, cos, signed_sin);
+  const int64_t tokens = out.size(0), heads = out.size(1), dim = out.size(2);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == dim &&
+                  kv_cache.is_contiguous() && kv_cache.scalar_type() == out.scalar_type(),
+              "kv_cache must be a contiguous [2, kv_heads, blocks, block_size, head_dim] of "
+              "qk's dtype");
+  const int64_t kv_heads = kv_cache.size(1);
+  const int64_t capacity = kv_cache.size(2) * kv_cache.size(3);
+  TORCH_CHECK(heads > kv_heads && v.dim() == 3 && v.size(0) == tokens && v.size(1) == kv_heads &&
+                  v.size(2) == dim && v.scalar_type() == out.scalar_type(),
+              "v must be [tokens, kv_heads, head_dim] of qk's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "slots: [tokens] int64");
+  const auto vc = v.contiguous();
+  const auto sl = slots.contiguous();
+  const int64_t* slot = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " outside the cache");
+  const int64_t row_bytes = dim * out.element_size();
+  const char* src_k = static_cast<const char*>(out.data_ptr());
+  const char* src_v = static_cast<const char*>(vc.data_ptr());
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t q_heads = heads - kv_heads;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t k_at = (h * capacity + slot[t]) * row_bytes;
+      const int64_t v_at = ((kv_heads + h) * capacity + slot[t]) * row_bytes;
+      std::memcpy(cache + k_at, src_k + ((t * heads) + q_heads + h) * row_bytes, row_bytes);
+      std::memcpy(cache + v_at, src_v + (t * kv_heads + h) * row_bytes, row_bytes);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
@@ -210,6 +253,8 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def("rotary_write_kv(Tensor qk, Tensor cos, Tensor signed_sin, Tensor v, Tensor(a!) kv_cache, "
+        "Tensor slots) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
@@ -217,4 +262,5 @@ TORCH_LIBRARY_IMPL(genserve, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
+  m.impl("rotary_write_kv", &rotary_write_kv);
 }

@@ -64,6 +64,12 @@ class AttentionMetadata(Protocol):
         """Store the new ``k``, ``v`` (``[num_tokens, num_kv_heads, head_dim]``)."""
         ...
 
+    @property
+    def fused_kv_slots(self) -> torch.Tensor | None:
+        """The step's cache slots when genserve's CPU ``rotary_write_kv`` may store K/V (this
+        backend's layout on CPU with the kernels loaded), else None (call ``write_kv``)."""
+        ...
+
     def attend(
         self,
         q: torch.Tensor,
@@ -157,6 +163,11 @@ class TorchAttentionMetadata:
     use_triton_decode: bool = False  # decodes through genserve.kernels.triton_attention
     dtype: torch.dtype | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def fused_kv_slots(self) -> torch.Tensor | None:
+        # The CPU kernels' layout is this one: [2, kv_heads, blocks, block_size, head_dim].
+        return self.slots if self.use_cpu_kernel else None
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # kv_cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [T, kv_heads, hd]
@@ -327,6 +338,10 @@ class FlashAttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+
+    @property
+    def fused_kv_slots(self) -> torch.Tensor | None:
+        return None  # a CUDA layout: write_kv stores K/V
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]

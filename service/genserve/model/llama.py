@@ -84,13 +84,15 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj.forward(x)  # [num_tokens, (h + 2 * kvh) * d]
         # Q and K are rotated together: one set of elementwise ops instead of two.
         qk_in = qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d)
-        if self.fused:
-            qk = torch.ops.genserve.rotary(qk_in, cos, sin)
-        else:
-            qk = apply_rotary(qk_in, cos, sin)
-        q, k = qk[:, :h], qk[:, h:]  # [num_tokens, h, d], [num_tokens, kvh, d]
         v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)
-        meta.write_kv(kv_cache, k, v)
+        slots = meta.fused_kv_slots if self.fused else None
+        if slots is not None:  # CPU kernels: rotary and the K/V store in one op
+            qk = torch.ops.genserve.rotary_write_kv(qk_in, cos, sin, v, kv_cache, slots)
+        else:
+            qk = (torch.ops.genserve.rotary if self.fused else apply_rotary)(qk_in, cos, sin)
+        q, k = qk[:, :h], qk[:, h:]  # [num_tokens, h, d], [num_tokens, kvh, d]
+        if slots is None:
+            meta.write_kv(kv_cache, k, v)
         out = meta.attend(q, k, v, kv_cache, self.scale, self.window)  # [num_tokens, h * d]
         return self.o_proj.forward(out)
 
