@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from genserve.bench.grpc_load import run_level
-from genserve.bench.launch import LaunchedServer
+from genserve.bench.launch import LaunchedServer, split_server_args
 from genserve.bench.prompts import make_prompts
 from genserve.bench.records import RunResult
 
@@ -101,11 +101,7 @@ async def _measure(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    server_args: list[str] = []
-    if "--" in args_in:
-        cut = args_in.index("--")
-        args_in, server_args = args_in[:cut], args_in[cut + 1 :]
+    args_in, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="genserve-bench adapters", description=__doc__)
     parser.add_argument("--model-dir", type=Path, help="Base model dir. Default: embedded.")
     parser.add_argument("--adapters", default="1,4,16", help="K values (adapters in the mix)")

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from genserve.bench.launch import split_server_args
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
@@ -217,13 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str]) -> BenchConfig:
     """Parse ``argv`` (without the program name); arguments after ``--`` are server args."""
-    argv = list(argv)
-    server_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, server_args = argv[:split], argv[split + 1 :]
+    own, server_args = split_server_args(argv)
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(own)
     if server_args and not ns.launch:
         parser.error("arguments after -- are for --launch")
     for name in ("num_prompts", "max_new_tokens", "threads", "prefix_requests", "prefix_tokens"):

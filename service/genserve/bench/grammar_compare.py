@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from genserve.bench.grpc_load import run_level
-from genserve.bench.launch import LaunchedServer
+from genserve.bench.launch import LaunchedServer, split_server_args
 from genserve.bench.prompts import Prompt
 from genserve.bench.records import RequestRecord
 
@@ -107,11 +107,7 @@ async def compare(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    server_args: list[str] = []
-    if "--" in args_in:
-        cut = args_in.index("--")
-        args_in, server_args = args_in[:cut], args_in[cut + 1 :]
+    args_in, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="genserve-bench grammar", description=__doc__)
     p.add_argument("--address", help="a running server (default: launch one)")
     p.add_argument("--schema", type=Path, help="JSON schema file (default: a built-in one)")

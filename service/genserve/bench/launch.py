@@ -14,10 +14,20 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
 from genserve.bench.grpc_load import wait_until_healthy
+
+
+def split_server_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``argv`` cut at the first ``--``: the benchmark's own arguments, then the server's."""
+    args = list(argv)
+    if "--" not in args:
+        return args, []
+    cut = args.index("--")
+    return args[:cut], args[cut + 1 :]
 
 
 def _has_flag(args: list[str], *names: str) -> bool:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import grpc
 
-from genserve.bench.launch import LaunchedServer
+from genserve.bench.launch import LaunchedServer, split_server_args
 from genserve.v1 import generate_pb2, generate_pb2_grpc
 
 # Extra server flags of each built-in configuration.
@@ -365,11 +365,7 @@ def _parse_config(text: str) -> tuple[str, tuple[str, ...]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    common: list[str] = []
-    if "--" in args_in:
-        cut = args_in.index("--")
-        args_in, common = args_in[:cut], args_in[cut + 1 :]
+    args_in, common = split_server_args(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(
         prog="genserve-bench quant-accuracy",
         description=__doc__,
