@@ -44,7 +44,7 @@ class QuantizeSummary:
     method: str
     quantized: int = 0  # matrices now served quantized
     kept: list[str] = field(default_factory=list)  # names left in the model dtype (gguf)
-    weight_bytes: int = 0  # bytes of every matrix this rank serves (quantized or not)
+    weight_bytes: int = 0  # bytes of every weight this rank holds (model_weight_bytes)
 
 
 def quantize_model(
@@ -61,14 +61,7 @@ def quantize_model(
             _from_gguf(model, gguf_tensors, summary)
         else:
             _from_float(model, method, summary)
-    seen: set[int] = set()  # a tied embedding and head share one matrix: count it once
-    for module in _matrices(model):
-        stored: QuantizedWeight | torch.Tensor = (
-            module.quant if module.quant is not None else module.weight
-        )
-        if id(stored) not in seen:
-            seen.add(id(stored))
-            summary.weight_bytes += stored.nbytes
+    summary.weight_bytes = model_weight_bytes(model)
     log.info(
         "model_quantized",
         method=method,
@@ -80,11 +73,17 @@ def quantize_model(
     return summary
 
 
-def _matrices(model: LlamaForCausalLM) -> list[_Packable]:
-    found: list[_Packable] = [model.embed_tokens, model.lm_head]
-    for layer in model._layers:
-        found.extend(model._linears(layer))
-    return found
+def model_weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of weights ``model`` holds: its parameters (a quantized layer's plain weight is
+    empty) plus each quantized matrix once (a tied embedding and head share one)."""
+    total = sum(p.nbytes for p in model.parameters())
+    seen: set[int] = set()
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if quant is not None and quant.data.data_ptr() not in seen:
+            seen.add(quant.data.data_ptr())
+            total += quant.nbytes
+    return int(total)
 
 
 def _from_float(model: LlamaForCausalLM, method: str, summary: QuantizeSummary) -> None:

@@ -35,7 +35,7 @@ from genserve.model.config import ModelConfig
 from genserve.model.llama import LlamaForCausalLM
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
-from genserve.model.quantize_model import QuantizeSummary, quantize_model
+from genserve.model.quantize_model import QuantizeSummary, model_weight_bytes, quantize_model
 from genserve.model.registry import build_model
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
@@ -186,14 +186,7 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Bytes of model weights this rank holds (quantized matrices at their packed size,
         a tied embedding and head once)."""
-        total = sum(p.nbytes for p in self.model.parameters())
-        seen: set[int] = set()
-        for module in self.model.modules():
-            quant = getattr(module, "quant", None)
-            if quant is not None and quant.data.data_ptr() not in seen:
-                seen.add(quant.data.data_ptr())
-                total += quant.nbytes
-        return int(total)
+        return model_weight_bytes(self.model)
 
     # ----------------------------------------------------------------- KV cache sizing
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
