@@ -87,11 +87,6 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
-    resolved = dataclasses.replace(
-        resolved,
-        rope_scaling=config.rope_scaling,
-        rope_factor=config.rope_factor,
-    )
     cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
     if config.disable_cpu_kernels:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
@@ -106,7 +101,12 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
-    resolved = dataclasses.replace(resolved, quantize=quantize.method)
+    resolved = dataclasses.replace(
+        resolved,
+        rope_scaling=config.rope_scaling,
+        rope_factor=config.rope_factor,
+        quantize=quantize.method,
+    )
     num_gpus = torch.cuda.device_count() if on_cuda else 0
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
     runner: ModelRunner
