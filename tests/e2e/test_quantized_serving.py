@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from genserve.kernels import cpu as cpu_kernels
 from genserve.model.loader import ResolvedModel, default_gguf_path
 from genserve.model.quantization import QuantizationError, quantize, quantize_int8
 from genserve.v1 import generate_pb2 as pb
@@ -87,6 +88,9 @@ def test_gguf_method_needs_a_gguf_model(tiny_llama: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not cpu_kernels.load(), reason="CPU kernels did not build: a .gguf model is dequantized"
+)
 def test_gguf_blocks_serve_the_default_model_like_its_float_weights() -> None:
     prompts = [
         "The capital of France is",
