@@ -218,6 +218,41 @@ def test_matvec_rejects_what_it_does_not_serve() -> None:
         torch.ops.genserve.matvec(torch.ones(1, 4), torch.ones(3, 4, dtype=torch.float64), None)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 11, 12, 13, 25, 32, 129, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 1536), (33, 100)])
+def test_panel_linear_matches_a_float64_product(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """float32 weights in 32-column panels against float64: one streamed row, tiles of 12
+    (AVX-512; 3 with AVX2) with remainders, more than one 128-row block, panels with unused
+    columns (7, 33 outputs), k-chunks of 128 with a short last one (100, 1536 inputs)."""
+    from genserve.model.weight_panels import float_panel_rows
+
+    gen = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    panels = torch.ops.genserve.pack_panels(weight)
+    assert panels.shape == (-(-out_features // 32), in_features, 32)
+    assert torch.equal(float_panel_rows(panels, torch.arange(out_features)), weight)
+    expected = x.double() @ weight.double().t() + bias.double()
+    actual = torch.ops.genserve.panel_linear(x, panels, out_features, bias)
+    assert actual.dtype == torch.float32 and actual.shape == (rows, out_features)
+    torch.testing.assert_close(actual.double(), expected, atol=1e-4, rtol=1e-5)
+    no_bias = torch.ops.genserve.panel_linear(x, panels, out_features, None)
+    torch.testing.assert_close(no_bias.double(), expected - bias.double(), atol=1e-4, rtol=1e-5)
+
+
+def test_panel_linear_rejects_what_it_does_not_serve() -> None:
+    panels = torch.ops.genserve.pack_panels(torch.ones(40, 8))
+    with pytest.raises(RuntimeError, match="panels"):
+        torch.ops.genserve.panel_linear(torch.ones(1, 8), panels, 70, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.genserve.panel_linear(torch.ones(1, 8, dtype=torch.bfloat16), panels, 40, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.genserve.pack_panels(torch.ones(3, 4, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_model_with_fused_ops_and_kernel_matches_the_torch_path(
     tiny_model_factory: TinyModelFactory, dtype: torch.dtype
@@ -242,7 +277,7 @@ def test_model_with_fused_ops_and_kernel_matches_the_torch_path(
             model = build_model(config, ParallelContext.single(), dtype, cpu)
             with SafetensorsWeights(model_dir) as weights:
                 model.load_weights(weights)
-            if fused:  # as the model runner does: plain weights, streamed by the matvec
+            if fused:  # as the model runner does: float32 in panels, bf16 streamed by matvec
                 model.use_fused_cpu_ops(matvec_rows=4)  # the 3-row decode step, not prefill
             else:
                 model.pack_weights()

@@ -1,5 +1,6 @@
-"""The quantized weight format (model/quantization.py) and genserve's ``qlinear`` CPU kernel,
-against float64 products of the dequantized reference."""
+"""The quantized weight format (model/quantization.py), its column panels
+(model/weight_panels.py) and genserve's ``qpanel_linear`` CPU kernel, against float64 products
+of the dequantized reference."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from genserve.model.quantization import (
     quantize_int8,
 )
 from genserve.model.quantized_cache import cache_path, load_or_build
+from genserve.model.weight_panels import QuantizedPanels
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
 
@@ -79,7 +81,7 @@ def _check(q: QuantizedWeight, rows: int, dtype: torch.dtype, bias: bool) -> Non
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, q.in_features, generator=gen).to(dtype)
     b = torch.randn(q.out_features, generator=gen) if bias else None
-    out = torch.ops.genserve.qlinear(x, q.data, q.scales, q.mins, q.bits, q.group, b)
+    out = QuantizedPanels.pack(q).linear(x, b)
     assert out.dtype == dtype and out.shape == (rows, q.out_features)
     ref = x.double() @ q.dequantize().double().t()
     if b is not None:
@@ -89,18 +91,20 @@ def _check(q: QuantizedWeight, rows: int, dtype: torch.dtype, bias: bool) -> Non
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 32, 33, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 11, 12, 13, 32, 33, 130])
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "int4"])
-def test_qlinear_equals_the_dequantized_product(rows: int, fmt: str) -> None:
-    # 1..8 rows: registers; 9..32: L1 scratch; more: bands through torch's GEMM.  96 output
-    # rows leave a remainder for the four-row blocks; 160 inputs are five groups of 32.
+def test_qpanel_linear_equals_the_dequantized_product(rows: int, fmt: str) -> None:
+    # 1 row: dequantized in registers; more: chunks dequantized into L1 and tiles of 12 rows
+    # (AVX-512; 3 with AVX2) plus a remainder; over 128 rows, a second row block.  98 output
+    # rows leave a part-filled last panel; 160 inputs are five groups of 32 and one chunk
+    # boundary (128) inside the matrix.
     w = _weight(98, 160, seed=rows)
     q = {"int8": quantize_int8, "q8_0": _q8_0, "int4": quantize_int4}[fmt](w)
     _check(q, rows, torch.float32, bias=False)
 
 
 @needs_kernels
-def test_qlinear_bias_bfloat16_and_a_large_matrix() -> None:
+def test_qpanel_linear_bias_bfloat16_and_a_large_matrix() -> None:
     w = _weight(3000, 576, seed=3)
     for q in (quantize_int8(w), quantize_int4(w)):
         _check(q, 1, torch.float32, bias=True)
@@ -109,13 +113,34 @@ def test_qlinear_bias_bfloat16_and_a_large_matrix() -> None:
 
 
 @needs_kernels
-def test_qlinear_rejects_inconsistent_arguments() -> None:
-    q = quantize_int4(_weight(8, 64))
+def test_per_channel_int8_with_features_off_the_group_of_32() -> None:
+    q = quantize_int8(_weight(40, 72, seed=5))  # 72 = 2 * 32 + 8: a partial last block
+    for rows in (1, 7):
+        _check(q, rows, torch.float32, bias=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "int4"])
+def test_panels_look_up_the_dequantized_rows(fmt: str) -> None:
+    # A tied embedding reads its rows out of the LM head's panels.
+    q = {"int8": quantize_int8, "q8_0": _q8_0, "int4": quantize_int4}[fmt](_weight(70, 96))
+    panels = QuantizedPanels.pack(q)
+    ids = torch.tensor([0, 69, 31, 32, 16, 15, 47])
+    assert torch.equal(panels.dequantize_rows(ids, torch.float32), q.dequantize()[ids])
+    assert panels.data.shape[:2] == (3, 96) and panels.scales.shape[0] == 3
+
+
+@needs_kernels
+def test_qpanel_linear_rejects_inconsistent_arguments() -> None:
+    p = QuantizedPanels.pack(quantize_int4(_weight(8, 64)))
     x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="mins"):
-        torch.ops.genserve.qlinear(x, q.data, q.scales, None, 4, 32, None)
+        torch.ops.genserve.qpanel_linear(x, p.data, p.scales, None, 4, 32, 8, None)
     with pytest.raises(RuntimeError, match="disagree on K"):
-        torch.ops.genserve.qlinear(torch.randn(1, 32), q.data, q.scales, q.mins, 4, 32, None)
+        torch.ops.genserve.qpanel_linear(
+            torch.randn(1, 32), p.data, p.scales, p.mins, 4, 32, 8, None
+        )
+    with pytest.raises(RuntimeError, match="disagree on K or N"):
+        torch.ops.genserve.qpanel_linear(x, p.data, p.scales, p.mins, 4, 32, 40, None)
 
 
 def test_block_cache_round_trips_and_builds_once(tmp_path: Path) -> None:

@@ -37,7 +37,8 @@ _SOURCES = [
     for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "matvec_cpu.cpp")
 ]
 _SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (model/lora.py)
-_SOURCES.append(Path(__file__).with_name("quant_cpu.cpp"))  # --quantize (model/quantization.py)
+# float32 and --quantize weights in column panels (model/weight_panels.py)
+_SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h")]
 _OPS = (
     "paged_decode_attention",
@@ -47,7 +48,9 @@ _OPS = (
     "rotary",
     "rotary_write_kv",
     "matvec",
-    "qlinear",
+    "pack_panels",
+    "panel_linear",
+    "qpanel_linear",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 

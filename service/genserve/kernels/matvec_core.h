@@ -1,9 +1,10 @@
-// The register-blocked dot products behind genserve's weight-streaming matmuls
-// (matvec_cpu.cpp for float32/bfloat16 weights, quant_cpu.cpp for quantized ones, which
-// dequantize a few rows into L1 and run the same loop over them).
+// Vector helpers of genserve's CPU matmuls: the register-blocked dot products of the
+// weight-streaming matvec (matvec_cpu.cpp, [N, K] weights) and the widening loads of the
+// column-panel kernel (panel_gemm_cpu.cpp: float16 scales, int8 and 4-bit weights).
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <immintrin.h>
 
@@ -48,6 +49,55 @@ inline f32v load16(const c10::BFloat16* p) {
   const u32v wide = __builtin_convertvector(h, u32v) << 16;
   f32v v;
   std::memcpy(&v, &wide, sizeof(v));
+  return v;
+#endif
+}
+
+typedef int32_t i32v __attribute__((vector_size(kLanes * 4)));
+
+inline float half_to_float(const c10::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// kLanes consecutive float16 values (quantization scales) as float.
+inline f32v load_f16(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return (f32v)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__) && defined(__AVX2__)
+  return (f32v)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  f32v v;
+  for (int i = 0; i < kLanes; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
+
+// kLanes consecutive int8 weights widened to float (quantized weights).
+inline f32v load_i8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (f32v)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  return (f32v)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  i32v v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+  return __builtin_convertvector(v, f32v);
+#endif
+}
+
+// kLanes bytes of a 4-bit group widened to int32 lanes (nibbles still packed).
+inline i32v load_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+  return (i32v)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#else
+  i32v v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
   return v;
 #endif
 }

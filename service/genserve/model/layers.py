@@ -26,6 +26,7 @@ from genserve.model import rope_scaling
 from genserve.model.config import RopeConfig, UnsupportedModelError
 from genserve.model.lora import LoraHook
 from genserve.model.quantization import QuantizedWeight
+from genserve.model.weight_panels import QuantizedPanels, float_panel_rows
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
 
@@ -66,17 +67,18 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _linear(layer: _Packable, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x Wᵀ + b`` by the fastest path ``layer`` has: its quantized weight (genserve's
-    ``qlinear`` kernel, else the torch reference), the weight-streaming matvec for few rows,
-    oneDNN's packed weight, or ``F.linear``."""
-    quant = layer.quant
-    if quant is not None:
-        if layer.quant_kernel:  # kernels/quant_cpu.cpp: streams the packed weight, any M
-            q_out: torch.Tensor = torch.ops.genserve.qlinear(
-                x, quant.data, quant.scales, quant.mins, quant.bits, quant.group, bias
-            )
-            return q_out
-        return F.linear(x, quant.dequantize(x.dtype), bias)
+    """``x Wᵀ + b`` by the fastest path ``layer`` has: genserve's column-panel kernel
+    (quantized or float32 weights), the quantized torch reference, the weight-streaming matvec
+    for few rows (half precision), oneDNN's packed weight, or ``F.linear``."""
+    if layer.qpanels is not None:  # quantized, in column panels (kernels/panel_gemm_cpu)
+        return layer.qpanels.linear(x, bias)
+    if layer.quant is not None:  # no kernel here (CUDA, --disable-cpu-kernels): reference
+        return F.linear(x, layer.quant.dequantize(x.dtype), bias)
+    if layer.panels is not None:  # float32 in column panels (kernels/panel_gemm_cpu), any M
+        panel_out: torch.Tensor = torch.ops.genserve.panel_linear(
+            x, layer.panels, layer.panel_outputs, bias
+        )
+        return panel_out
     weight = layer.weight
     if x.shape[0] <= layer.matvec_rows and weight.numel():  # stream W (kernels/matvec_cpu)
         small: torch.Tensor = torch.ops.genserve.matvec(x, weight, bias)
@@ -99,9 +101,14 @@ class _Packable(nn.Module):
     # LlamaForCausalLM.use_fused_cpu_ops; 0: never).
     matvec_rows: int = 0
     # --quantize: the weight in a quantized format (model/quantization.py), used instead of
-    # ``weight``; ``quant_kernel``: genserve's CPU kernel runs it (set with the fused ops).
+    # ``weight`` (moved to ``qpanels`` where genserve's CPU kernels run).
     quant: QuantizedWeight | None = None
-    quant_kernel: bool = False
+    # float32 on CPU with genserve's kernels: the weight as 32-column panels
+    # (``genserve::pack_panels``), which every step uses instead of ``weight``.
+    panels: torch.Tensor | None = None
+    panel_outputs: int = 0  # the weight's rows (the last panel is zero-padded)
+    # A quantized weight in the same panels (replaces ``quant``; same kernel file).
+    qpanels: QuantizedPanels | None = None
 
     def pack(self, release: bool = True) -> None:
         """Switch to the prepacked weight (if it applies); ``release`` frees the plain copy
@@ -110,6 +117,23 @@ class _Packable(nn.Module):
             return
         self.packed = _pack_weight(self.weight)
         if self.packed is not None and release:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def use_panels(self, release: bool = True) -> None:
+        """Serve from the weight packed in column panels (float32 or quantized CPU weights,
+        with genserve's kernels loaded); ``release`` frees the plain copy.  Call after
+        loading (and quantizing)."""
+        if self.quant is not None:
+            if QuantizedPanels.supports(self.quant):
+                self.qpanels = QuantizedPanels.pack(self.quant)
+                if release:
+                    self.quant = None
+            return
+        if self.weight.dtype != torch.float32 or not self.weight.numel():
+            return
+        self.panels = torch.ops.genserve.pack_panels(self.weight.detach())
+        self.panel_outputs = self.weight.shape[0]
+        if release:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def set_quantized(self, quant: QuantizedWeight) -> None:
@@ -407,6 +431,10 @@ class VocabParallelEmbedding(_Packable):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:  # dequantize just the looked-up rows
             return self.quant.rows(ids).dequantize(self.weight.dtype)
+        if self.qpanels is not None:  # a tied head's panels (weight_panels.py)
+            return self.qpanels.dequantize_rows(ids, self.weight.dtype)
+        if self.panels is not None:
+            return float_panel_rows(self.panels, ids)
         return F.embedding(ids, self.weight)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -439,3 +467,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding matrix (tied word embeddings)."""
         self.weight = embedding.weight
+
+    def use_tied_panels(self, embedding: VocabParallelEmbedding) -> None:
+        """Pack the shared matrix once for both: the head multiplies by the panels and the
+        embedding looks its rows up in them, so the plain copy is freed."""
+        self.use_panels()
+        if self.panels is not None:
+            embedding.panels, embedding.panel_outputs = self.panels, self.panel_outputs
+            embedding.weight = self.weight
+        if self.qpanels is not None and embedding.quant is not None:
+            embedding.qpanels, embedding.quant = self.qpanels, None

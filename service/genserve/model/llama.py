@@ -231,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_cpu_ops(self, matvec_rows: int = 0) -> None:
         """Route norms, rotary and the MLP activation through genserve's one-pass CPU ops
         (``genserve.kernels``; CPU only, where they round as the torch ops do, up to the
-        order of float32 sums).  Steps of at most ``matvec_rows`` rows run every projection
+        order of float32 sums).  float32 projections run on column panels
+        (``kernels/panel_gemm_cpu.cpp``); half-precision steps of at most ``matvec_rows`` rows
         through the weight-streaming matvec kernel.  Call once the kernels are loaded."""
         for layer in self._layers:
             layer.input_layernorm.fused = True
@@ -242,10 +243,16 @@ class LlamaForCausalLM(nn.Module):
                 linear.matvec_rows = matvec_rows
         self.norm.fused = True
         self.lm_head.matvec_rows = matvec_rows
-        for module in (*(m for layer in self._layers for m in self._linears(layer)), self.lm_head):
-            # The kernel reads groups in whole vectors (16 floats with AVX-512); a matrix
-            # whose groups are not (an odd shard) keeps the torch reference.
-            module.quant_kernel = module.quant is None or module.quant.group % 16 == 0
+        # float32 and quantized weights move to the column-panel layout every step size runs
+        # on (the kernel's one copy replaces the plain one; half precision keeps matvec).
+        with torch.inference_mode():
+            for layer in self._layers:
+                for linear in self._linears(layer):
+                    linear.use_panels()
+            if self.config.tie_word_embeddings:
+                self.lm_head.use_tied_panels(self.embed_tokens)
+            else:
+                self.lm_head.use_panels()
 
     @staticmethod
     def _linears(layer: LlamaDecoderLayer) -> tuple[_Packable, ...]:

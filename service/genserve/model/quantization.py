@@ -17,7 +17,8 @@ Scales and mins are float16, as in GGUF, so a loaded file keeps its exact values
 per weight (8.5 bits for Q8_0, 5 for Q4_1).  Rows are independent, which is what tensor
 parallelism (row shards) and the Q/K row permutation of GGUF files need (:meth:`rows`).
 
-The fast path is ``genserve::qlinear`` (``kernels/quant_cpu.cpp``); :meth:`QuantizedWeight.
+The fast path repacks a matrix into column panels (``model/weight_panels.py``) for
+``genserve::qpanel_linear`` (``kernels/panel_gemm_cpu.cpp``); :meth:`QuantizedWeight.
 dequantize` is the portable reference (CUDA, ``--disable-cpu-kernels``) that tests compare
 the kernel against.
 """

@@ -74,15 +74,20 @@ def quantize_model(
 
 
 def model_weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes of weights ``model`` holds: its parameters (a quantized layer's plain weight is
-    empty) plus each quantized matrix once (a tied embedding and head share one)."""
+    """Bytes of weights ``model`` holds: its parameters (a quantized or panel-packed layer's
+    plain weight is empty) plus each quantized or packed matrix once (a tied embedding and
+    head share one)."""
     total = sum(p.nbytes for p in model.parameters())
     seen: set[int] = set()
     for module in model.modules():
-        quant = getattr(module, "quant", None)
-        if quant is not None and quant.data.data_ptr() not in seen:
-            seen.add(quant.data.data_ptr())
-            total += quant.nbytes
+        for held in (getattr(module, "quant", None), getattr(module, "qpanels", None)):
+            if held is not None and held.data.data_ptr() not in seen:
+                seen.add(held.data.data_ptr())
+                total += held.nbytes
+        panels = getattr(module, "panels", None)
+        if panels is not None and panels.data_ptr() not in seen:
+            seen.add(panels.data_ptr())
+            total += panels.nbytes
     return int(total)
 
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 # here count as "other ops".
 _PARTS: dict[str, str] = {
     **dict.fromkeys(
-        ("mm", "addmm", "matvec", "qlinear", "_linear_pointwise", "bmm"), "projections"
+        ("mm", "addmm", "matvec", "panel_linear", "qpanel_linear", "_linear_pointwise", "bmm"),
+        "projections",
     ),
     **dict.fromkeys(
         (

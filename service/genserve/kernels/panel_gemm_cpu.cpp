@@ -1,0 +1,426 @@
+// float32 matmul on weights packed in column panels: y = x Wᵀ (+ b) for any number of rows.
+//
+// A decode step of 32 streams multiplies 32 rows by every weight matrix.  Dot products over
+// W's rows (matvec_cpu.cpp) then spend their time on horizontal sums and on re-reading x, and
+// top out near 160 GFLOP/s on two AVX-512 cores; the BLAS-style micro-kernel reaches the FMA
+// units instead: W is stored once, at load time, as panels of 32 output columns laid out
+// k-major ([P, K, 32]: panel p is W[32p : 32p + 32, :]ᵀ), so that one k step is a contiguous
+// 128-byte load of the 32 weights, broadcast-multiplied by x[r, k] into a block of rows whose
+// accumulators stay in registers (12 rows × 2 vectors with AVX-512, 3 × 4 with AVX2).
+//
+// The weights stream from memory once per step: each panel is walked in chunks of kKChunk
+// k-steps small enough for L1, the first row block pulls a chunk in (with software prefetch
+// a few KB ahead) and the other row blocks of the step reuse it from L1; their partial sums
+// wait in a per-task scratch of kRowBlock × 32 floats.  One row (single-stream decode) is a
+// pure stream: four k-segments of the panel are read at once so that each core keeps enough
+// cache-line fills in flight to run at the memory's bandwidth.
+//
+// The same layout serves prefill (hundreds of rows) at about MKL's rate, so a float32 model
+// keeps a single copy of its weights.  Sums are float32, in k order within each segment.
+//
+// Quantized weights (--quantize, model/quantization.py) use the same panels with their
+// values still quantized ("qpanels", packed by QuantizedWeight.to_panels): 8-bit as int8
+// [P, K, 32], 4-bit as uint8 [P, K, 16] (byte c of a k-step: column c in its low nibble,
+// column c + 16 in its high one), float16 scales (and mins) [P, K / group, 32].  A chunk is
+// dequantized into an L1 scratch once and every row block runs the float tile over it, so
+// past a few rows the step is as compute-bound as float32 while reading 4-8x fewer bytes;
+// one row dequantizes in registers.  A weight is rebuilt exactly as the reference does
+// (scale * q + min, exact products of small integers and float16 values), so results differ
+// from a float32 matmul on the dequantized matrix only in the order of float32 sums.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "matvec_core.h"
+
+namespace {
+
+using genserve_vec::f32v;
+using genserve_vec::kLanes;
+using genserve_vec::i32v;
+using genserve_vec::load16;
+using genserve_vec::load_f16;
+using genserve_vec::load_i8;
+using genserve_vec::load_u8;
+
+constexpr int64_t kPanel = 32;                 // output columns per panel
+constexpr int kVecs = kPanel / kLanes;         // vector registers per panel row
+constexpr int64_t kKChunk = 128;               // k-steps per L1-resident chunk (16 KB)
+constexpr int64_t kPrefetch = 128;             // k-steps ahead the first row block prefetches
+constexpr int64_t kRowBlock = 128;             // rows whose partial sums one task keeps
+#if defined(__AVX512F__)
+constexpr int kTileRows = 12;  // 24 accumulators + 2 weight vectors + broadcast of 32 zmm
+#elif defined(__AVX2__)
+constexpr int kTileRows = 3;   // 12 accumulators + broadcast of 16 ymm (weights from memory)
+#else
+constexpr int kTileRows = 1;
+#endif
+
+inline void store(float* p, f32v v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Rows [0, R) of x (row stride ldx) against k-steps [k0, k1) of a panel chunk (chunk[0] is
+// k-step k0), accumulated into acc (R × 32, row stride kPanel); `first` starts the sums from
+// zero; kFetchAhead prefetches the panel kPrefetch k-steps ahead (float32 weights in memory).
+template <int R, bool kFetchAhead>
+inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* chunk,
+                 float* acc_out, bool first) {
+  f32v acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j)
+      acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + j * kLanes);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = chunk + (k - k0) * kPanel;
+    if (kFetchAhead) {
+      __builtin_prefetch(wk + kPrefetch * kPanel);
+      __builtin_prefetch(wk + kPrefetch * kPanel + 16);
+    }
+    f32v w[kVecs];
+    for (int j = 0; j < kVecs; ++j) w[j] = load16(wk + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const f32v b = f32v{} + x[r * ldx + k];
+      for (int j = 0; j < kVecs; ++j) acc[r][j] += b * w[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) store(acc_out + r * kPanel + j * kLanes, acc[r][j]);
+}
+
+// The last rows of a block, fewer than kTileRows: R chosen at run time.
+template <int R>
+void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
+               const float* chunk, float* acc, bool first, bool fetch) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      return fetch ? tile<R, true>(x, ldx, k0, k1, chunk, acc, first)
+                   : tile<R, false>(x, ldx, k0, k1, chunk, acc, first);
+    }
+    tail_tile<R - 1>(rows, x, ldx, k0, k1, chunk, acc, first, fetch);
+  }
+}
+
+// One row: four k-segments streamed side by side, four independent accumulator sets.
+inline void stream_row(const float* x, int64_t K, const float* panel, float* out) {
+  constexpr int kSegments = 4;
+  constexpr int64_t kAhead = 16;
+  f32v acc[kSegments][kVecs];
+  for (int s = 0; s < kSegments; ++s)
+    for (int j = 0; j < kVecs; ++j) acc[s][j] = f32v{};
+  const int64_t seg = K / kSegments;
+  for (int64_t k = 0; k < seg; ++k) {
+    for (int s = 0; s < kSegments; ++s) {
+      const int64_t kk = s * seg + k;
+      __builtin_prefetch(panel + (kk + kAhead) * kPanel);
+      __builtin_prefetch(panel + (kk + kAhead) * kPanel + 16);
+      const f32v b = f32v{} + x[kk];
+      for (int j = 0; j < kVecs; ++j) acc[s][j] += b * load16(panel + kk * kPanel + j * kLanes);
+    }
+  }
+  for (int64_t k = kSegments * seg; k < K; ++k) {
+    const f32v b = f32v{} + x[k];
+    for (int j = 0; j < kVecs; ++j) acc[0][j] += b * load16(panel + k * kPanel + j * kLanes);
+  }
+  for (int j = 0; j < kVecs; ++j)
+    store(out + j * kLanes, (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));
+}
+
+// Quantized panels (see the top of this file); P panels of K k-steps.
+struct QPanels {
+  const void* data;
+  const c10::Half* scales;  // [P, groups, 32]
+  const c10::Half* mins;    // like scales, or nullptr (w = scale * q)
+  int64_t bits, group, K, groups;
+};
+
+// kBits: 8 (int8, w = scale * q) or 4 (w = scale * q + min); 0 stands for float32 panels.
+template <int kBits>
+constexpr int64_t bytes_per_k() {
+  return kBits == 0 ? kPanel * 4 : kPanel * kBits / 8;
+}
+
+template <int kBits>
+inline const uint8_t* q_at(const QPanels& q, int64_t p, int64_t k) {
+  return static_cast<const uint8_t*>(q.data) + (p * q.K + k) * bytes_per_k<kBits>();
+}
+
+// The 32 float weights of one k-step (its bytes at `at`), given its group's scale and min.
+// kScaled false: 8-bit values as they are (one scale per row, applied to the sums instead).
+template <int kBits, bool kScaled = true>
+inline void weights(const uint8_t* at, const f32v* scale, const f32v* min, f32v* w) {
+  if constexpr (kBits == 8) {
+    for (int j = 0; j < kVecs; ++j) {
+      w[j] = load_i8(reinterpret_cast<const int8_t*>(at) + j * kLanes);
+      if constexpr (kScaled) w[j] *= scale[j];
+    }
+  } else {
+    const i32v low_mask = i32v{} + 0x0F;
+    // Columns [16h + b, 16h + b + kLanes) are nibble h of bytes [b, b + kLanes).
+    for (int b = 0; b < 16; b += kLanes) {
+      const i32v packed = load_u8(at + b);
+      const int lo = b / kLanes, hi = (16 + b) / kLanes;
+      w[lo] = __builtin_convertvector(packed & low_mask, f32v) * scale[lo] + min[lo];
+      w[hi] = __builtin_convertvector(packed >> 4, f32v) * scale[hi] + min[hi];
+    }
+  }
+}
+
+template <int kBits>
+inline void group_params(const QPanels& q, int64_t p, int64_t g, f32v* scale, f32v* min) {
+  const int64_t at = (p * q.groups + g) * kPanel;
+  for (int j = 0; j < kVecs; ++j) {
+    scale[j] = load_f16(q.scales + at + j * kLanes);
+    if constexpr (kBits == 4) min[j] = load_f16(q.mins + at + j * kLanes);
+  }
+}
+
+// k-steps [k0, k1) of panel p as float32 into dst ([k1 - k0, 32]).
+template <int kBits>
+inline void dequant_chunk(const QPanels& q, int64_t p, int64_t k0, int64_t k1, float* dst) {
+  const uint8_t* next = q_at<kBits>(q, p, k1);
+  for (int64_t b = 0; b < (k1 - k0) * bytes_per_k<kBits>(); b += 64) __builtin_prefetch(next + b);
+  f32v scale[kVecs], min[kVecs];
+  for (int64_t k = k0; k < k1;) {
+    const int64_t g = k / q.group, end = std::min(k1, (g + 1) * q.group);
+    group_params<kBits>(q, p, g, scale, min);
+    const uint8_t* at = q_at<kBits>(q, p, k);
+    for (; k < end; ++k, at += bytes_per_k<kBits>()) {
+      f32v w[kVecs];
+      weights<kBits>(at, scale, min, w);
+      for (int j = 0; j < kVecs; ++j) store(dst + (k - k0) * kPanel + j * kLanes, w[j]);
+    }
+  }
+}
+
+// One quantized row, dequantized in registers: the panel is read in order (its bytes per
+// k-step are few enough for one stream per core to keep up), four k-steps at a time into
+// four accumulator sets so that FMA latency is hidden.  kScaled false (8-bit, one scale per
+// row): the sums of x * q are scaled once at the end.
+template <int kBits, bool kScaled>
+inline void stream_row_q(const float* x, const QPanels& q, int64_t p, float* out) {
+  constexpr int kUnroll = 4;
+  constexpr int64_t kAheadBytes = 2048;
+  const int64_t K = q.K;
+  f32v acc[kUnroll][kVecs];
+  for (int u = 0; u < kUnroll; ++u)
+    for (int j = 0; j < kVecs; ++j) acc[u][j] = f32v{};
+  f32v scale[kVecs], min[kVecs];
+  const uint8_t* at = q_at<kBits>(q, p, 0);
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t g = k0 / q.group, k1 = std::min(K, (g + 1) * q.group);
+    group_params<kBits>(q, p, g, scale, min);
+    int64_t k = k0;
+    for (; k + kUnroll <= k1; k += kUnroll) {
+      __builtin_prefetch(at + kAheadBytes);
+      if constexpr (bytes_per_k<kBits>() * kUnroll > 64) __builtin_prefetch(at + kAheadBytes + 64);
+      for (int u = 0; u < kUnroll; ++u, at += bytes_per_k<kBits>()) {
+        f32v w[kVecs];
+        weights<kBits, kScaled>(at, scale, min, w);
+        const f32v b = f32v{} + x[k + u];
+        for (int j = 0; j < kVecs; ++j) acc[u][j] += b * w[j];
+      }
+    }
+    for (; k < k1; ++k, at += bytes_per_k<kBits>()) {
+      f32v w[kVecs];
+      weights<kBits, kScaled>(at, scale, min, w);
+      const f32v b = f32v{} + x[k];
+      for (int j = 0; j < kVecs; ++j) acc[0][j] += b * w[j];
+    }
+    k0 = k1;
+  }
+  for (int j = 0; j < kVecs; ++j) {
+    f32v sum = (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]);
+    if constexpr (!kScaled) sum *= scale[j];
+    store(out + j * kLanes, sum);
+  }
+}
+
+// Rows [m0, m0 + rows) of x against panel p (float32 `panel`, or `quant` when not null),
+// written (with the bias) to out's columns [col0, col0 + cols).
+template <int kBits>
+void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float* panel,
+                const QPanels* quant, int64_t p, const float* bias, float* out, int64_t N,
+                int64_t col0, int64_t cols, float* scratch, float* wchunk) {
+  if (rows == 1) {
+    if constexpr (kBits == 8) {
+      if (quant->groups == 1) {
+        stream_row_q<8, false>(x + m0 * K, *quant, p, scratch);
+      } else {
+        stream_row_q<8, true>(x + m0 * K, *quant, p, scratch);
+      }
+    } else if constexpr (kBits == 4) {
+      stream_row_q<4, true>(x + m0 * K, *quant, p, scratch);
+    } else {
+      stream_row(x + m0 * K, K, panel, scratch);
+    }
+  } else {
+    for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
+      const int64_t k1 = std::min(K, k0 + kKChunk);
+      const float* chunk = panel + k0 * kPanel;
+      constexpr bool fetch = kBits == 0;
+      if constexpr (kBits != 0) {
+        dequant_chunk<kBits>(*quant, p, k0, k1, wchunk);
+        chunk = wchunk;
+      }
+      int64_t r = 0;
+      for (; r + kTileRows <= rows; r += kTileRows) {
+        const float* xr = x + (m0 + r) * K;
+        if (r == 0 && fetch) {
+          tile<kTileRows, true>(xr, K, k0, k1, chunk, scratch + r * kPanel, k0 == 0);
+        } else {
+          tile<kTileRows, false>(xr, K, k0, k1, chunk, scratch + r * kPanel, k0 == 0);
+        }
+      }
+      if (r < rows) {
+        tail_tile<kTileRows - 1>(static_cast<int>(rows - r), x + (m0 + r) * K, K, k0, k1,
+                                 chunk, scratch + r * kPanel, k0 == 0, r == 0 && fetch);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + (m0 + r) * N + col0;
+    const float* src = scratch + r * kPanel;
+    if (bias != nullptr) {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + bias[col0 + c];
+    } else {
+      std::memcpy(dst, src, cols * sizeof(float));
+    }
+  }
+}
+
+// Every (row block, panel) task of y = x Wᵀ + b, over torch's threads.
+template <int kBits>
+void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, const float* wp,
+                const QPanels* quant, const float* bp, float* op) {
+  // Tasks over (row block, panel) pairs, panel-major within a row block so that each thread
+  // streams a contiguous band of W; each task moves >= ~128 KB of weights at one row.
+  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (K * bytes_per_k<kBits>()));
+  at::parallel_for(0, row_blocks * P, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float scratch[kRowBlock * kPanel];
+    alignas(64) float wchunk[kKChunk * kPanel];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = t / P, p = t % P;
+      const int64_t m0 = block * kRowBlock, rows = std::min(kRowBlock, M - m0);
+      panel_rows<kBits>(xp, K, m0, rows, wp == nullptr ? nullptr : wp + p * K * kPanel, quant, p, bp,
+                 op, N, p * kPanel, std::min(kPanel, N - p * kPanel), scratch, wchunk);
+    }
+  });
+}
+
+// weight [N, K] float32 -> panels [ceil(N / 32), K, 32], the last panel's missing columns 0.
+at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "pack_panels: a float32 [N, K] CPU weight expected");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  const auto w = weight.contiguous();
+  auto panels = at::zeros({P, K, kPanel}, weight.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = panels.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      for (int64_t c = 0; c < cols; ++c) {
+        const float* row = src + (p * kPanel + c) * K;
+        float* col = dst + p * K * kPanel + c;
+        for (int64_t k = 0; k < K; ++k) col[k * kPanel] = row[k];
+      }
+    }
+  });
+  return panels;
+}
+
+// x [M, K] float32, panels from pack_panels, N the unpadded output width, bias [N] or None.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
+              "panel_linear: float32 x and panels expected");
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel &&
+                  panels.size(1) == x.size(1) && N <= panels.size(0) * kPanel &&
+                  N > (panels.size(0) - 1) * kPanel,
+              "panel_linear: x [M, K] and panels [ceil(N / 32), K, 32] expected");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  const auto xc = x.contiguous();
+  const auto pc = panels.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "panel_linear: bias must be [N]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = pc.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  run_panels<0>(xp, M, K, P, N, wp, nullptr, bp, op);
+  return out;
+}
+
+// The quantized form of panel_linear: data, scales, mins as QuantizedWeight.to_panels packs
+// them (see the top of this file).
+at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                         int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "qpanel_linear: CPU tensors only");
+  TORCH_CHECK(bits == 8 || bits == 4, "qpanel_linear: bits must be 8 or 4");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "qpanel_linear: float32 or bfloat16 x [M, K]");
+  TORCH_CHECK(data.dim() == 3 && data.size(2) == (bits == 8 ? kPanel : kPanel / 2) &&
+                  data.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              "qpanel_linear: data [P, K, 32] int8 or [P, K, 16] uint8 expected");
+  const int64_t M = x.size(0), K = x.size(1), P = data.size(0);
+  TORCH_CHECK(data.size(1) == K && N <= P * kPanel && N > (P - 1) * kPanel,
+              "qpanel_linear: x and data disagree on K or N");
+  TORCH_CHECK(group > 0 && (group % 32 == 0 || group == K), "qpanel_linear: bad group size");
+  const int64_t groups = (K + group - 1) / group;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == P &&
+                  scales.size(1) == groups && scales.size(2) == kPanel,
+              "qpanel_linear: float16 scales [P, groups, 32] expected");
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(has_mins == (bits == 4), "qpanel_linear: 4-bit weights need mins, 8-bit none");
+  if (has_mins) {
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes(),
+                "qpanel_linear: mins like scales");
+  }
+  const auto xc = x.to(at::kFloat).contiguous();  // bfloat16 models: widened once
+  const auto dc = data.contiguous();
+  const auto sc = scales.contiguous();
+  const auto mc = has_mins ? mins->contiguous() : at::Tensor();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "qpanel_linear: bias must be [N]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto out = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return out.to(x.scalar_type());
+  const QPanels q{dc.data_ptr(), sc.data_ptr<c10::Half>(),
+                  has_mins ? mc.data_ptr<c10::Half>() : nullptr, bits, group, K, groups};
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (bits == 8) {
+    run_panels<8>(xc.data_ptr<float>(), M, K, P, N, nullptr, &q, bp, out.data_ptr<float>());
+  } else {
+    run_panels<4>(xc.data_ptr<float>(), M, K, P, N, nullptr, &q, bp, out.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genserve, m) {
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("qpanel_linear(Tensor x, Tensor data, Tensor scales, Tensor? mins, int bits, int group, "
+        "int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_linear", &panel_linear);
+  m.impl("qpanel_linear", &qpanel_linear);
+}

@@ -1,0 +1,95 @@
+"""Weights in 32-column panels, the layout of genserve's CPU matmul kernel
+(``kernels/panel_gemm_cpu.cpp``): panel ``p`` holds output features ``[32p, 32p + 32)``
+k-major, so one k-step of a panel is one contiguous vector load.
+
+float32 weights are packed by the kernel itself (``genserve::pack_panels``); this module packs
+quantized ones (:class:`QuantizedPanels`, from a :class:`QuantizedWeight`) and looks rows up in
+either, for an embedding that shares its matrix with the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from genserve.model.quantization import QuantizedWeight
+
+PANEL = 32  # output features per panel (the kernel's kPanel)
+
+
+def _panels(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``[N, X]`` -> ``[P, X, 32]``: output rows padded to whole panels (zeros), each panel
+    transposed so its 32 rows become the innermost dimension."""
+    p = -(-n // PANEL)
+    padded = torch.zeros((p * PANEL, t.shape[1]), dtype=t.dtype, device=t.device)
+    padded[:n] = t
+    return padded.view(p, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedPanels:
+    """A :class:`QuantizedWeight` in panels: ``data`` int8 ``[P, K, 32]`` (8-bit) or uint8
+    ``[P, K, 16]`` (4-bit; byte ``c`` holds column ``c`` in its low nibble and ``c + 16`` in
+    its high one), ``scales``/``mins`` float16 ``[P, groups, 32]``; padded columns are zero."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bits: int
+    group: int
+    out_features: int
+
+    @staticmethod
+    def supports(quant: QuantizedWeight) -> bool:
+        """The kernel walks k in blocks of 32 under one scale: groups of a multiple of 32, or
+        one group per row (per-channel int8)."""
+        return quant.group % PANEL == 0 or quant.group == quant.in_features
+
+    @classmethod
+    def pack(cls, quant: QuantizedWeight) -> QuantizedPanels:
+        n, k = quant.out_features, quant.in_features
+        if quant.bits == 8:
+            data = _panels(quant.data, n)
+        else:
+            low = (quant.data & 0x0F).view(n, k // 32, 16)
+            high = (quant.data >> 4).view(n, k // 32, 16)
+            q = _panels(torch.cat((low, high), dim=-1).reshape(n, k), n)  # [P, K, 32] 0..15
+            data = (q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)).contiguous()
+        mins = None if quant.mins is None else _panels(quant.mins, n)
+        return cls(data, _panels(quant.scales, n), mins, quant.bits, quant.group, n)
+
+    @property
+    def in_features(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        mins = 0 if self.mins is None else self.mins.nbytes
+        return int(self.data.nbytes + self.scales.nbytes + mins)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.genserve.qpanel_linear(
+            x, self.data, self.scales, self.mins, self.bits, self.group, self.out_features, bias
+        )
+        return out
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the matrix, dequantized as ``QuantizedWeight.dequantize`` does."""
+        panel, col = ids // PANEL, ids % PANEL
+        k, groups = self.in_features, self.scales.shape[1]
+        if self.bits == 8:
+            q = self.data[panel, :, col].to(torch.float32)  # [n, K]
+        else:
+            byte = self.data[panel, :, col % (PANEL // 2)]
+            high = (col >= PANEL // 2)[:, None]
+            q = torch.where(high, byte >> 4, byte & 0x0F).to(torch.float32)
+        w = q.view(-1, groups, self.group) * self.scales[panel, :, col].to(torch.float32)[..., None]
+        if self.mins is not None:
+            w = w + self.mins[panel, :, col].to(torch.float32)[..., None]
+        return w.reshape(-1, k).to(dtype)
+
+
+def float_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a float32 matrix packed by ``genserve::pack_panels``."""
+    return panels[ids // PANEL, :, ids % PANEL]
