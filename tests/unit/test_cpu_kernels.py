@@ -337,3 +337,49 @@ def test_rotary_write_kv_equals_rotary_then_write_kv(dtype: torch.dtype) -> None
     assert torch.equal(got, expected) and torch.equal(cache, expected_cache)
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.genserve.rotary_write_kv(qk_in, cos, sin, v, cache, slots * 100)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_layer_op_equals_the_layer_by_layer_step(
+    tiny_model_factory: TinyModelFactory, arch: str, quantize: str | None
+) -> None:
+    """``genserve::decode_layer`` (one op per layer of a decode-only step) runs the same ops
+    as the Python layer, so the hidden states are bit-identical; the KV it writes too.  Qwen2
+    adds Q/K/V biases; int8/int4 put the projections in quantized panels."""
+    from genserve.model.config import ModelConfig
+    from genserve.model.quantize_model import quantize_model
+    from genserve.model.registry import build_model
+    from genserve.model.weights import SafetensorsWeights
+    from genserve.parallel import ParallelContext
+
+    model_dir = tiny_model_factory(arch)
+    config = ModelConfig.from_pretrained(model_dir)
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        model = build_model(config, ParallelContext.single(), torch.float32, cpu)
+        with SafetensorsWeights(model_dir) as weights:
+            model.load_weights(weights)
+        if quantize is not None:
+            quantize_model(model, quantize)
+        model.use_fused_cpu_ops(matvec_rows=32)
+        assert model._decode_layers_fused
+        backend = TorchPagedAttention(cpu, use_cpu_kernel=True)
+        shape = backend.kv_cache_shape(16, 16, model.num_local_kv_heads, config.head_dim)
+        gen = torch.Generator().manual_seed(1)
+        caches = [torch.randn(shape, generator=gen) for _ in range(config.num_layers)]
+        lens = (37, 5, 20)
+        tables = [(4, 2, 6), (9,), (11, 12)]
+        decodes = [SeqSpec(1, n, t) for n, t in zip(lens, tables, strict=True)]
+        tokens = torch.tensor([7, 100, 3])
+        positions = torch.tensor(lens)
+
+        def step(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            model._decode_layers_fused = fused
+            kv = [c.clone() for c in caches]
+            hidden = model(tokens, positions, kv, backend.build(decodes, len(decodes), 16))
+            return hidden, kv
+
+        (fused_hidden, fused_kv), (plain_hidden, plain_kv) = step(True), step(False)
+    assert torch.equal(fused_hidden, plain_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv, strict=True))

@@ -39,7 +39,8 @@ _SOURCES = [
 _SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (model/lora.py)
 # float32 and --quantize weights in column panels (model/weight_panels.py)
 _SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
-_HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h")]
+_SOURCES.append(Path(__file__).with_name("decode_layer_cpu.cpp"))  # one op per decode layer
+_HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
 _OPS = (
     "paged_decode_attention",
     "rms_norm",
@@ -51,6 +52,7 @@ _OPS = (
     "pack_panels",
     "panel_linear",
     "qpanel_linear",
+    "decode_layer",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 

@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "genserve_ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -142,6 +144,11 @@ void check_half(const at::Tensor& t, const char* name) {
       TORCH_CHECK(false, "unsupported dtype ", dtype);         \
   }
 
+}  // namespace
+
+// Entry points, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
+namespace genserve_ops {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_half(x, "x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 &&
@@ -246,7 +253,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
   return out;
 }
 
-}  // namespace
+}  // namespace genserve_ops
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -258,9 +265,9 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary", &rotary);
-  m.impl("rotary_write_kv", &rotary_write_kv);
+  m.impl("rms_norm", &genserve_ops::rms_norm);
+  m.impl("add_rms_norm", &genserve_ops::add_rms_norm);
+  m.impl("silu_and_mul", &genserve_ops::silu_and_mul);
+  m.impl("rotary", &genserve_ops::rotary);
+  m.impl("rotary_write_kv", &genserve_ops::rotary_write_kv);
 }

@@ -17,6 +17,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "genserve_ops.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -191,6 +193,11 @@ void dispatch_head_dim(int64_t head_dim, const at::Tensor& q, const at::Tensor& 
   }
 }
 
+}  // namespace
+
+// Entry points, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
+namespace genserve_ops {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& context_lens,
                                   double scale, int64_t window) {
@@ -241,7 +248,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
-}  // namespace
+}  // namespace genserve_ops
 
 TORCH_LIBRARY(genserve, m) {
   m.def(
@@ -249,4 +256,6 @@ TORCH_LIBRARY(genserve, m) {
       "Tensor context_lens, float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("paged_decode_attention", &genserve_ops::paged_decode_attention);
+}

@@ -33,6 +33,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "genserve_ops.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -312,6 +314,11 @@ void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, con
   });
 }
 
+}  // namespace
+
+// Entry points, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
+namespace genserve_ops {
+
 // weight [N, K] float32 -> panels [ceil(N / 32), K, 32], the last panel's missing columns 0.
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kFloat,
@@ -410,7 +417,7 @@ at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-}  // namespace
+}  // namespace genserve_ops
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
@@ -420,7 +427,7 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
-  m.impl("pack_panels", &pack_panels);
-  m.impl("panel_linear", &panel_linear);
-  m.impl("qpanel_linear", &qpanel_linear);
+  m.impl("pack_panels", &genserve_ops::pack_panels);
+  m.impl("panel_linear", &genserve_ops::panel_linear);
+  m.impl("qpanel_linear", &genserve_ops::qpanel_linear);
 }

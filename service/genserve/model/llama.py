@@ -11,11 +11,13 @@ step, which on a small model is a visible share of a decode step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genserve.model.attention import AttentionMetadata
+from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
 from genserve.model.config import ModelConfig
 from genserve.model.layers import (
     MergedColumnParallelLinear,
@@ -129,7 +131,45 @@ class LlamaMLP(nn.Module):
         self.down_proj.load(weights, f"{prefix}.down_proj")
 
 
+@dataclass(frozen=True, slots=True)
+class FusedDecodeArgs:
+    """A layer's four projections (qkv, o, gate_up, down) as ``genserve::decode_layer``
+    takes them: per projection (panels or quantized data, scales, mins), its bits (0: float32
+    panels), group, output width and bias; an empty tensor stands for none."""
+
+    weights: list[torch.Tensor]
+    bits: list[int]
+    groups: list[int]
+    outs: list[int]
+    biases: list[torch.Tensor | None]
+
+    @classmethod
+    def of(cls, linears: tuple[_Packable, ...]) -> FusedDecodeArgs | None:
+        """None when a projection is not in column panels (half precision, no kernels)."""
+        args = cls([], [], [], [], [])
+        for linear in linears:
+            empty = torch.empty(0)
+            if linear.panels is not None:
+                args.weights.extend((linear.panels, empty, empty))
+                args.bits.append(0)
+                args.groups.append(0)
+                args.outs.append(linear.panel_outputs)
+            elif linear.qpanels is not None:
+                q = linear.qpanels
+                args.weights.extend((q.data, q.scales, empty if q.mins is None else q.mins))
+                args.bits.append(q.bits)
+                args.groups.append(q.group)
+                args.outs.append(q.out_features)
+            else:
+                return None
+            args.biases.append(getattr(linear, "bias", None))
+        return args
+
+
 class LlamaDecoderLayer(nn.Module):
+    # Set by LlamaForCausalLM.use_fused_cpu_ops where every projection is in column panels.
+    fused_decode: FusedDecodeArgs | None = None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -156,6 +196,28 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta)
         x, normed = self.post_attention_layernorm.add_forward(h, x)
         return x + self.mlp.forward(normed)
+
+    def decode_forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` of a decode-only CPU step as one C++ op (the same ops in the same
+        order, minus their Python: kernels/decode_layer_cpu.cpp)."""
+        args, attn = self.fused_decode, self.self_attn
+        assert args is not None
+        out: torch.Tensor = torch.ops.genserve.decode_layer(
+            x, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+            self.input_layernorm.eps, cos, sin, kv_cache, meta.slots, block_table,
+            meta.decode_context_lens, attn.scale, -1 if attn.window is None else attn.window,
+            attn.num_heads, attn.num_kv_heads, args.weights, args.bits, args.groups, args.outs,
+            args.biases,
+        )  # fmt: skip
+        return out
 
     def load(self, weights: WeightSource, prefix: str) -> None:
         self.self_attn.load(weights, f"{prefix}.self_attn")
@@ -192,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)
         self.num_local_kv_heads = layers[0].self_attn.num_kv_heads
+        # Decode-only CPU steps through genserve::decode_layer (set by use_fused_cpu_ops).
+        self._decode_layers_fused = False
 
     def forward(
         self,
@@ -205,6 +269,16 @@ class LlamaForCausalLM(nn.Module):
         Writes every token's K/V into ``kv_caches`` (one tensor per layer)."""
         x = self.embed_tokens.forward(token_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if (
+            self._decode_layers_fused
+            and isinstance(meta, TorchAttentionMetadata)
+            and meta.use_cpu_kernel
+            and not meta.prefills
+        ):
+            table = meta.decode_blocks.view(meta.num_decodes, meta.decode_max_blocks)
+            for layer, kv_cache in zip(self._layers, kv_caches, strict=True):
+                x = layer.decode_forward(x, cos, sin, kv_cache, meta, table)
+            return x
         for layer, kv_cache in zip(self._layers, kv_caches, strict=True):
             x = layer.forward(x, cos, sin, kv_cache, meta)
         return x
@@ -253,6 +327,12 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.use_tied_panels(self.embed_tokens)
             else:
                 self.lm_head.use_panels()
+        # Decode-only steps run each layer as one C++ op where all of its projections are in
+        # panels and no rank has to all-reduce between them.
+        if self.lm_head.ctx.world_size == 1:
+            for layer in self._layers:
+                layer.fused_decode = FusedDecodeArgs.of(self._linears(layer))
+            self._decode_layers_fused = all(layer.fused_decode for layer in self._layers)
 
     @staticmethod
     def _linears(layer: LlamaDecoderLayer) -> tuple[_Packable, ...]:
@@ -263,6 +343,7 @@ class LlamaForCausalLM(nn.Module):
         """Attach a LoRA hook to every adaptable projection; returns, per PEFT module path
         (``model.layers.{i}.self_attn.q_proj``), the hook and how this rank slices it."""
         targets: dict[str, tuple[LoraHook, ModuleSplit]] = {}
+        self._decode_layers_fused = False  # the fused layer op has no LoRA deltas
         for i, layer in enumerate(self._layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj

@@ -1,0 +1,34 @@
+// The entry points of genserve's CPU ops (registered as torch.ops.genserve.*), declared for
+// the ops that chain them in C++ (decode_layer_cpu.cpp) without a trip through Python.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace genserve_ops {
+
+// fused_cpu.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
+at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
+                           const at::Tensor& signed_sin, const at::Tensor& v,
+                           const at::Tensor& kv_cache, const at::Tensor& slots);
+
+// paged_attention_cpu.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_table, const at::Tensor& context_lens,
+                                  double scale, int64_t window);
+
+// panel_gemm_cpu.cpp
+at::Tensor pack_panels(const at::Tensor& weight);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const c10::optional<at::Tensor>& bias);
+at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                         int64_t N, const c10::optional<at::Tensor>& bias);
+
+}  // namespace genserve_ops
