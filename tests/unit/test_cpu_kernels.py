@@ -339,14 +339,27 @@ def test_rotary_write_kv_equals_rotary_then_write_kv(dtype: torch.dtype) -> None
         torch.ops.genserve.rotary_write_kv(qk_in, cos, sin, v, cache, slots * 100)
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize(
+    ("dtype", "quantize", "matvec_rows"),
+    [
+        (torch.float32, None, 32),  # float32 panels
+        (torch.float32, "int8", 32),  # quantized panels
+        (torch.float32, "int4", 32),
+        (torch.bfloat16, None, 32),  # plain bf16 weights through the matvec
+        (torch.bfloat16, None, 2),  # ... and through torch's GEMM (3 rows > 2)
+    ],
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_decode_layer_op_equals_the_layer_by_layer_step(
-    tiny_model_factory: TinyModelFactory, arch: str, quantize: str | None
+    tiny_model_factory: TinyModelFactory,
+    arch: str,
+    dtype: torch.dtype,
+    quantize: str | None,
+    matvec_rows: int,
 ) -> None:
     """``genserve::decode_layer`` (one op per layer of a decode-only step) runs the same ops
     as the Python layer, so the hidden states are bit-identical; the KV it writes too.  Qwen2
-    adds Q/K/V biases; int8/int4 put the projections in quantized panels."""
+    adds Q/K/V biases."""
     from genserve.model.config import ModelConfig
     from genserve.model.quantize_model import quantize_model
     from genserve.model.registry import build_model
@@ -357,17 +370,17 @@ def test_decode_layer_op_equals_the_layer_by_layer_step(
     config = ModelConfig.from_pretrained(model_dir)
     cpu = torch.device("cpu")
     with torch.inference_mode():
-        model = build_model(config, ParallelContext.single(), torch.float32, cpu)
+        model = build_model(config, ParallelContext.single(), dtype, cpu)
         with SafetensorsWeights(model_dir) as weights:
             model.load_weights(weights)
         if quantize is not None:
             quantize_model(model, quantize)
-        model.use_fused_cpu_ops(matvec_rows=32)
+        model.use_fused_cpu_ops(matvec_rows=matvec_rows)
         assert model._decode_layers_fused
         backend = TorchPagedAttention(cpu, use_cpu_kernel=True)
         shape = backend.kv_cache_shape(16, 16, model.num_local_kv_heads, config.head_dim)
         gen = torch.Generator().manual_seed(1)
-        caches = [torch.randn(shape, generator=gen) for _ in range(config.num_layers)]
+        caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(config.num_layers)]
         lens = (37, 5, 20)
         tables = [(4, 2, 6), (9,), (11, 12)]
         decodes = [SeqSpec(1, n, t) for n, t in zip(lens, tables, strict=True)]

@@ -270,8 +270,15 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--cache-dir", type=Path, default=Path.home() / ".cache" / "genserve" / "models"
     )
-    parser.add_argument("--out", type=Path, default=Path("bench-results") / "cpu.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results") / "cpu.json",
+        help="JSON file to write (a directory: cpu.json inside it)",
+    )
     args = parser.parse_args(argv)
+    if args.out.is_dir():  # checked first: a run takes minutes, its end must not fail
+        args.out = args.out / "cpu.json"
     bad = [f for f in args.llamacpp if f not in FTYPES]
     bad += [p for p in args.precisions if p not in _PRECISIONS and not _is_gguf_format(p)]
     if bad:
@@ -281,7 +288,7 @@ def main(argv: Sequence[str]) -> int:
     if args.llamacpp_extra_bufts is None:
         args.llamacpp_extra_bufts = not bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
     result = run_compare(args)
+    print(format_table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(format_table(result))
     return 0

@@ -69,10 +69,21 @@ class _Settings:
 
 _settings = _Settings()
 
-# Steps with at most this many rows run their projections through ``genserve::matvec``
-# (measured on the default model's matrices, 1 thread: float32 1.0x/1.8x/1.0x and bfloat16
-# storage 1.4x/1.3x/1.0x the speed of torch's best path at 1/8/32 rows).
+# Half-precision steps with at most this many rows run their projections through
+# ``genserve::matvec`` (measured on the default model's matrices, 1 thread: bfloat16 storage
+# 1.4x/1.3x/1.0x the speed of torch's best path at 1/8/32 rows on an AVX512-BF16 CPU).
 MATVEC_MAX_ROWS = 32
+# With AMX tiles, oneDNN's bf16 GEMM overtakes the streaming matvec near 10 rows (model-
+# weighted, 2 threads, Sapphire Rapids: 15.1 vs 16.5 ms at 8 rows, 21.1 vs 17.8 at 12, 44.7 vs
+# 19.0 at 24), so steps past 8 rows go to F.linear there.
+MATVEC_MAX_ROWS_AMX = 8
+
+
+def matvec_max_rows() -> int:
+    """The row count up to which half-precision projections use the matvec on this CPU."""
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return MATVEC_MAX_ROWS_AMX if amx else MATVEC_MAX_ROWS
+
 
 # Reassociating float sums lets the compiler reduce a dot product in a tree of vector adds
 # instead of a chain of scalar ones (the order of a float sum is not part of the result's

@@ -23,6 +23,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                                   const at::Tensor& block_table, const at::Tensor& context_lens,
                                   double scale, int64_t window);
 
+// matvec_cpu.cpp
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias);
+
 // panel_gemm_cpu.cpp
 at::Tensor pack_panels(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,

@@ -19,6 +19,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "genserve_ops.h"
+
 #include <cstdint>
 
 #include "matvec_core.h"
@@ -79,6 +81,11 @@ void dispatch_rows(int64_t M, const float* x, const W* w, int64_t K, int64_t N, 
   }
 }
 
+}  // namespace
+
+// Entry point, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
+namespace genserve_ops {
+
 // x: [M, K] float32 or bfloat16; weight: [N, K] float32 or bfloat16; bias: [N] or None.
 // Returns [M, N] in x's dtype (float32 sums, rounded once at the end).
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
@@ -109,10 +116,10 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-}  // namespace
+}  // namespace genserve_ops
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("matvec", &matvec); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("matvec", &genserve_ops::matvec); }

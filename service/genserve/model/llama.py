@@ -134,21 +134,26 @@ class LlamaMLP(nn.Module):
 @dataclass(frozen=True, slots=True)
 class FusedDecodeArgs:
     """A layer's four projections (qkv, o, gate_up, down) as ``genserve::decode_layer``
-    takes them: per projection (panels or quantized data, scales, mins), its bits (0: float32
-    panels), group, output width and bias; an empty tensor stands for none."""
+    takes them: per projection (panels, quantized data or the plain weight; scales; mins),
+    its bits (0: float32 panels, -1: a plain half-precision weight), group, output width and
+    bias, an empty tensor standing for none; and the step size up to which plain weights go
+    through the matvec (as ``layers._linear`` decides)."""
 
     weights: list[torch.Tensor]
     bits: list[int]
     groups: list[int]
     outs: list[int]
     biases: list[torch.Tensor | None]
+    matvec_rows: int
 
     @classmethod
     def of(cls, linears: tuple[_Packable, ...]) -> FusedDecodeArgs | None:
-        """None when a projection is not in column panels (half precision, no kernels)."""
-        args = cls([], [], [], [], [])
+        """None where a projection has none of those forms (a oneDNN-packed weight)."""
+        args = cls([], [], [], [], [], linears[0].matvec_rows)
         for linear in linears:
             empty = torch.empty(0)
+            if linear.matvec_rows != args.matvec_rows:
+                return None
             if linear.panels is not None:
                 args.weights.extend((linear.panels, empty, empty))
                 args.bits.append(0)
@@ -160,6 +165,11 @@ class FusedDecodeArgs:
                 args.bits.append(q.bits)
                 args.groups.append(q.group)
                 args.outs.append(q.out_features)
+            elif linear.quant is None and linear.packed is None and linear.weight.numel():
+                args.weights.extend((linear.weight, empty, empty))
+                args.bits.append(-1)
+                args.groups.append(0)
+                args.outs.append(linear.weight.shape[0])
             else:
                 return None
             args.biases.append(getattr(linear, "bias", None))
@@ -167,7 +177,7 @@ class FusedDecodeArgs:
 
 
 class LlamaDecoderLayer(nn.Module):
-    # Set by LlamaForCausalLM.use_fused_cpu_ops where every projection is in column panels.
+    # Set by LlamaForCausalLM.use_fused_cpu_ops (unsharded models).
     fused_decode: FusedDecodeArgs | None = None
 
     def __init__(
@@ -215,7 +225,7 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm.eps, cos, sin, kv_cache, meta.slots, block_table,
             meta.decode_context_lens, attn.scale, -1 if attn.window is None else attn.window,
             attn.num_heads, attn.num_kv_heads, args.weights, args.bits, args.groups, args.outs,
-            args.biases,
+            args.biases, args.matvec_rows,
         )  # fmt: skip
         return out
 
@@ -327,8 +337,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.use_tied_panels(self.embed_tokens)
             else:
                 self.lm_head.use_panels()
-        # Decode-only steps run each layer as one C++ op where all of its projections are in
-        # panels and no rank has to all-reduce between them.
+        # Decode-only steps run each layer as one C++ op where no rank has to all-reduce
+        # between its projections.
         if self.lm_head.ctx.world_size == 1:
             for layer in self._layers:
                 layer.fused_decode = FusedDecodeArgs.of(self._linears(layer))

@@ -149,9 +149,10 @@ class ModelRunner:
         from genserve.kernels import cpu as cpu_kernels
 
         if cpu_kernels.usable(device, dtype):
-            # Decode-sized steps stream the plain weights through genserve's matvec (faster
-            # than oneDNN's packed bf16 weights up to 32 rows, equal at 32), so none are packed.
-            self.model.use_fused_cpu_ops(matvec_rows=cpu_kernels.MATVEC_MAX_ROWS)
+            # float32 and quantized weights go to column panels; half-precision decode steps
+            # stream the plain weights through genserve's matvec up to a CPU-dependent row
+            # count (oneDNN's GEMM beyond), so none are packed for oneDNN.
+            self.model.use_fused_cpu_ops(matvec_rows=cpu_kernels.matvec_max_rows())
         else:
             with torch.inference_mode():
                 self.model.pack_weights()

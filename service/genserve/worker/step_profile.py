@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 # Op name (without the "aten::"/"genserve::" namespace) -> part of the step.  Ops not named
 # here count as "other ops".
 _PARTS: dict[str, str] = {
+    # A decode-only CPU step runs each layer as one op (kernels/decode_layer_cpu.cpp), whose
+    # parts the profiler does not see.
+    "decode_layer": "decoder layers (one op each)",
     **dict.fromkeys(
         ("mm", "addmm", "matvec", "panel_linear", "qpanel_linear", "_linear_pointwise", "bmm"),
         "projections",
