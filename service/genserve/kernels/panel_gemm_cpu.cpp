@@ -81,6 +81,10 @@ inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const floa
     if (kFetchAhead) {
       __builtin_prefetch(wk + kPrefetch * kPanel);
       __builtin_prefetch(wk + kPrefetch * kPanel + 16);
+      // And into L2 four times further: a core keeps more lines in flight than the L1
+      // prefetch alone asks for (+3% at 32 rows on the default model).
+      __builtin_prefetch(wk + 4 * kPrefetch * kPanel, 0, 2);
+      __builtin_prefetch(wk + 4 * kPrefetch * kPanel + 16, 0, 2);
     }
     f32v w[kVecs];
     for (int j = 0; j < kVecs; ++j) w[j] = load16(wk + j * kLanes);
