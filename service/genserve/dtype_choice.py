@@ -4,9 +4,9 @@ On CUDA that is bfloat16 (float16 on GPUs without bf16, before Ampere).  On CPU 
 bfloat16 only where the cores compute it natively (AVX512-BF16 or AMX): elsewhere torch
 emulates bf16 matmuls by widening to float32 (measured on an AVX2 Zen 3: 19 GFLOP/s vs 110
 for float32, so bf16 serving ran 3x slower), so float32 is both faster and exact.  Where bf16
-is native it wins: decode streams bf16 weights through genserve's matvec kernel (half the
-bytes of float32), measured on an AVX512-BF16 Xeon with ``genserve-bench cpu``: 60 vs 40
-tok/s at 1 stream, 402 vs 393 at 32.
+is native it wins: single-stream decode streams bf16 weights through genserve's matvec kernel
+(half the bytes of float32) and, with AMX, batched steps run on its tiles; measured on an AMX
+Xeon with ``genserve-bench cpu``: 66 vs 46 tok/s at 1 stream, 779 vs 523 at 32.
 """
 
 from __future__ import annotations
