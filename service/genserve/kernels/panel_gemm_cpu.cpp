@@ -372,6 +372,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
                   N > (panels.size(0) - 1) * kPanel,
               "panel_linear: x [M, K] and panels [ceil(N / 32), K, 32] expected");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(K > 0, "panel_linear: no input features");
   const auto xc = x.contiguous();
   const auto pc = panels.contiguous();
   at::Tensor b;
@@ -405,6 +406,7 @@ at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::
   const int64_t M = x.size(0), K = x.size(1), P = data.size(0);
   TORCH_CHECK(data.size(1) == K && N <= P * kPanel && N > (P - 1) * kPanel,
               "qpanel_linear: x and data disagree on K or N");
+  TORCH_CHECK(K > 0, "qpanel_linear: no input features");
   TORCH_CHECK(group > 0 && (group % 32 == 0 || group == K), "qpanel_linear: bad group size");
   const int64_t groups = (K + group - 1) / group;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == P &&

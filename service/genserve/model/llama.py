@@ -284,6 +284,7 @@ class LlamaForCausalLM(nn.Module):
             and isinstance(meta, TorchAttentionMetadata)
             and meta.use_cpu_kernel
             and not meta.prefills
+            and meta.num_decodes == token_ids.shape[0]
         ):
             table = meta.decode_blocks.view(meta.num_decodes, meta.decode_max_blocks)
             for layer, kv_cache in zip(self._layers, kv_caches, strict=True):
