@@ -19,7 +19,7 @@
 // keeps a single copy of its weights.  Sums are float32, in k order within each segment.
 //
 // Quantized weights (--quantize, model/quantization.py) use the same panels with their
-// values still quantized ("qpanels", packed by QuantizedWeight.to_panels): 8-bit as int8
+// values still quantized ("qpanels", packed by QuantizedPanels.pack): 8-bit as int8
 // [P, K, 32], 4-bit as uint8 [P, K, 16] (byte c of a k-step: column c in its low nibble,
 // column c + 16 in its high one), float16 scales (and mins) [P, K / group, 32].  A chunk is
 // dequantized into an L1 scratch once and every row block runs the float tile over it, so
@@ -391,7 +391,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   return out;
 }
 
-// The quantized form of panel_linear: data, scales, mins as QuantizedWeight.to_panels packs
+// The quantized form of panel_linear: data, scales, mins as QuantizedPanels.pack lays
 // them (see the top of this file).
 at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                          const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
