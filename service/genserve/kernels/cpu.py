@@ -49,7 +49,6 @@ _OPS = (
     "rotary",
     "rotary_write_kv",
     "matvec",
-    "pack_panels",
     "panel_linear",
     "qpanel_linear",
     "decode_layer",

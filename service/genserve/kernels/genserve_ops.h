@@ -28,7 +28,6 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
                   const c10::optional<at::Tensor>& bias);
 
 // panel_gemm_cpu.cpp
-at::Tensor pack_panels(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const c10::optional<at::Tensor>& bias);
 at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,

@@ -339,29 +339,7 @@ at::Tensor gemm_on_panels(const at::Tensor& x, const at::Tensor& panels, int64_t
 // Entry points, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
 namespace genserve_ops {
 
-// weight [N, K] float32 -> panels [ceil(N / 32), K, 32], the last panel's missing columns 0.
-at::Tensor pack_panels(const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kFloat,
-              "pack_panels: a float32 [N, K] CPU weight expected");
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
-  const auto w = weight.contiguous();
-  auto panels = at::zeros({P, K, kPanel}, weight.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = panels.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      for (int64_t c = 0; c < cols; ++c) {
-        const float* row = src + (p * kPanel + c) * K;
-        float* col = dst + p * K * kPanel + c;
-        for (int64_t k = 0; k < K; ++k) col[k * kPanel] = row[k];
-      }
-    }
-  });
-  return panels;
-}
-
-// x [M, K] float32, panels from pack_panels, N the unpadded output width, bias [N] or None.
+// x [M, K] float32, panels as weight_panels.pack_float lays them out, N the unpadded output width, bias [N] or None.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
@@ -443,14 +421,12 @@ at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::
 }  // namespace genserve_ops
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
-  m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.def("qpanel_linear(Tensor x, Tensor data, Tensor scales, Tensor? mins, int bits, int group, "
         "int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
-  m.impl("pack_panels", &genserve_ops::pack_panels);
   m.impl("panel_linear", &genserve_ops::panel_linear);
   m.impl("qpanel_linear", &genserve_ops::qpanel_linear);
 }

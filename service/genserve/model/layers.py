@@ -26,7 +26,7 @@ from genserve.model import rope_scaling
 from genserve.model.config import RopeConfig, UnsupportedModelError
 from genserve.model.lora import LoraHook
 from genserve.model.quantization import QuantizedWeight
-from genserve.model.weight_panels import QuantizedPanels, float_panel_rows
+from genserve.model.weight_panels import QuantizedPanels, float_panel_rows, pack_float
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
 
@@ -104,7 +104,7 @@ class _Packable(nn.Module):
     # ``weight`` (moved to ``qpanels`` where genserve's CPU kernels run).
     quant: QuantizedWeight | None = None
     # float32 on CPU with genserve's kernels: the weight as 32-column panels
-    # (``genserve::pack_panels``), which every step uses instead of ``weight``.
+    # (``weight_panels.pack_float``), which every step uses instead of ``weight``.
     panels: torch.Tensor | None = None
     panel_outputs: int = 0  # the weight's rows (the last panel is zero-padded)
     # A quantized weight in the same panels (replaces ``quant``; same kernel file).
@@ -131,7 +131,7 @@ class _Packable(nn.Module):
             return
         if self.weight.dtype != torch.float32 or not self.weight.numel():
             return
-        self.panels = torch.ops.genserve.pack_panels(self.weight.detach())
+        self.panels = pack_float(self.weight.detach())
         self.panel_outputs = self.weight.shape[0]
         if release:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

@@ -150,8 +150,8 @@ class FusedDecodeArgs:
     def of(cls, linears: tuple[_Packable, ...]) -> FusedDecodeArgs | None:
         """None where a projection has none of those forms (a oneDNN-packed weight)."""
         args = cls([], [], [], [], [], linears[0].matvec_rows)
+        empty = torch.empty(0)
         for linear in linears:
-            empty = torch.empty(0)
             if linear.matvec_rows != args.matvec_rows:
                 return None
             if linear.panels is not None:

@@ -2,9 +2,9 @@
 (``kernels/panel_gemm_cpu.cpp``): panel ``p`` holds output features ``[32p, 32p + 32)``
 k-major, so one k-step of a panel is one contiguous vector load.
 
-float32 weights are packed by the kernel itself (``genserve::pack_panels``); this module packs
-quantized ones (:class:`QuantizedPanels`, from a :class:`QuantizedWeight`) and looks rows up in
-either, for an embedding that shares its matrix with the LM head.
+This module is the one place that lays the panels out: float32 weights (:func:`pack_float`)
+and quantized ones (:class:`QuantizedPanels`, from a :class:`QuantizedWeight`), and it looks
+rows up in either, for an embedding that shares its matrix with the LM head.
 """
 
 from __future__ import annotations
@@ -25,6 +25,14 @@ def _panels(t: torch.Tensor, n: int) -> torch.Tensor:
     padded = torch.zeros((p * PANEL, t.shape[1]), dtype=t.dtype, device=t.device)
     padded[:n] = t
     return padded.view(p, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_float(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[N, K]`` weight as ``genserve::panel_linear`` reads it: ``[ceil(N / 32), K,
+    32]``, the last panel's missing columns zero."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError(f"pack_float: a float32 [N, K] weight expected, got {weight.dtype}")
+    return _panels(weight, int(weight.shape[0]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,5 +99,5 @@ class QuantizedPanels:
 
 
 def float_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of a float32 matrix packed by ``genserve::pack_panels``."""
+    """Rows ``ids`` of a float32 matrix packed by :func:`pack_float`."""
     return panels[ids // PANEL, :, ids % PANEL]
