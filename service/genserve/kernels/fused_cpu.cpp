@@ -22,6 +22,7 @@
 
 #include "genserve_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -78,16 +79,26 @@ void add_rows(const T* x, const T* r, T* out, int64_t numel) {
 
 template <typename T>
 void silu_and_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
+  // Two passes over a stack chunk: the exp, then the division and product.  Written as one
+  // loop, g / (1 + exp(-g)) compiled (GCC 12) into masked code whose speed depends on the
+  // data: ~9 cycles per element on activations against ~1.2 this way, same operations and
+  // the same result.
+  constexpr int64_t kChunk = 256;
   at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t begin, int64_t end) {
+    float denom[kChunk];
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gu + r * 2 * n;
       const T* up = gate + n;
       T* o = out + r * n;
+      for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+        const int64_t m = std::min(kChunk, n - c0);
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = f32(gate[i]);
-        const T act = round_to<T>(g / (1.0f + genserve::exp_approx(-g)));
-        o[i] = round_to<T>(f32(act) * f32(up[i]));
+        for (int64_t i = 0; i < m; ++i) denom[i] = 1.0f + genserve::exp_approx(-f32(gate[c0 + i]));
+#pragma omp simd
+        for (int64_t i = 0; i < m; ++i) {
+          const T act = round_to<T>(f32(gate[c0 + i]) / denom[i]);
+          o[c0 + i] = round_to<T>(f32(act) * f32(up[c0 + i]));
+        }
       }
     }
   });
