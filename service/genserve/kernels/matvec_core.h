@@ -111,9 +111,14 @@ inline float hsum(f32v v) {
 inline float to_f32(float v) { return v; }
 inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
 
-// Rows [o0, o0 + O) of W against all M rows of x (float32, [M, K]); out is float32 [M, N].
+// Rows o0, o0 + step, ..., o0 + (O - 1) step of W against all M rows of x (float32, [M, K]);
+// out is float32 [M, N].  Each row prefetches the row kStreamAhead ahead of it in its own
+// stream (step > 1: the caller walks O separate bands of W), or the next block (step 1).
 template <int M, int O, typename W>
-inline void dot_block(const float* x, const W* w, int64_t K, int64_t N, int64_t o0, float* out) {
+inline void dot_block(const float* x, const W* w, int64_t K, int64_t N, int64_t o0, float* out,
+                      int64_t step = 1) {
+  constexpr int64_t kStreamAhead = 2;
+  const int64_t ahead = step == 1 ? O : kStreamAhead;
   f32v acc[O][M];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < M; ++r) acc[o][r] = f32v{};
@@ -122,18 +127,18 @@ inline void dot_block(const float* x, const W* w, int64_t K, int64_t N, int64_t 
     f32v xv[M];
     for (int r = 0; r < M; ++r) xv[r] = load16(x + r * K + k);
     for (int o = 0; o < O; ++o) {
-      // Rows are short (a few KB): ask for the next block's rows now, before the hardware
-      // prefetcher would have noticed the stream.
-      __builtin_prefetch(w + (o0 + O + o) * K + k);
-      const f32v wv = load16(w + (o0 + o) * K + k);
+      const W* row = w + (o0 + o * step) * K;
+      __builtin_prefetch(row + ahead * K + k);
+      const f32v wv = load16(row + k);
       for (int r = 0; r < M; ++r) acc[o][r] += xv[r] * wv;
     }
   }
   for (int o = 0; o < O; ++o) {
+    const int64_t n = o0 + o * step;
     for (int r = 0; r < M; ++r) {
       float s = hsum(acc[o][r]);
-      for (int64_t k = vec_end; k < K; ++k) s += x[r * K + k] * to_f32(w[(o0 + o) * K + k]);
-      out[r * N + o0 + o] = s;
+      for (int64_t k = vec_end; k < K; ++k) s += x[r * K + k] * to_f32(w[n * K + k]);
+      out[r * N + n] = s;
     }
   }
 }
