@@ -15,6 +15,7 @@ collectives are no-ops.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from genserve.model import rope_scaling
 from genserve.model.config import RopeConfig, UnsupportedModelError
+from genserve.model.huge_pages import HugePageRegion
 from genserve.model.lora import LoraHook
 from genserve.model.quantization import QuantizedWeight
 from genserve.model.weight_panels import QuantizedPanels, float_panel_rows, pack_float
@@ -135,6 +137,34 @@ class _Packable(nn.Module):
         self.panel_outputs = self.weight.shape[0]
         if release:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def streamed_weights(self) -> list[torch.Tensor]:
+        """The tensors a CPU decode step reads from this layer: its panels, its quantized
+        panels, or its plain weight (half precision); none for a prepacked or quantized one
+        the kernels do not read."""
+        if self.panels is not None:
+            return [self.panels]
+        if self.qpanels is not None:
+            q = self.qpanels
+            return [q.data, q.scales] + ([] if q.mins is None else [q.mins])
+        if self.quant is None and self.packed is None and self.weight.numel():
+            return [self.weight.detach()]
+        return []
+
+    def move_streamed_weights(self, region: HugePageRegion) -> None:
+        """Replace the tensors of :meth:`streamed_weights` by copies placed in ``region``."""
+        if self.panels is not None:
+            self.panels = region.place(self.panels)
+        elif self.qpanels is not None:
+            q = self.qpanels
+            self.qpanels = dataclasses.replace(
+                q,
+                data=region.place(q.data),
+                scales=region.place(q.scales),
+                mins=None if q.mins is None else region.place(q.mins),
+            )
+        elif self.streamed_weights():
+            self.weight = nn.Parameter(region.place(self.weight.detach()), requires_grad=False)
 
     def set_quantized(self, quant: QuantizedWeight) -> None:
         """Serve from ``quant`` (same shape as ``weight``) and free the plain weight; a tied

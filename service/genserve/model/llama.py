@@ -20,6 +20,7 @@ from torch import nn
 
 from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
 from genserve.model.config import ModelConfig
+from genserve.model.huge_pages import huge_page_region
 from genserve.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -351,12 +352,41 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.use_tied_panels(self.embed_tokens)
             else:
                 self.lm_head.use_panels()
+        self._move_streamed_weights_to_huge_pages()
         # Decode-only steps run each layer as one C++ op where no rank has to all-reduce
         # between its projections.
         if self.lm_head.ctx.world_size == 1:
             for layer in self._layers:
                 layer.set_fused_decode(FusedDecodeArgs.of(self._linears(layer)))
             self._decode_layers_fused = all(layer.fused_decode for layer in self._layers)
+
+    def _move_streamed_weights_to_huge_pages(self) -> None:
+        """Copy every weight a decode step streams into one region of 2 MiB pages
+        (``model/huge_pages.py``; nothing where THP is not in madvise mode).  A tied
+        embedding follows its head to the copies."""
+        holders: list[_Packable] = [
+            linear for layer in self._layers for linear in self._linears(layer)
+        ]
+        holders.append(self.lm_head)
+        with (
+            torch.inference_mode(),
+            huge_page_region(
+                [t.nbytes for holder in holders for t in holder.streamed_weights()],
+                self.lm_head.weight.device,
+            ) as region,
+        ):
+            if region is None:
+                return
+            embed, head = self.embed_tokens, self.lm_head
+            shared = [
+                attr
+                for attr in ("weight", "panels", "qpanels")
+                if getattr(head, attr) is not None and getattr(embed, attr) is getattr(head, attr)
+            ]
+            for holder in holders:
+                holder.move_streamed_weights(region)
+            for attr in shared:
+                setattr(embed, attr, getattr(head, attr))
 
     @staticmethod
     def _linears(layer: LlamaDecoderLayer) -> tuple[_Packable, ...]:

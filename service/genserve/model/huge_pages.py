@@ -1,0 +1,118 @@
+"""The weights a CPU decode step streams, moved into one region backed by 2 MiB pages.
+
+Single-stream decode reads every weight once per step, a few hundred MB in 4 KiB pages: a
+TLB miss and page walk every 4 KiB, and the cores' prefetchers stop at every page boundary.
+Most Linux hosts run transparent huge pages in ``madvise`` mode, where only memory that asks
+for them gets them, and torch's allocator does not ask.  So the weights are copied, once at
+load, into one region that does ``madvise(MADV_HUGEPAGE)`` before its pages are first
+touched.  Measured on the default model (runner_bench, 2 AVX-512 cores): bf16 one stream
+85 -> 90 tok/s, float32 47.2 -> 48.0.
+
+Where THP is ``always`` the weights already have huge pages, where it is ``never`` (or on
+another OS) madvise cannot help: both leave the tensors where they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+_HUGE_PAGE = 2 << 20
+_ALIGN = 64  # a cache line: the kernels' vector loads
+# Bytes placed between two trims of glibc's heap (see huge_page_region).
+_TRIM_EVERY = 64 << 20
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``), or
+    ``""`` where there is none to read (not Linux)."""
+    try:
+        text = _THP_MODE.read_text()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else ""
+
+
+class HugePageRegion:
+    """``size`` bytes, 2 MiB-aligned and advised to the kernel as huge-page memory, handed
+    out in 64-byte-aligned slices by :meth:`place`.  The region is a fresh anonymous mapping
+    (not torch's allocator, which may hand back heap pages already touched, too late for the
+    advice); its pages are committed as the slices are written, so placing tensors one at a
+    time while dropping the originals keeps the peak near the weights plus one tensor."""
+
+    def __init__(self, size: int) -> None:
+        self._size = _round_up(max(size, 1), _HUGE_PAGE)
+        # Private: a shared anonymous mapping is shmem, which THP in madvise mode skips.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._map = mmap.mmap(-1, self._size + _HUGE_PAGE, flags=flags)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)  # shares the mapping
+        offset = _round_up(raw.data_ptr(), _HUGE_PAGE) - raw.data_ptr()
+        self._buffer = raw[offset : offset + self._size]
+        self._used = 0
+        self._since_trim = 0
+        try:
+            self._map.madvise(mmap.MADV_HUGEPAGE, offset, self._size)
+            self.advised = True
+        except (AttributeError, OSError):  # no MADV_HUGEPAGE here
+            self.advised = False
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of the contiguous CPU ``tensor`` in the region (same dtype and shape)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._used + nbytes > self._size:
+            raise ValueError(f"region of {self._size} bytes is full")
+        if self._since_trim >= _TRIM_EVERY:  # the originals placed so far are freed by now
+            _malloc_trim()
+            self._since_trim = 0
+        window = self._buffer[self._used : self._used + nbytes]
+        self._used += _round_up(nbytes, _ALIGN)
+        self._since_trim += nbytes
+        out = window.view(tensor.dtype).view(tensor.shape)
+        out.copy_(tensor)
+        return out
+
+
+@contextmanager
+def huge_page_region(sizes: list[int], device: torch.device) -> Iterator[HugePageRegion | None]:
+    """A region that holds tensors of ``sizes`` bytes where moving them to huge pages can
+    help (Linux, THP in ``madvise`` mode, CPU tensors), else None: the caller keeps its
+    tensors.  Sizes, not the tensors, so that each original can be freed once placed."""
+    if (
+        device.type != "cpu"
+        or not sys.platform.startswith("linux")
+        or thp_mode() != "madvise"
+        or not sizes
+    ):
+        yield None
+        return
+    region = HugePageRegion(sum(_round_up(size, _ALIGN) for size in sizes))
+    yield region if region.advised else None
+    # The originals were mostly small enough for glibc to serve from its heap, whose freed
+    # middle it keeps mapped: without a trim the process would hold the weights twice.
+    _malloc_trim()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return None if name is None else ctypes.CDLL(name, use_errno=True)
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)  # glibc only (musl has none)
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+        trim(0)

@@ -1,0 +1,133 @@
+"""Weights a CPU decode step streams are copied into one region advised for 2 MiB pages
+(``genserve.model.huge_pages``): the copies equal the originals, sit 64-byte aligned in one
+range, a tied embedding follows its head, and hosts where the advice cannot help keep their
+tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from genserve.model import huge_pages
+from genserve.model.huge_pages import HugePageRegion, huge_page_region, thp_mode
+from genserve.model.llama import LlamaForCausalLM
+from tests.conftest import TinyModelFactory
+
+madvise_only = pytest.mark.skipif(
+    thp_mode() != "madvise",
+    reason=f"transparent huge pages are {thp_mode() or 'absent'!r} here, not 'madvise'",
+)
+
+
+def test_place_copies_values_dtype_and_shape_at_cache_line_offsets() -> None:
+    tensors = [
+        torch.randn(3, 5),
+        torch.arange(7, dtype=torch.uint8),
+        torch.randn(4, 2).to(torch.bfloat16),
+        torch.randn(2, 2, 2).to(torch.float16),
+    ]
+    region = HugePageRegion(sum(t.nbytes for t in tensors) + 64 * len(tensors))
+    placed = [region.place(t) for t in tensors]
+    start = placed[0].data_ptr()
+    assert start % (2 << 20) == 0  # the region starts on a huge page
+    for original, copy in zip(tensors, placed, strict=True):
+        assert copy.dtype == original.dtype and copy.shape == original.shape
+        assert torch.equal(copy, original)
+        assert copy.data_ptr() % 64 == 0
+        assert copy.data_ptr() != original.data_ptr()
+    assert len({t.data_ptr() for t in placed}) == len(placed)
+
+
+def test_a_full_region_refuses_more() -> None:
+    region = HugePageRegion(1)  # rounded up to one 2 MiB page
+    region.place(torch.zeros(1 << 19))  # exactly 2 MiB of float32
+    with pytest.raises(ValueError, match="full"):
+        region.place(torch.zeros(1))
+
+
+def test_placed_tensors_outlive_the_region_object() -> None:
+    region = HugePageRegion(1 << 20)
+    original = torch.randn(256, 256)
+    copy = region.place(original)
+    del region
+    assert torch.equal(copy, original)  # the mapping lives as long as a view of it
+
+
+def test_no_region_where_the_advice_cannot_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    for mode in ("always", "never", ""):
+        monkeypatch.setattr(huge_pages, "thp_mode", lambda mode=mode: mode)
+        with huge_page_region([1 << 20], torch.device("cpu")) as region:
+            assert region is None
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    with huge_page_region([1 << 20], torch.device("meta")) as region:
+        assert region is None
+    with huge_page_region([], torch.device("cpu")) as region:
+        assert region is None
+
+
+def _fused_model(model_dir: Path, dtype: torch.dtype, quantize: str | None) -> LlamaForCausalLM:
+    from genserve.model.config import ModelConfig
+    from genserve.model.quantize_model import quantize_model
+    from genserve.model.registry import build_model
+    from genserve.model.weights import SafetensorsWeights
+    from genserve.parallel import ParallelContext
+
+    config = ModelConfig.from_pretrained(model_dir)
+    with torch.inference_mode():
+        model = build_model(config, ParallelContext.single(), dtype, torch.device("cpu"))
+        with SafetensorsWeights(model_dir) as weights:
+            model.load_weights(weights)
+        if quantize is not None:
+            quantize_model(model, quantize)
+        model.use_fused_cpu_ops(matvec_rows=4)
+    return model
+
+
+def _streamed(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    holders = [lin for layer in model._layers for lin in model._linears(layer)]
+    holders.append(model.lm_head)
+    return [t for holder in holders for t in holder.streamed_weights()]
+
+
+@madvise_only
+@pytest.mark.parametrize(("arch", "dtype", "quantize"), [
+    ("llama", torch.float32, None),  # tied: the embedding reads the head's panels
+    ("llama", torch.float32, "int4"),
+    ("qwen2", torch.bfloat16, None),  # untied, plain bf16 weights
+])  # fmt: skip
+def test_streamed_weights_move_into_one_region(
+    tiny_model_factory: TinyModelFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    dtype: torch.dtype,
+    quantize: str | None,
+) -> None:
+    from genserve.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.load():
+        pytest.skip("genserve's CPU kernels did not build here")
+    model_dir = tiny_model_factory(arch)
+    moved = _fused_model(model_dir, dtype, quantize)
+    with monkeypatch.context() as patch:
+        patch.setattr(huge_pages, "thp_mode", lambda: "never")
+        kept = _fused_model(model_dir, dtype, quantize)
+
+    streamed, originals = _streamed(moved), _streamed(kept)
+    assert streamed and len(streamed) == len(originals)
+    for copy, original in zip(streamed, originals, strict=True):
+        assert torch.equal(copy, original)
+    # One region: 2 MiB-aligned, the tensors back to back (64-byte alignment aside); the
+    # unmoved model's tensors are torch's own.
+    addresses = sorted(t.data_ptr() for t in streamed)
+    assert addresses[0] % (2 << 20) == 0
+    assert addresses[-1] - addresses[0] < sum(t.nbytes for t in streamed) + 64 * len(streamed)
+    embed, head = moved.embed_tokens, moved.lm_head
+    if moved.config.tie_word_embeddings:
+        assert embed.panels is head.panels and embed.qpanels is head.qpanels
+    ids = torch.tensor([5, 17, 300])
+    with torch.inference_mode():
+        got = moved.compute_logits(moved.embed_tokens.forward(ids))
+        want = kept.compute_logits(kept.embed_tokens.forward(ids))
+    assert torch.equal(got, want)
