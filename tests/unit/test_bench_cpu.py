@@ -27,6 +27,20 @@ def test_measured_limits_are_positive_rates() -> None:
     assert machine_limits.matmul_gflop_s(((64, 32),), rows=4, repeats=2) > 0
 
 
+def test_best_keeps_each_limits_best_measurement() -> None:
+    first = machine_limits.MachineLimits(
+        read_gb_s=24.0, matmul_gflop_s=190.0, matmul_rows=32, threads=2
+    )
+    second = machine_limits.MachineLimits(
+        read_gb_s=28.5, matmul_gflop_s=180.0, matmul_rows=32, threads=2
+    )
+    best = machine_limits.best([first, second])
+    assert (best.read_gb_s, best.matmul_gflop_s) == (28.5, 190.0)
+    assert (best.matmul_rows, best.threads) == (32, 2)
+    with pytest.raises(ValueError):
+        machine_limits.best([])
+
+
 def test_table_reports_percent_of_limit_and_agreement() -> None:
     result = {
         "rows": [

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -113,4 +113,16 @@ def measure(cost: ModelCost, rows: int = 32) -> MachineLimits:
         matmul_gflop_s=matmul_gflop_s(cost.shapes, rows),
         matmul_rows=rows,
         threads=torch.get_num_threads(),
+    )
+
+
+def best(measured: list[MachineLimits]) -> MachineLimits:
+    """The best read bandwidth and matmul rate among several measurements of one machine
+    (same rows and threads)."""
+    if not measured:
+        raise ValueError("no measurement")
+    return replace(
+        measured[0],
+        read_gb_s=max(m.read_gb_s for m in measured),
+        matmul_gflop_s=max(m.matmul_gflop_s for m in measured),
     )
