@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 
-# Well past any L3 we expect to meet (the Xeon of these sessions reports 260 MiB).
+# Well past any L3 we expect to meet (the Xeons of these sessions report 260-480 MiB).
 _READ_BYTES = 1 << 30
 
 

@@ -39,7 +39,7 @@ void matvec_rows(const float* x, const W* w, int64_t K, int64_t N, float* out) {
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     // The task's band of rows is cut into O sub-bands walked side by side (a block takes
     // one row of each): O sequential streams per core keep more lines in flight than one.
-    // bf16, one row: 19-23 -> 25-30 GB/s on the default model's matrices (2 AVX-512 cores).
+    // bf16, one row: 19-23 -> 24-29 GB/s on the default model's matrices (2 AVX-512 cores).
     const int64_t per = (end - begin) / O;
     for (int64_t i = 0; i < per; ++i) dot_block<M, O>(x, w, K, N, begin + i, out, per);
     for (int64_t o = begin + O * per; o < end; ++o) dot_block<M, 1>(x, w, K, N, o, out);
