@@ -138,6 +138,18 @@ class _Packable(nn.Module):
         if release:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
+    @property
+    def serves_plain_weight(self) -> bool:
+        """Whether steps read ``weight`` itself: no panels, quantized or prepacked copy
+        replaces it, and it is not the emptied placeholder one of those leaves."""
+        return (
+            self.panels is None
+            and self.qpanels is None
+            and self.quant is None
+            and self.packed is None
+            and bool(self.weight.numel())
+        )
+
     def streamed_weights(self) -> list[torch.Tensor]:
         """The tensors a CPU decode step reads from this layer: its panels, its quantized
         panels, or its plain weight (half precision); none for a prepacked or quantized one
@@ -147,9 +159,7 @@ class _Packable(nn.Module):
         if self.qpanels is not None:
             q = self.qpanels
             return [q.data, q.scales] + ([] if q.mins is None else [q.mins])
-        if self.quant is None and self.packed is None and self.weight.numel():
-            return [self.weight.detach()]
-        return []
+        return [self.weight.detach()] if self.serves_plain_weight else []
 
     def move_streamed_weights(self, region: HugePageRegion) -> None:
         """Replace the tensors of :meth:`streamed_weights` by copies placed in ``region``."""
@@ -163,7 +173,7 @@ class _Packable(nn.Module):
                 scales=region.place(q.scales),
                 mins=None if q.mins is None else region.place(q.mins),
             )
-        elif self.streamed_weights():
+        elif self.serves_plain_weight:
             self.weight = nn.Parameter(region.place(self.weight.detach()), requires_grad=False)
 
     def set_quantized(self, quant: QuantizedWeight) -> None:

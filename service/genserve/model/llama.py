@@ -167,7 +167,7 @@ class FusedDecodeArgs:
                 args.bits.append(q.bits)
                 args.groups.append(q.group)
                 args.outs.append(q.out_features)
-            elif linear.quant is None and linear.packed is None and linear.weight.numel():
+            elif linear.serves_plain_weight:
                 args.weights.extend((linear.weight, empty, empty))
                 args.bits.append(-1)
                 args.groups.append(0)
