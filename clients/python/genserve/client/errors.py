@@ -61,11 +61,26 @@ _BY_CODE: dict[grpc.StatusCode, type[GenserveError]] = {
 }
 
 
+# gRPC C-core (so genserve's Python server) ends a call that reached a server after its shutdown
+# began, before any handler took it, with CANCELLED and the bare message "CANCELLED"
+# (grpc/grpc#41785; the fix in grpc/grpc#41786 sends UNAVAILABLE).  A client that talks to the
+# server directly never sees it: the server's GOAWAY makes gRPC retry such calls itself.  Behind
+# a proxy with pooled upstream connections (nginx, a mesh sidecar) it reaches the caller.  The
+# call never ran, so it means what UNAVAILABLE means.  A call the caller cancels itself carries
+# gRPC's local message ("Locally cancelled by application!"), and genserve's own CANCELLED says
+# "cancelled by the client", so neither is taken for it.
+_SHUTDOWN_CANCEL_MESSAGE = "CANCELLED"
+_SHUTDOWN_CANCEL_AS = "server shut down before the call started (gRPC sent CANCELLED: CANCELLED)"
+
+
 def status_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-    """The status code and message of a failed call (sync or asyncio)."""
+    """The status code and message of a failed call (sync or asyncio); the CANCELLED that gRPC's
+    server sends for a call that arrived as it shut down is reported as UNAVAILABLE."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else None
-    return code, details or ""
+    details = (err.details() if hasattr(err, "details") else None) or ""
+    if code is grpc.StatusCode.CANCELLED and details == _SHUTDOWN_CANCEL_MESSAGE:
+        return grpc.StatusCode.UNAVAILABLE, _SHUTDOWN_CANCEL_AS
+    return code, details
 
 
 def error_from_rpc(err: grpc.RpcError) -> GenserveError:
