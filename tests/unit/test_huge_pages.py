@@ -1,7 +1,7 @@
 """Weights a CPU decode step streams are copied into one region advised for 2 MiB pages
 (``genserve.model.huge_pages``): the copies equal the originals, sit 64-byte aligned in one
 range, a tied embedding follows its head, and hosts where the advice cannot help keep their
-tensors."""
+tensors.  The CPU KV pool is allocated the same way (zeros_on_huge_pages)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,24 @@ def test_no_region_where_the_advice_cannot_help(monkeypatch: pytest.MonkeyPatch)
         assert region is None
     with huge_page_region([], torch.device("cpu")) as region:
         assert region is None
+
+
+@madvise_only
+def test_zeros_on_huge_pages_is_a_writable_zero_tensor_on_an_aligned_region() -> None:
+    shape = (2, 3, 40, 16, 64)  # a KV pool's [layers?, 2, heads, blocks, block, head_dim]
+    pool = huge_pages.zeros_on_huge_pages(shape, torch.bfloat16)
+    assert pool is not None
+    assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert pool.data_ptr() % (2 << 20) == 0
+    assert not pool.any()
+    pool[1, 2, 39] = 1.5  # the last block, written through a view
+    assert pool.sum().item() == 1.5 * 16 * 64
+
+
+def test_zeros_stay_ordinary_where_the_advice_cannot_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    for mode in ("always", "never", ""):
+        monkeypatch.setattr(huge_pages, "thp_mode", lambda mode=mode: mode)
+        assert huge_pages.zeros_on_huge_pages((4, 4), torch.float32) is None
 
 
 def _fused_model(model_dir: Path, dtype: torch.dtype, quantize: str | None) -> LlamaForCausalLM:

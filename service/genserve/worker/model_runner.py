@@ -32,6 +32,7 @@ import torch
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
 from genserve.model.config import ModelConfig
+from genserve.model.huge_pages import zeros_on_huge_pages
 from genserve.model.llama import LlamaForCausalLM
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
@@ -615,11 +616,17 @@ def _keep_freed_memory() -> None:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor.  On CPU it comes from ``calloc`` (through numpy): the kernel hands out
-    zero pages on first touch, so a many-gigabyte cache costs neither start-up time nor
-    resident memory until blocks are used."""
+    """A zero tensor.  On CPU the kernel hands out zero pages on first touch, so a
+    many-gigabyte cache costs neither start-up time nor resident memory until blocks are
+    used: huge pages where THP is in ``madvise`` mode (decode attention reads each
+    sequence's blocks scattered over the pool, a TLB miss per 4 KiB block with small pages:
+    +15% attention speed at 2K-token contexts, model/huge_pages.py), else ``calloc``
+    (through numpy)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
+    huge = zeros_on_huge_pages(shape, dtype)
+    if huge is not None:
+        return huge
     numel = 1
     for size in shape:
         numel *= size
