@@ -398,3 +398,50 @@ def test_decode_layer_op_equals_the_layer_by_layer_step(
         (fused_hidden, fused_kv), (plain_hidden, plain_kv) = step(True), step(False)
     assert torch.equal(fused_hidden, plain_hidden)
     assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv, strict=True))
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "lengths"), [
+    (4, 1, [1500, 700, 40]),  # one KV head: 3 tasks, fewer than 4 a thread, so contexts split
+    (9, 3, [1100, 300]),
+    (2, 2, [513]),  # just long enough for two parts
+])  # fmt: skip
+@pytest.mark.parametrize("window", [None, 600])
+def test_long_contexts_split_in_parts_match_the_reference(
+    dtype: torch.dtype,
+    tolerance: float,
+    num_heads: int,
+    num_kv_heads: int,
+    lengths: list[int],
+    window: int | None,
+) -> None:
+    """Few sequences with long contexts are attended in parts of the context, combined by
+    their softmax statistics (the kernel's split path): the same result as one pass."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    head_dim = 64
+    needed = [math.ceil(n / BLOCK_SIZE) for n in lengths]
+    num_blocks = sum(needed) + 8
+    cache = torch.randn(2, num_kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = []
+    for length, n in zip(lengths, needed, strict=True):
+        seqs.append(SeqSpec(1, length - 1, tuple(free[:n])))
+        free = free[n:]
+    q, cache = q.to(dtype), cache.to(dtype)
+    table = torch.zeros(len(seqs), max(needed), dtype=torch.int64)
+    for i, seq in enumerate(seqs):
+        table[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids)
+    lens = torch.tensor(lengths)
+    scale = head_dim**-0.5
+    for threads in (1, 2):  # the number of parts follows the thread count
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = torch.ops.genserve.paged_decode_attention(
+                q, cache, table, lens, scale, -1 if window is None else window
+            )
+        finally:
+            torch.set_num_threads(previous)
+        expected = _reference(q, cache, seqs, scale, window)
+        torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)

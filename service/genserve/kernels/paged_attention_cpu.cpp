@@ -12,7 +12,10 @@
 // place, a block's kLanes scores reduced together, the next block prefetched (default model,
 // 2 AVX-512 cores, float32: 32 sequences x 72 positions 306 -> 207 us a layer, x 2048
 // 9.2 -> 7.1 ms; huge pages for the pool take another ~15% at 2048, worker/model_runner.py).
-// Other head sizes stage each run as float32 rows and reduce one score at a time.
+// Other head sizes stage each run as float32 rows and reduce one score at a time.  When
+// there are fewer (sequence, KV head) tasks than threads can share evenly, long contexts
+// are split in parts combined by their softmax statistics (split_attention: one stream,
+// 2048 positions, 118 -> 105 us a layer, at the memory's bandwidth).
 //
 // Cache layout (TorchPagedAttention): [2, num_kv_heads, num_blocks, block_size, head_dim].
 // Scores, softmax and accumulation are float32 whatever the storage dtype.
@@ -76,8 +79,10 @@ inline void for_each_run(const scalar_t* head, const int64_t* blocks, int64_t fi
 }
 
 
-// Each of the `rows` rows of scores ([rows, span]) replaced by its softmax.
-inline void softmax_rows(float* scores, int64_t rows, int64_t span) {
+// Each of the `rows` rows of scores ([rows, span]) replaced by its softmax; with `peaks` and
+// `totals`, each row's maximum and its sum of exp(score - maximum) are written there too.
+inline void softmax_rows(float* scores, int64_t rows, int64_t span, float* peaks = nullptr,
+                         float* totals = nullptr) {
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * span;
     float peak = -std::numeric_limits<float>::infinity();
@@ -90,6 +95,10 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t span) {
     }
     const float inv = 1.0f / total;
     for (int64_t j = 0; j < span; ++j) s[j] *= inv;
+    if (peaks != nullptr) {
+      peaks[g] = peak;
+      totals[g] = total;
+    }
   }
 }
 
@@ -164,11 +173,13 @@ inline void prefetch_block(const scalar_t* head, int64_t block, int64_t block_el
 // vector width: keys and values are read where they lie in the pool (no float32 staging
 // copy), each key or value row is loaded once for all `group` query heads that share it, and
 // the next block is prefetched while one is processed.  qf: the group's queries, scaled
-// ([group, kHeadDim]); scores: [group, span] scratch; acc: [group, kHeadDim] output.
+// ([group, kHeadDim]); scores: [group, span] scratch; acc: [group, kHeadDim] output; peaks
+// and totals (or nullptr): each query head's softmax statistics (softmax_rows).
 template <typename scalar_t, int64_t kHeadDim>
 void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
                        const scalar_t* v_head, const int64_t* blocks, int64_t first,
-                       int64_t context, int64_t block_size, float* scores, float* acc) {
+                       int64_t context, int64_t block_size, float* scores, float* acc,
+                       float* peaks = nullptr, float* totals = nullptr) {
   constexpr int64_t kVecs = kHeadDim / vec::kLanes;
   const int64_t span = context - first;
   const int64_t block_elems = block_size * kHeadDim;
@@ -213,7 +224,7 @@ void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
     }
   });
 
-  softmax_rows(scores, group, span);
+  softmax_rows(scores, group, span, peaks, totals);
 
   for (int64_t i = 0; i < group * kHeadDim; ++i) acc[i] = 0.0f;
   runs(v_head, [&](const scalar_t* rows, int64_t start, int64_t n) {
@@ -229,6 +240,106 @@ void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
       }
       for (int64_t c = 0; c < kVecs; ++c) {
         std::memcpy(acc + g * kHeadDim + c * vec::kLanes, &a[c], sizeof(a[c]));
+      }
+    }
+  });
+}
+
+
+// Few sequences with long contexts give fewer (sequence, KV head) tasks than threads can
+// share evenly (one stream of a model with 3 KV heads on 2 threads: 2 tasks on one, 1 on the
+// other).  Their contexts are then split in parts of at least kMinPartLen positions, each
+// part attended on its own, and the parts' results combined by their softmax statistics
+// (flash-decoding's split-K).  Returns the parts per task, 1 when no split is worth it.
+constexpr int64_t kMinPartLen = 256;
+constexpr int64_t kTasksPerThread = 4;
+
+inline int64_t split_count(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads,
+                           int64_t window) {
+  const int64_t tasks = num_seqs * num_kv_heads;
+  const int64_t wanted = kTasksPerThread * at::get_num_threads();
+  if (tasks >= wanted) return 1;
+  int64_t longest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    longest = std::max(longest, window > 0 ? std::min(lens[s], window) : lens[s]);
+  }
+  const int64_t by_threads = (wanted + tasks - 1) / tasks;
+  const int64_t by_length = longest / kMinPartLen;
+  return std::max<int64_t>(1, std::min(by_threads, by_length));
+}
+
+template <typename scalar_t, int64_t kHeadDim>
+void split_attention(const scalar_t* q_ptr, const scalar_t* cache_ptr, const int64_t* table_ptr,
+                     const int64_t* lens_ptr, int64_t num_seqs, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                     int64_t max_blocks, float fscale, int64_t window, int64_t parts,
+                     scalar_t* out_ptr) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t block_elems = block_size * kHeadDim;
+  const int64_t v_offset = num_kv_heads * num_blocks * block_elems;
+  const int64_t tasks = num_seqs * num_kv_heads;
+  // Per (task, part): each query head's peak and total, then its [kHeadDim] normalised sum.
+  const int64_t stride = group * (kHeadDim + 2);
+  std::vector<float> partial(tasks * parts * stride);
+  const auto bounds = [&](int64_t seq, int64_t part) {
+    const int64_t context = lens_ptr[seq];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
+    // Parts of whole blocks' length: a block's rows stay in one part when first is aligned.
+    const int64_t part_len = ((context - first + parts - 1) / parts + block_size - 1) /
+                             block_size * block_size;
+    const int64_t lo = std::min(context, first + part * part_len);
+    return std::pair<int64_t, int64_t>{lo, std::min(context, lo + part_len)};
+  };
+  at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * kHeadDim);
+    std::vector<float> scores;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t task = unit / parts, part = unit % parts;
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      float* peaks = partial.data() + unit * stride;
+      float* totals = peaks + group;
+      float* acc = totals + group;
+      const auto [lo, hi] = bounds(seq, part);
+      if (lo >= hi) {  // a short context has fewer parts: this one weighs nothing
+        for (int64_t g = 0; g < group; ++g) totals[g] = 0.0f;
+        continue;
+      }
+      to_float(q_ptr + (seq * num_heads + kv_head * group) * kHeadDim, qf.data(),
+               group * kHeadDim);
+      for (auto& x : qf) x *= fscale;
+      scores.assign(group * (hi - lo), 0.0f);
+      const scalar_t* k_head = cache_ptr + kv_head * num_blocks * block_elems;
+      attend_vectorised<scalar_t, kHeadDim>(qf.data(), group, k_head, k_head + v_offset,
+                                            table_ptr + seq * max_blocks, lo, hi, block_size,
+                                            scores.data(), acc, peaks, totals);
+    }
+  });
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(kHeadDim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const float* first_part = partial.data() + task * parts * stride;
+      for (int64_t g = 0; g < group; ++g) {
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* unit = first_part + p * stride;
+          if (unit[group + g] > 0.0f) peak = std::max(peak, unit[g]);
+        }
+        // Part p's normalised sum weighs total_p e^(peak_p - peak) over all parts' weights.
+        float weight_sum = 0.0f;
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* unit = first_part + p * stride;
+          if (unit[group + g] <= 0.0f) continue;
+          const float weight = unit[group + g] * genserve::exp_approx(unit[g] - peak);
+          weight_sum += weight;
+          const float* acc = unit + 2 * group + g * kHeadDim;
+          for (int64_t i = 0; i < kHeadDim; ++i) sum[i] += weight * acc[i];
+        }
+        const float inv = 1.0f / weight_sum;
+        for (int64_t i = 0; i < kHeadDim; ++i) sum[i] *= inv;
+        from_float(sum.data(), out_ptr + (seq * num_heads + kv_head * group + g) * kHeadDim,
+                   kHeadDim);
       }
     }
   });
@@ -257,6 +368,16 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t block_elems = block_size * head_dim;
   const int64_t v_offset = num_kv_heads * num_blocks * block_elems;  // cache[1] - cache[0]
   const float fscale = static_cast<float>(scale);
+
+  if constexpr (kHeadDim > 0 && kHeadDim % genserve_vec::kLanes == 0) {
+    const int64_t parts = split_count(lens_ptr, num_seqs, num_kv_heads, window);
+    if (parts > 1) {
+      split_attention<scalar_t, kHeadDim>(q_ptr, cache_ptr, table_ptr, lens_ptr, num_seqs,
+                                          num_heads, num_kv_heads, num_blocks, block_size,
+                                          max_blocks, fscale, window, parts, out_ptr);
+      return;
+    }
+  }
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim);
