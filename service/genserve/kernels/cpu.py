@@ -52,6 +52,7 @@ _OPS = (
     "panel_linear",
     "qpanel_linear",
     "decode_layer",
+    "greedy_stats",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
@@ -149,6 +150,12 @@ def load() -> bool:
     if _settings.loaded is None:
         _settings.loaded = _build_and_load()
     return _settings.loaded
+
+
+def enabled_and_loaded() -> bool:
+    """True when an earlier :func:`load` has loaded the kernels (never builds them): for
+    callers, like the sampler, that use them where the model already does."""
+    return _settings.enabled and _settings.loaded is True
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:

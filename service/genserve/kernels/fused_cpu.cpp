@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -264,6 +265,77 @@ at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
   return out;
 }
 
+// Each row's first maximum, the maximum itself and log(sum(exp(row - maximum))): what a
+// sampling step of greedy rows needs from the logits (the chosen token's log-probability is
+// (x[t] - peak) - log_total, log_softmax's formula) without writing a [rows, vocab]
+// log_softmax.  Two passes over each row, rows over the threads.  A row holding NaN or +inf,
+// or only -inf, gives a non-finite log_total, and the caller then takes torch's path.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_stats(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.size(1) > 0,
+              "greedy_stats: float32 CPU logits [rows, vocab] expected");
+  const auto x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  auto argmax = at::empty({rows}, x.options().dtype(at::kLong));
+  auto peak = at::empty({rows}, x.options());
+  auto log_total = at::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int64_t* ap = argmax.data_ptr<int64_t>();
+  float* pp = peak.data_ptr<float>();
+  float* lp = log_total.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * vocab;
+      // Per-lane best value and its first index, then the lanes' best (lowest index on ties).
+      constexpr int64_t kW = 16;
+      float best[kW];
+      int64_t at[kW];
+      const int64_t wide = vocab >= kW ? vocab - vocab % kW : 0;
+      for (int64_t l = 0; l < kW; ++l) {
+        best[l] = l < vocab ? row[l] : row[0];
+        at[l] = l < vocab ? l : 0;
+      }
+      for (int64_t j = kW; j < wide; j += kW) {
+        for (int64_t l = 0; l < kW; ++l) {
+          const bool better = row[j + l] > best[l];
+          best[l] = better ? row[j + l] : best[l];
+          at[l] = better ? j + l : at[l];
+        }
+      }
+      float top = best[0];
+      int64_t top_at = at[0];
+      for (int64_t l = 1; l < kW; ++l) {
+        if (best[l] > top || (best[l] == top && at[l] < top_at)) {
+          top = best[l];
+          top_at = at[l];
+        }
+      }
+      for (int64_t j = std::max(wide, kW); j < vocab; ++j) {
+        if (row[j] > top) {
+          top = row[j];
+          top_at = j;
+        }
+      }
+      // float32 sums of 1024 terms, added in double: a whole 49152-term row summed in float32
+      // lanes drifts by ~5e-6 (relative), more than torch's log_softmax does.
+      constexpr int64_t kSumChunk = 1024;
+      double total = 0.0;
+      for (int64_t c0 = 0; c0 < vocab; c0 += kSumChunk) {
+        const int64_t c1 = std::min(vocab, c0 + kSumChunk);
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t j = c0; j < c1; ++j) part += genserve::exp_approx(row[j] - top);
+        total += part;
+      }
+      ap[r] = top_at;
+      pp[r] = top;
+      lp[r] = std::isfinite(top) ? static_cast<float>(std::log(total))
+                                 : std::numeric_limits<float>::quiet_NaN();
+    }
+  });
+  return {argmax, peak, log_total};
+}
+
 }  // namespace genserve_ops
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
@@ -273,6 +345,7 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
   m.def("rotary_write_kv(Tensor qk, Tensor cos, Tensor signed_sin, Tensor v, Tensor(a!) kv_cache, "
         "Tensor slots) -> Tensor");
+  m.def("greedy_stats(Tensor logits) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
@@ -281,4 +354,5 @@ TORCH_LIBRARY_IMPL(genserve, CPU, m) {
   m.impl("silu_and_mul", &genserve_ops::silu_and_mul);
   m.impl("rotary", &genserve_ops::rotary);
   m.impl("rotary_write_kv", &genserve_ops::rotary_write_kv);
+  m.impl("greedy_stats", &genserve_ops::greedy_stats);
 }
