@@ -30,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "matvec_core.h"
 #include "vec_math.h"
 
 // x * c + y * s must not become fma(x, c, y * s): torch rounds the product first.
@@ -287,30 +288,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_stats(const at::Tensor& lo
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * vocab;
       // Per-lane best value and its first index, then the lanes' best (lowest index on ties).
-      constexpr int64_t kW = 16;
-      float best[kW];
-      int64_t at[kW];
-      const int64_t wide = vocab >= kW ? vocab - vocab % kW : 0;
-      for (int64_t l = 0; l < kW; ++l) {
-        best[l] = l < vocab ? row[l] : row[0];
-        at[l] = l < vocab ? l : 0;
-      }
-      for (int64_t j = kW; j < wide; j += kW) {
-        for (int64_t l = 0; l < kW; ++l) {
-          const bool better = row[j + l] > best[l];
-          best[l] = better ? row[j + l] : best[l];
-          at[l] = better ? j + l : at[l];
+      using genserve_vec::f32v;
+      using genserve_vec::i32v;
+      using genserve_vec::kLanes;
+      float top = row[0];
+      int64_t top_at = 0;
+      int64_t j = 1;
+      if (vocab >= 2 * kLanes && vocab < (int64_t{1} << 31)) {
+        f32v best = genserve_vec::load16(row);
+        i32v at, index;
+        for (int l = 0; l < kLanes; ++l) at[l] = l;
+        index = at;
+        for (j = kLanes; j + kLanes <= vocab; j += kLanes) {
+          index += static_cast<int32_t>(kLanes);
+          const f32v v = genserve_vec::load16(row + j);
+          const i32v better = v > best;
+          best = better ? v : best;
+          at = better ? index : at;
+        }
+        top = best[0];
+        top_at = at[0];
+        for (int l = 1; l < kLanes; ++l) {
+          if (best[l] > top || (best[l] == top && at[l] < top_at)) {
+            top = best[l];
+            top_at = at[l];
+          }
         }
       }
-      float top = best[0];
-      int64_t top_at = at[0];
-      for (int64_t l = 1; l < kW; ++l) {
-        if (best[l] > top || (best[l] == top && at[l] < top_at)) {
-          top = best[l];
-          top_at = at[l];
-        }
-      }
-      for (int64_t j = std::max(wide, kW); j < vocab; ++j) {
+      for (; j < vocab; ++j) {  // the tail, or a short row
         if (row[j] > top) {
           top = row[j];
           top_at = j;
