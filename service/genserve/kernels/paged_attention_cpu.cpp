@@ -78,7 +78,6 @@ inline void for_each_run(const scalar_t* head, const int64_t* blocks, int64_t fi
   }
 }
 
-
 // Each of the `rows` rows of scores ([rows, span]) replaced by its softmax; with `peaks` and
 // `totals`, each row's maximum and its sum of exp(score - maximum) are written there too.
 inline void softmax_rows(float* scores, int64_t rows, int64_t span, float* peaks = nullptr,
