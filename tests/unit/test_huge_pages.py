@@ -85,6 +85,18 @@ def test_zeros_stay_ordinary_where_the_advice_cannot_help(monkeypatch: pytest.Mo
         assert huge_pages.zeros_on_huge_pages((4, 4), torch.float32) is None
 
 
+def test_the_cpu_kv_pool_takes_huge_pages_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    from genserve.worker.model_runner import _zeros
+
+    shape = (4, 2, 3, 50, 16, 64)  # [layers, 2, kv_heads, blocks, block_size, head_dim]
+    if thp_mode() == "madvise":
+        pool = _zeros(shape, torch.float32, torch.device("cpu"))
+        assert pool.data_ptr() % (2 << 20) == 0 and not pool.any()
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "never")
+    plain = _zeros(shape, torch.float32, torch.device("cpu"))  # calloc'd, as before
+    assert plain.shape == shape and not plain.any()
+
+
 def _fused_model(model_dir: Path, dtype: torch.dtype, quantize: str | None) -> LlamaForCausalLM:
     from genserve.model.config import ModelConfig
     from genserve.model.quantize_model import quantize_model
