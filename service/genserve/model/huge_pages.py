@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import mmap
 import sys
 from collections.abc import Iterator
@@ -79,13 +80,10 @@ class HugePageRegion:
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of the contiguous CPU ``tensor`` in the region (same dtype and shape)."""
         nbytes = tensor.numel() * tensor.element_size()
-        if self._used + nbytes > self._size:
-            raise ValueError(f"region of {self._size} bytes is full")
         if self._since_trim >= _TRIM_EVERY:  # the originals placed so far are freed by now
             _malloc_trim()
             self._since_trim = 0
-        window = self._buffer[self._used : self._used + nbytes]
-        self._used += _round_up(nbytes, _ALIGN)
+        window = self.zeros(nbytes)
         self._since_trim += nbytes
         out = window.view(tensor.dtype).view(tensor.shape)
         out.copy_(tensor)
@@ -97,12 +95,7 @@ def huge_page_region(sizes: list[int], device: torch.device) -> Iterator[HugePag
     """A region that holds tensors of ``sizes`` bytes where moving them to huge pages can
     help (Linux, THP in ``madvise`` mode, CPU tensors), else None: the caller keeps its
     tensors.  Sizes, not the tensors, so that each original can be freed once placed."""
-    if (
-        device.type != "cpu"
-        or not sys.platform.startswith("linux")
-        or thp_mode() != "madvise"
-        or not sizes
-    ):
+    if device.type != "cpu" or not _advice_helps() or not sizes:
         yield None
         return
     region = HugePageRegion(sum(_round_up(size, _ALIGN) for size in sizes))
@@ -117,16 +110,19 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     (as for :func:`huge_page_region`).  Anonymous memory reads as zeros and is committed as
     it is first written, so a large tensor costs nothing until it is used (2 MiB at a
     time)."""
-    if not sys.platform.startswith("linux") or thp_mode() != "madvise":
+    if not _advice_helps():
         return None
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     region = HugePageRegion(nbytes)
     if not region.advised:
         return None
     return region.zeros(nbytes).view(dtype).view(shape)
+
+
+def _advice_helps() -> bool:
+    """Linux with THP in ``madvise`` mode: the only place where asking for huge pages
+    changes anything (``always`` gives them anyway, ``never`` refuses)."""
+    return sys.platform.startswith("linux") and thp_mode() == "madvise"
 
 
 def _round_up(value: int, multiple: int) -> int:

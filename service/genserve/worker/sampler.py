@@ -128,10 +128,8 @@ class Sampler:
                 self._grammar_mask = BitmaskApplier()
             self._grammar_mask(scores, grammar_bitmask, list(grammar_rows))
 
-        # [num_rows]; kept for greedy rows
-        token_ids = (
-            stats[0].clone() if stats is not None and scores is logits else first_argmax(scores)
-        )
+        # [num_rows]; kept for greedy rows (stats' own tensor: nothing else reads it)
+        token_ids = stats[0] if stats is not None and scores is logits else first_argmax(scores)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             picked = self._sample(scores[sampled], [rows[i] for i in sampled])
