@@ -11,7 +11,11 @@
 // Head sizes 64 and 128 (a multiple of the vector width) take attend_vectorised: rows read in
 // place, a block's kLanes scores reduced together, the next block prefetched (default model,
 // 2 AVX-512 cores, float32: 32 sequences x 72 positions 306 -> 207 us a layer, x 2048
-// 9.2 -> 7.1 ms; huge pages for the pool take another ~15% at 2048, worker/model_runner.py).
+// 9.2 -> 7.1 ms; huge pages for the pool take another ~15% at 2048, worker/model_runner.py),
+// each value row loaded once for several query heads and a context's last rows scored as a
+// whole vector (the step of 32 float32 decodes of 40-104 positions: 50.8 -> 46.4 ms; with the
+// weights streaming between layers the kernel's arithmetic does not overlap its memory
+// reads, so cutting instructions cuts time even though the rows come from DRAM).
 // Other head sizes stage each run as float32 rows and reduce one score at a time.  When
 // there are fewer (sequence, KV head) tasks than threads can share evenly, long contexts
 // are split in parts combined by their softmax statistics (split_attention: one stream,
@@ -78,6 +82,8 @@ inline void for_each_run(const scalar_t* head, const int64_t* blocks, int64_t fi
   }
 }
 
+namespace vec = genserve_vec;
+
 // Each of the `rows` rows of scores ([rows, span]) replaced by its softmax; with `peaks` and
 // `totals`, each row's maximum and its sum of exp(score - maximum) are written there too.
 inline void softmax_rows(float* scores, int64_t rows, int64_t span, float* peaks = nullptr,
@@ -85,7 +91,17 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t span, float* peaks
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * span;
     float peak = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < span; ++j) peak = std::max(peak, s[j]);
+    // Lane-wise maxima first: one chain of compares along the row would wait on each other.
+    int64_t j = 0;
+    if (span >= vec::kLanes) {
+      vec::f32v lanes = vec::load16(s);
+      for (j = vec::kLanes; j + vec::kLanes <= span; j += vec::kLanes) {
+        const vec::f32v x = vec::load16(s + j);
+        lanes = lanes < x ? x : lanes;  // std::max's choice, lane by lane
+      }
+      for (int64_t i = 0; i < vec::kLanes; ++i) peak = std::max(peak, lanes[i]);
+    }
+    for (; j < span; ++j) peak = std::max(peak, s[j]);
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t j = 0; j < span; ++j) {
@@ -100,8 +116,6 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t span, float* peaks
     }
   }
 }
-
-namespace vec = genserve_vec;
 
 inline vec::f32v load_vec(const float* p) { return vec::load16(p); }
 inline vec::f32v load_vec(const c10::BFloat16* p) { return vec::load16(p); }
@@ -168,6 +182,49 @@ inline void prefetch_block(const scalar_t* head, int64_t block, int64_t block_el
   }
 }
 
+// Query heads whose value sums one pass over a block's value rows accumulates: their
+// kHeadDim / kLanes vectors each stay in registers (at most 16 of the 32 AVX-512 ones, 8 of
+// AVX2's 16), so each value row is loaded once for all of them and the heads' FMA chains run
+// side by side instead of one head's chain of n rows after another's.
+template <int64_t kHeadDim>
+constexpr int64_t value_heads_at_once() {
+  constexpr int64_t vecs = kHeadDim / vec::kLanes;
+  constexpr int64_t budget = vec::kLanes == 16 ? 16 : 8;
+  return vecs >= budget ? 1 : budget / vecs;
+}
+
+// acc[h] += sum over r < n of p[h * span + r] * rows[r], for kHeads query heads h.
+template <typename scalar_t, int64_t kHeadDim, int64_t kHeads>
+inline void add_values(const scalar_t* rows, int64_t n, const float* p, int64_t span,
+                       float* acc) {
+  constexpr int64_t kVecs = kHeadDim / vec::kLanes;
+  vec::f32v a[kHeads][kVecs];
+  for (int64_t h = 0; h < kHeads; ++h)
+    for (int64_t c = 0; c < kVecs; ++c)
+      a[h][c] = vec::load16(acc + h * kHeadDim + c * vec::kLanes);
+  for (int64_t r = 0; r < n; ++r) {
+    vec::f32v v[kVecs];
+    for (int64_t c = 0; c < kVecs; ++c) v[c] = load_vec(rows + r * kHeadDim + c * vec::kLanes);
+    for (int64_t h = 0; h < kHeads; ++h) {
+      const vec::f32v weight = vec::f32v{} + p[h * span + r];
+      for (int64_t c = 0; c < kVecs; ++c) a[h][c] += weight * v[c];
+    }
+  }
+  for (int64_t h = 0; h < kHeads; ++h)
+    for (int64_t c = 0; c < kVecs; ++c)
+      std::memcpy(acc + h * kHeadDim + c * vec::kLanes, &a[h][c], sizeof(a[h][c]));
+}
+
+// add_values for the last `heads` (< kHeads) query heads of a group.
+template <typename scalar_t, int64_t kHeadDim, int64_t kHeads>
+inline void add_values_tail(int64_t heads, const scalar_t* rows, int64_t n, const float* p,
+                            int64_t span, float* acc) {
+  if constexpr (kHeads > 0) {
+    if (heads == kHeads) return add_values<scalar_t, kHeadDim, kHeads>(rows, n, p, span, acc);
+    add_values_tail<scalar_t, kHeadDim, kHeads - 1>(heads, rows, n, p, span, acc);
+  }
+}
+
 // One (sequence, KV head) task with a head size fixed at compile time and a multiple of the
 // vector width: keys and values are read where they lie in the pool (no float32 staging
 // copy), each key or value row is loaded once for all `group` query heads that share it, and
@@ -182,20 +239,27 @@ void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
   constexpr int64_t kVecs = kHeadDim / vec::kLanes;
   const int64_t span = context - first;
   const int64_t block_elems = block_size * kHeadDim;
-  // Calls visit(rows of the run, its first position - first, n) for each run of positions
-  // [first, context) within one block, prefetching the next run's block of `head`.
+  // Calls visit(rows of the run, its first position - first, n, room) for each run of
+  // positions [first, context) within one block, prefetching the next run's block of
+  // `head`; room (>= n) is the rows from the run's first to the end of its block.
   const auto runs = [&](const scalar_t* head, auto&& visit) {
     for (int64_t pos = first; pos < context;) {
       const int64_t offset = pos % block_size;
       const int64_t n = std::min(block_size - offset, context - pos);
       if (pos + n < context) prefetch_block(head, blocks[(pos + n) / block_size], block_elems);
-      visit(head + blocks[pos / block_size] * block_elems + offset * kHeadDim, pos - first, n);
+      visit(head + blocks[pos / block_size] * block_elems + offset * kHeadDim, pos - first, n,
+            block_size - offset);
       pos += n;
     }
   };
-  runs(k_head, [&](const scalar_t* rows, int64_t start, int64_t n) {
+  runs(k_head, [&](const scalar_t* rows, int64_t start, int64_t n, int64_t room) {
     int64_t r = 0;
-    for (; r + vec::kLanes <= n; r += vec::kLanes) {  // kLanes rows: scores as one vector
+    // kLanes rows: scores as one vector.  A run's last rows take this path too where its
+    // block holds kLanes rows from there (the last block of a context: the rows past the
+    // context are allocated, their scores computed and dropped, each lane being one row's
+    // own sum), instead of one reduction per row and query head.
+    for (; r < n && r + vec::kLanes <= room; r += vec::kLanes) {
+      const int64_t m = std::min<int64_t>(vec::kLanes, n - r);
       for (int64_t g = 0; g < group; ++g) {
         const float* q = qf + g * kHeadDim;
         vec::f32v qv[kVecs];
@@ -208,7 +272,7 @@ void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
           dots[i] = dot;
         }
         const vec::f32v sums = sum_lanes_of_each(dots);
-        std::memcpy(scores + g * span + start + r, &sums, sizeof(sums));
+        std::memcpy(scores + g * span + start + r, &sums, m * sizeof(float));
       }
     }
     for (; r < n; ++r) {
@@ -226,21 +290,16 @@ void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
   softmax_rows(scores, group, span, peaks, totals);
 
   for (int64_t i = 0; i < group * kHeadDim; ++i) acc[i] = 0.0f;
-  runs(v_head, [&](const scalar_t* rows, int64_t start, int64_t n) {
-    for (int64_t g = 0; g < group; ++g) {
-      const float* p = scores + g * span + start;
-      vec::f32v a[kVecs];
-      for (int64_t c = 0; c < kVecs; ++c) a[c] = vec::load16(acc + g * kHeadDim + c * vec::kLanes);
-      for (int64_t r = 0; r < n; ++r) {
-        const vec::f32v weight = vec::f32v{} + p[r];
-        for (int64_t c = 0; c < kVecs; ++c) {
-          a[c] += weight * load_vec(rows + r * kHeadDim + c * vec::kLanes);
-        }
-      }
-      for (int64_t c = 0; c < kVecs; ++c) {
-        std::memcpy(acc + g * kHeadDim + c * vec::kLanes, &a[c], sizeof(a[c]));
-      }
+  runs(v_head, [&](const scalar_t* rows, int64_t start, int64_t n, int64_t) {
+    constexpr int64_t kHeads = value_heads_at_once<kHeadDim>();
+    int64_t g = 0;
+    for (; g + kHeads <= group; g += kHeads) {
+      add_values<scalar_t, kHeadDim, kHeads>(rows, n, scores + g * span + start, span,
+                                             acc + g * kHeadDim);
     }
+    add_values_tail<scalar_t, kHeadDim, kHeads - 1>(group - g, rows, n,
+                                                    scores + g * span + start, span,
+                                                    acc + g * kHeadDim);
   });
 }
 
