@@ -106,16 +106,18 @@ void silu_and_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
   });
 }
 
+// x: token t's heads at x + t * x_stride (a column slice of the qkv projection's output, read
+// in place), out contiguous.
 template <typename T>
-void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads,
-                 int64_t dim) {
+void rotary_rows(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out,
+                 int64_t tokens, int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, row_grain(heads * dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * dim;
       const T* s = sin + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = x + (t * heads + h) * dim;
+        const T* xr = x + t * x_stride + h * dim;
         T* o = out + (t * heads + h) * dim;
 #pragma omp simd
         for (int64_t i = 0; i < dim; ++i) {
@@ -127,6 +129,14 @@ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens,
       }
     }
   });
+}
+
+// t itself when each of its [heads, dim] rows is contiguous (any stride between tokens: a
+// slice of a wider projection output), else a contiguous copy.
+at::Tensor rows_in_place(const at::Tensor& t) {
+  const bool in_place = t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
+                        t.stride(0) >= t.size(1) * t.size(2);
+  return in_place ? t : t.contiguous();
 }
 
 void check_half(const at::Tensor& t, const char* name) {
@@ -213,13 +223,13 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->numel() == tokens * dim,
                 "cos/sin must be [tokens, 1, head_dim] of x's dtype");
   }
-  const auto xc = x.contiguous();
+  const auto xc = rows_in_place(x);
   const auto cc = cos.contiguous();
   const auto sc = signed_sin.contiguous();
-  auto out = at::empty_like(xc);
+  auto out = at::empty(xc.sizes(), xc.options());
   GENSERVE_DISPATCH_HALF(x.scalar_type(), [&] {
-    rotary_rows(xc.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), sc.data_ptr<scalar_t>(),
-                out.data_ptr<scalar_t>(), tokens, xc.size(1), dim);
+    rotary_rows(xc.data_ptr<scalar_t>(), xc.stride(0), cc.data_ptr<scalar_t>(),
+                sc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), tokens, xc.size(1), dim);
   });
   return out;
 }
@@ -245,7 +255,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
                   v.size(2) == dim && v.scalar_type() == out.scalar_type(),
               "v must be [tokens, kv_heads, head_dim] of qk's dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "slots: [tokens] int64");
-  const auto vc = v.contiguous();
+  const auto vc = rows_in_place(v);
   const auto sl = slots.contiguous();
   const int64_t* slot = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
@@ -253,6 +263,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
   const int64_t row_bytes = dim * out.element_size();
   const char* src_k = static_cast<const char*>(out.data_ptr());
   const char* src_v = static_cast<const char*>(vc.data_ptr());
+  const int64_t v_stride = vc.stride(0);
   char* cache = static_cast<char*>(kv_cache.data_ptr());
   const int64_t q_heads = heads - kv_heads;
   for (int64_t t = 0; t < tokens; ++t) {
@@ -260,7 +271,8 @@ at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
       const int64_t k_at = (h * capacity + slot[t]) * row_bytes;
       const int64_t v_at = ((kv_heads + h) * capacity + slot[t]) * row_bytes;
       std::memcpy(cache + k_at, src_k + ((t * heads) + q_heads + h) * row_bytes, row_bytes);
-      std::memcpy(cache + v_at, src_v + (t * kv_heads + h) * row_bytes, row_bytes);
+      std::memcpy(cache + v_at, src_v + (t * v_stride + h * dim) * out.element_size(),
+                  row_bytes);
     }
   }
   return out;

@@ -327,8 +327,9 @@ inline int64_t split_count(const int64_t* lens, int64_t num_seqs, int64_t num_kv
 }
 
 template <typename scalar_t, int64_t kHeadDim>
-void split_attention(const scalar_t* q_ptr, const scalar_t* cache_ptr, const int64_t* table_ptr,
-                     const int64_t* lens_ptr, int64_t num_seqs, int64_t num_heads,
+void split_attention(const scalar_t* q_ptr, int64_t q_stride, const scalar_t* cache_ptr,
+                     const int64_t* table_ptr, const int64_t* lens_ptr, int64_t num_seqs,
+                     int64_t num_heads,
                      int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                      int64_t max_blocks, float fscale, int64_t window, int64_t parts,
                      scalar_t* out_ptr) {
@@ -362,7 +363,7 @@ void split_attention(const scalar_t* q_ptr, const scalar_t* cache_ptr, const int
         for (int64_t g = 0; g < group; ++g) totals[g] = 0.0f;
         continue;
       }
-      to_float(q_ptr + (seq * num_heads + kv_head * group) * kHeadDim, qf.data(),
+      to_float(q_ptr + seq * q_stride + kv_head * group * kHeadDim, qf.data(),
                group * kHeadDim);
       for (auto& x : qf) x *= fscale;
       scores.assign(group * (hi - lo), 0.0f);
@@ -419,6 +420,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t max_blocks = block_table.size(1);
 
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const int64_t q_stride = q.stride(0);  // q's rows may be a slice of a wider tensor
   const scalar_t* cache_ptr = kv_cache.data_ptr<scalar_t>();
   const int64_t* table_ptr = block_table.data_ptr<int64_t>();
   const int64_t* lens_ptr = context_lens.data_ptr<int64_t>();
@@ -430,9 +432,10 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
   if constexpr (kHeadDim > 0 && kHeadDim % genserve_vec::kLanes == 0) {
     const int64_t parts = split_count(lens_ptr, num_seqs, num_kv_heads, window);
     if (parts > 1) {
-      split_attention<scalar_t, kHeadDim>(q_ptr, cache_ptr, table_ptr, lens_ptr, num_seqs,
-                                          num_heads, num_kv_heads, num_blocks, block_size,
-                                          max_blocks, fscale, window, parts, out_ptr);
+      split_attention<scalar_t, kHeadDim>(q_ptr, q_stride, cache_ptr, table_ptr, lens_ptr,
+                                          num_seqs, num_heads, num_kv_heads, num_blocks,
+                                          block_size, max_blocks, fscale, window, parts,
+                                          out_ptr);
       return;
     }
   }
@@ -452,7 +455,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
       const int64_t* blocks = table_ptr + seq * max_blocks;
       const scalar_t* k_head = cache_ptr + kv_head * num_blocks * block_elems;
       const scalar_t* v_head = k_head + v_offset;
-      const scalar_t* q_seq = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      const scalar_t* q_seq = q_ptr + seq * q_stride + kv_head * group * head_dim;
       to_float(q_seq, qf.data(), group * head_dim);
       for (auto& x : qf) x *= fscale;
 
@@ -554,7 +557,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                   context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
               "block_table [num_seqs, max_blocks] and context_lens [num_seqs] expected");
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
-  const auto q_c = q.contiguous();
+  // The query rows are read in place when each sequence's [heads, head_dim] is contiguous
+  // (decode_layer passes the Q heads of the rotated [tokens, Q + K heads, head_dim]).
+  const bool q_rows = q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                      q.stride(0) >= q.size(1) * q.size(2);
+  const auto q_c = q_rows ? q : q.contiguous();
   const auto table_c = block_table.contiguous();
   const auto lens_c = context_lens.contiguous();
   // Out-of-range reads would be silent memory errors: check the table against the pool.
@@ -569,7 +576,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     TORCH_CHECK(table[i] >= 0 && table[i] < kv_cache.size(2), "block id ", table[i],
                 " out of range [0, ", kv_cache.size(2), ")");
   }
-  auto out = at::empty_like(q_c);
+  auto out = at::empty(q.sizes(), q.options());
   const int64_t head_dim = q.size(2);
   switch (q.scalar_type()) {
     case at::kFloat:
