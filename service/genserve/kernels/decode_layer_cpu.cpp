@@ -1,7 +1,7 @@
 // One decoder layer of a decode-only CPU step in a single op call:
 //
 //   normed = rms_norm(x);  qkv = normed Wqkvᵀ;  rotary + K/V store;  paged decode attention;
-//   h = attn Woᵀ;  x2, normed2 = add_rms_norm(h, x);  down(silu(gate) * up);  x2 + that
+//   h = attn Woᵀ;  x2, normed2 = add_rms_norm(h, x);  x2 += down(silu(gate) * up)
 //
 // The ops are genserve's own (genserve_ops.h), run in the same order on the same tensors as
 // the Python layer (model/llama.py) runs them one by one, so the result is identical.  What
@@ -24,21 +24,37 @@ constexpr int64_t kPlainWeight = -1;
 // Projection i of the layer (0 qkv, 1 o, 2 gate_up, 3 down): weights[3i .. 3i + 2] are
 // (panels, quantized data or the plain weight; scales; mins), bits[i] 0 for float32 panels,
 // kPlainWeight for a plain weight, 8 or 4 for quantized panels; an empty tensor for none.
+// With `residual` (the down projection), returns residual += the product: float32 panels
+// and quantized panels on float32 add it as they store each output tile, the same sums in
+// the same order as the separate add_ they replace.
 at::Tensor project(int64_t i, const at::Tensor& x, at::TensorList weights,
                    at::IntArrayRef bits, at::IntArrayRef groups, at::IntArrayRef outs,
-                   const c10::List<c10::optional<at::Tensor>>& biases, int64_t matvec_rows) {
+                   const c10::List<c10::optional<at::Tensor>>& biases, int64_t matvec_rows,
+                   at::Tensor* residual = nullptr) {
   const c10::optional<at::Tensor> bias = biases.get(i);
   const at::Tensor& data = weights[3 * i];
-  if (bits[i] == 0) return genserve_ops::panel_linear(x, data, outs[i], bias);
+  const bool fuse_add = residual != nullptr && x.scalar_type() == at::kFloat &&
+                        residual->scalar_type() == at::kFloat && residual->is_contiguous();
+  if (bits[i] == 0) {
+    if (fuse_add) return genserve_ops::panel_linear_add_(*residual, x, data, outs[i], bias);
+    const auto y = genserve_ops::panel_linear(x, data, outs[i], bias);
+    return residual != nullptr ? residual->add_(y) : y;
+  }
   if (bits[i] == kPlainWeight) {
-    if (x.size(0) <= matvec_rows) return genserve_ops::matvec(x, data, bias);
-    return at::linear(x, data, bias);
+    const auto y = x.size(0) <= matvec_rows ? genserve_ops::matvec(x, data, bias)
+                                            : at::linear(x, data, bias);
+    return residual != nullptr ? residual->add_(y) : y;
   }
   const at::Tensor& mins = weights[3 * i + 2];
   const c10::optional<at::Tensor> maybe_mins =
       mins.defined() && mins.numel() > 0 ? c10::optional<at::Tensor>(mins) : c10::nullopt;
-  return genserve_ops::qpanel_linear(x, data, weights[3 * i + 1], maybe_mins, bits[i],
-                                     groups[i], outs[i], bias);
+  if (fuse_add) {
+    return genserve_ops::qpanel_linear_add_(*residual, x, data, weights[3 * i + 1], maybe_mins,
+                                            bits[i], groups[i], outs[i], bias);
+  }
+  const auto y = genserve_ops::qpanel_linear(x, data, weights[3 * i + 1], maybe_mins, bits[i],
+                                             groups[i], outs[i], bias);
+  return residual != nullptr ? residual->add_(y) : y;
 }
 
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm,
@@ -68,9 +84,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm,
                          biases, matvec_rows);
   auto [summed, normed2] = genserve_ops::add_rms_norm(o, x, post_norm, eps);
   const auto gate_up = project(2, normed2, weights, bits, groups, outs, biases, matvec_rows);
-  const auto down = project(3, genserve_ops::silu_and_mul(gate_up), weights, bits, groups, outs,
-                            biases, matvec_rows);
-  return summed.add_(down);
+  return project(3, genserve_ops::silu_and_mul(gate_up), weights, bits, groups, outs, biases,
+                 matvec_rows, &summed);
 }
 
 }  // namespace

@@ -33,5 +33,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
 at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                          const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
                          int64_t N, const c10::optional<at::Tensor>& bias);
+// acc += the product, each output tile added as it is stored (float32 x and acc [M, N]).
+at::Tensor& panel_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& panels,
+                              int64_t N, const c10::optional<at::Tensor>& bias);
+at::Tensor& qpanel_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& data,
+                               const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                               int64_t bits, int64_t group, int64_t N,
+                               const c10::optional<at::Tensor>& bias);
 
 }  // namespace genserve_ops

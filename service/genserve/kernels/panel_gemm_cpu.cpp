@@ -263,11 +263,12 @@ inline void stream_row_q(const float* x, const QPanels& q, int64_t p, float* out
 }
 
 // Rows [m0, m0 + rows) of x against panel p (float32 `panel`, or `quant` when not null),
-// written (with the bias) to out's columns [col0, col0 + cols).
+// written (with the bias) to out's columns [col0, col0 + cols), or added to what out holds
+// there when `accumulate` (out += x Wᵀ + b, the residual add after a layer's last projection).
 template <int kBits>
 void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float* panel,
                 const QPanels* quant, int64_t p, const float* bias, float* out, int64_t N,
-                int64_t col0, int64_t cols, float* scratch, float* wchunk) {
+                int64_t col0, int64_t cols, float* scratch, float* wchunk, bool accumulate) {
   if (rows == 1) {
     if constexpr (kBits == 8) {
       if (quant->groups == 1) {
@@ -306,7 +307,12 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = out + (m0 + r) * N + col0;
     const float* src = scratch + r * kPanel;
-    if (bias != nullptr) {
+    if (accumulate) {
+      // out + (y + b): the order of torch's residual.add_(linear(x)).
+      for (int64_t c = 0; c < cols; ++c) {
+        dst[c] += bias != nullptr ? src[c] + bias[col0 + c] : src[c];
+      }
+    } else if (bias != nullptr) {
       for (int64_t c = 0; c < cols; ++c) dst[c] = src[c] + bias[col0 + c];
     } else {
       std::memcpy(dst, src, cols * sizeof(float));
@@ -317,7 +323,7 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
 // Every (row block, panel) task of y = x Wᵀ + b, over torch's threads.
 template <int kBits>
 void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, const float* wp,
-                const QPanels* quant, const float* bp, float* op) {
+                const QPanels* quant, const float* bp, float* op, bool accumulate) {
   // Tasks over (row block, panel) pairs, panel-major within a row block so that each thread
   // streams a contiguous band of W; each task moves >= ~128 KB of weights at one row.
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
@@ -329,7 +335,8 @@ void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, con
       const int64_t block = t / P, p = t % P;
       const int64_t m0 = block * kRowBlock, rows = std::min(kRowBlock, M - m0);
       panel_rows<kBits>(xp, K, m0, rows, wp == nullptr ? nullptr : wp + p * K * kPanel, quant, p, bp,
-                 op, N, p * kPanel, std::min(kPanel, N - p * kPanel), scratch, wchunk);
+                 op, N, p * kPanel, std::min(kPanel, N - p * kPanel), scratch, wchunk,
+                 accumulate);
     }
   });
 }
@@ -355,9 +362,19 @@ at::Tensor gemm_on_panels(const at::Tensor& x, const at::Tensor& panels, int64_t
 // Entry points, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
 namespace genserve_ops {
 
-// x [M, K] float32, panels as weight_panels.pack_float lays them out, N the unpadded output width, bias [N] or None.
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                        const c10::optional<at::Tensor>& bias) {
+namespace {
+
+// `into` is a float32 [M, N] contiguous tensor when the product is to be added to it.
+bool can_accumulate(const at::Tensor* into, const at::Tensor& x, int64_t N) {
+  if (into == nullptr) return false;
+  TORCH_CHECK(into->scalar_type() == at::kFloat && into->is_contiguous() && into->dim() == 2 &&
+                  into->size(0) == x.size(0) && into->size(1) == N,
+              "panel_linear_add_: a contiguous float32 [M, N] accumulator expected");
+  return true;
+}
+
+at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                             const c10::optional<at::Tensor>& bias, at::Tensor* into) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
               "panel_linear: float32 x and panels expected");
@@ -374,22 +391,25 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
     TORCH_CHECK(bias->numel() == N, "panel_linear: bias must be [N]");
     b = bias->to(at::kFloat).contiguous();
   }
-  if (M > kGemmMinRows) return gemm_on_panels(xc, pc, N, b);
-  auto out = at::empty({M, N}, x.options());
+  const bool accumulate = can_accumulate(into, x, N);
+  if (M > kGemmMinRows) {
+    auto product = gemm_on_panels(xc, pc, N, b);
+    return accumulate ? into->add_(product) : product;
+  }
+  auto out = accumulate ? *into : at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = xc.data_ptr<float>();
   const float* wp = pc.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  run_panels<0>(xp, M, K, P, N, wp, nullptr, bp, op);
+  run_panels<0>(xp, M, K, P, N, wp, nullptr, bp, op, accumulate);
   return out;
 }
 
-// The quantized form of panel_linear: data, scales, mins as QuantizedPanels.pack lays
-// them (see the top of this file).
-at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
-                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
-                         int64_t N, const c10::optional<at::Tensor>& bias) {
+at::Tensor qpanel_linear_impl(const at::Tensor& x, const at::Tensor& data,
+                              const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                              int64_t bits, int64_t group, int64_t N,
+                              const c10::optional<at::Tensor>& bias, at::Tensor* into) {
   TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "qpanel_linear: CPU tensors only");
   TORCH_CHECK(bits == 8 || bits == 4, "qpanel_linear: bits must be 8 or 4");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -421,17 +441,54 @@ at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::
     TORCH_CHECK(bias->numel() == N, "qpanel_linear: bias must be [N]");
     b = bias->to(at::kFloat).contiguous();
   }
-  auto out = at::empty({M, N}, xc.options());
+  const bool accumulate = can_accumulate(into, x, N);
+  auto out = accumulate ? *into : at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return out.to(x.scalar_type());
   const QPanels q{dc.data_ptr(), sc.data_ptr<c10::Half>(),
                   has_mins ? mc.data_ptr<c10::Half>() : nullptr, bits, group, K, groups};
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
   if (bits == 8) {
-    run_panels<8>(xc.data_ptr<float>(), M, K, P, N, nullptr, &q, bp, out.data_ptr<float>());
+    run_panels<8>(xc.data_ptr<float>(), M, K, P, N, nullptr, &q, bp, op, accumulate);
   } else {
-    run_panels<4>(xc.data_ptr<float>(), M, K, P, N, nullptr, &q, bp, out.data_ptr<float>());
+    run_panels<4>(xc.data_ptr<float>(), M, K, P, N, nullptr, &q, bp, op, accumulate);
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+// x [M, K] float32, panels as weight_panels.pack_float lays them out, N the unpadded output
+// width, bias [N] or None.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const c10::optional<at::Tensor>& bias) {
+  return panel_linear_impl(x, panels, N, bias, nullptr);
+}
+
+// The quantized form of panel_linear: data, scales, mins as QuantizedPanels.pack lays
+// them (see the top of this file).
+at::Tensor qpanel_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& mins, int64_t bits, int64_t group,
+                         int64_t N, const c10::optional<at::Tensor>& bias) {
+  return qpanel_linear_impl(x, data, scales, mins, bits, group, N, bias, nullptr);
+}
+
+// acc += panel_linear(x, ...) (float32 x and acc [M, N]), added as each output tile is
+// stored: a decode layer's residual add without a pass of its own over [M, N].
+at::Tensor& panel_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& panels,
+                              int64_t N, const c10::optional<at::Tensor>& bias) {
+  panel_linear_impl(x, panels, N, bias, &acc);
+  return acc;
+}
+
+// acc += qpanel_linear(x, ...), float32 x and acc.
+at::Tensor& qpanel_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& data,
+                               const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                               int64_t bits, int64_t group, int64_t N,
+                               const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "qpanel_linear_add_: float32 x expected");
+  qpanel_linear_impl(x, data, scales, mins, bits, group, N, bias, &acc);
+  return acc;
 }
 
 }  // namespace genserve_ops
