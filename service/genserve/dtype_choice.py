@@ -6,7 +6,7 @@ emulates bf16 matmuls by widening to float32 (measured on an AVX2 Zen 3: 19 GFLO
 for float32, so bf16 serving ran 3x slower), so float32 is both faster and exact.  Where bf16
 is native it wins: single-stream decode streams bf16 weights through genserve's matvec kernel
 (half the bytes of float32) and, with AMX, batched steps run on its tiles; measured on an AMX
-Xeon with ``genserve-bench cpu``: 91 vs 48 tok/s at 1 stream, 857 vs 558 at 32.
+Xeon with ``genserve-bench cpu``: 90 vs 48 tok/s at 1 stream, 890 vs 652 at 32.
 """
 
 from __future__ import annotations
