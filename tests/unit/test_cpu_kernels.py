@@ -94,6 +94,14 @@ def test_kernel_matches_float64_reference(
     expected = _reference(q, cache, seqs, scale, window)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+    # Queries that are the first heads of a wider tensor (decode_layer's rotated Q + K heads)
+    # are read in place, with the same result.
+    wider = torch.cat([q, torch.randn_like(q[:, :2])], dim=1)[:, : q.shape[1]]
+    assert not wider.is_contiguous()
+    in_place = torch.ops.genserve.paged_decode_attention(
+        wider, cache, table, lengths, scale, -1 if window is None else window
+    )
+    assert torch.equal(in_place, out)
 
 
 def test_kernel_rejects_tables_that_do_not_cover_the_context() -> None:
@@ -334,6 +342,8 @@ def test_rotary_write_kv_equals_rotary_then_write_kv(dtype: torch.dtype) -> None
     shape = (2, kv_heads, blocks, BLOCK_SIZE, dim)
     expected_cache = torch.zeros(shape, dtype=dtype)
     expected = torch.ops.genserve.rotary(qk_in, cos, sin)
+    # qk_in and v are column slices of qkv, read in place: the same as from contiguous copies.
+    assert torch.equal(expected, torch.ops.genserve.rotary(qk_in.contiguous(), cos, sin))
     flat = expected_cache.view(2, kv_heads, blocks * BLOCK_SIZE, dim)
     flat[0].index_copy_(1, slots, expected[:, heads:].transpose(0, 1))
     flat[1].index_copy_(1, slots, v.transpose(0, 1))

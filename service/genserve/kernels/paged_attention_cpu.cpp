@@ -329,10 +329,9 @@ inline int64_t split_count(const int64_t* lens, int64_t num_seqs, int64_t num_kv
 template <typename scalar_t, int64_t kHeadDim>
 void split_attention(const scalar_t* q_ptr, int64_t q_stride, const scalar_t* cache_ptr,
                      const int64_t* table_ptr, const int64_t* lens_ptr, int64_t num_seqs,
-                     int64_t num_heads,
-                     int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                     int64_t max_blocks, float fscale, int64_t window, int64_t parts,
-                     scalar_t* out_ptr) {
+                     int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                     int64_t block_size, int64_t max_blocks, float fscale, int64_t window,
+                     int64_t parts, scalar_t* out_ptr) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_elems = block_size * kHeadDim;
   const int64_t v_offset = num_kv_heads * num_blocks * block_elems;
