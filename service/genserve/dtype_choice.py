@@ -23,9 +23,13 @@ class DtypeChoice:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether torch's CPU kernels run bf16 matmuls in hardware on this machine."""
+    """Whether torch's CPU kernels run bf16 matmuls in hardware on this machine: the CPU has
+    AVX512-BF16 or AMX, and torch runs its AVX-512 kernels.  Under ATEN_CPU_CAPABILITY=avx2
+    (or lower) on such a CPU, torch's bf16 paths stop with "pack_vnni2 is only supported
+    when avx512 is supported", so bf16 is not native there either."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    hardware = any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    return hardware and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def choose_dtype(requested: str | None, on_cuda: bool) -> DtypeChoice:

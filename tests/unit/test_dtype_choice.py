@@ -33,8 +33,20 @@ def test_auto_on_cuda(monkeypatch: pytest.MonkeyPatch, bf16: bool) -> None:
 
 def test_native_bf16_probe_matches_torch() -> None:
     # Whatever this machine is, the probe agrees with torch's own CPU capability checks.
-    expected = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    expected = (
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    ) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     assert dtype_choice.cpu_has_native_bf16() == expected
+
+
+def test_bf16_is_not_native_when_torch_runs_its_avx2_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An AMX CPU with ATEN_CPU_CAPABILITY=avx2: torch's bf16 kernels refuse to run there.
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not dtype_choice.cpu_has_native_bf16()
+    assert choose_dtype(None, on_cuda=False).name == "float32"
 
 
 def test_flag_and_env_accept_auto() -> None:
