@@ -33,27 +33,28 @@ at::Tensor project(int64_t i, const at::Tensor& x, at::TensorList weights,
                    at::Tensor* residual = nullptr) {
   const c10::optional<at::Tensor> bias = biases.get(i);
   const at::Tensor& data = weights[3 * i];
-  const bool fuse_add = residual != nullptr && x.scalar_type() == at::kFloat &&
-                        residual->scalar_type() == at::kFloat && residual->is_contiguous();
-  if (bits[i] == 0) {
-    if (fuse_add) return genserve_ops::panel_linear_add_(*residual, x, data, outs[i], bias);
-    const auto y = genserve_ops::panel_linear(x, data, outs[i], bias);
-    return residual != nullptr ? residual->add_(y) : y;
-  }
-  if (bits[i] == kPlainWeight) {
-    const auto y = x.size(0) <= matvec_rows ? genserve_ops::matvec(x, data, bias)
-                                            : at::linear(x, data, bias);
-    return residual != nullptr ? residual->add_(y) : y;
-  }
   const at::Tensor& mins = weights[3 * i + 2];
   const c10::optional<at::Tensor> maybe_mins =
       mins.defined() && mins.numel() > 0 ? c10::optional<at::Tensor>(mins) : c10::nullopt;
-  if (fuse_add) {
+  const bool fuse_add = residual != nullptr && x.scalar_type() == at::kFloat &&
+                        residual->scalar_type() == at::kFloat && residual->is_contiguous();
+  if (fuse_add && bits[i] == 0) {
+    return genserve_ops::panel_linear_add_(*residual, x, data, outs[i], bias);
+  }
+  if (fuse_add && bits[i] != kPlainWeight) {
     return genserve_ops::qpanel_linear_add_(*residual, x, data, weights[3 * i + 1], maybe_mins,
                                             bits[i], groups[i], outs[i], bias);
   }
-  const auto y = genserve_ops::qpanel_linear(x, data, weights[3 * i + 1], maybe_mins, bits[i],
-                                             groups[i], outs[i], bias);
+  at::Tensor y;
+  if (bits[i] == 0) {
+    y = genserve_ops::panel_linear(x, data, outs[i], bias);
+  } else if (bits[i] == kPlainWeight) {
+    y = x.size(0) <= matvec_rows ? genserve_ops::matvec(x, data, bias)
+                                 : at::linear(x, data, bias);
+  } else {
+    y = genserve_ops::qpanel_linear(x, data, weights[3 * i + 1], maybe_mins, bits[i], groups[i],
+                                    outs[i], bias);
+  }
   return residual != nullptr ? residual->add_(y) : y;
 }
 

@@ -131,14 +131,6 @@ void rotary_rows(const T* x, int64_t x_stride, const T* cos, const T* sin, T* ou
   });
 }
 
-// t itself when each of its [heads, dim] rows is contiguous (any stride between tokens: a
-// slice of a wider projection output), else a contiguous copy.
-at::Tensor rows_in_place(const at::Tensor& t) {
-  const bool in_place = t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
-                        t.stride(0) >= t.size(1) * t.size(2);
-  return in_place ? t : t.contiguous();
-}
-
 void check_half(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf ||
@@ -223,7 +215,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->numel() == tokens * dim,
                 "cos/sin must be [tokens, 1, head_dim] of x's dtype");
   }
-  const auto xc = rows_in_place(x);
+  const auto xc = genserve_ops::rows_in_place(x);
   const auto cc = cos.contiguous();
   const auto sc = signed_sin.contiguous();
   auto out = at::empty(xc.sizes(), xc.options());
@@ -255,7 +247,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
                   v.size(2) == dim && v.scalar_type() == out.scalar_type(),
               "v must be [tokens, kv_heads, head_dim] of qk's dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens, "slots: [tokens] int64");
-  const auto vc = rows_in_place(v);
+  const auto vc = genserve_ops::rows_in_place(v);
   const auto sl = slots.contiguous();
   const int64_t* slot = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)

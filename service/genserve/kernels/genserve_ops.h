@@ -8,6 +8,15 @@
 
 namespace genserve_ops {
 
+// t ([tokens, heads, dim]) itself when each token's [heads, dim] rows are contiguous, at any
+// stride between tokens (a column slice of a wider projection output, read in place by the
+// rotary + KV store and the decode attention), else a contiguous copy.
+inline at::Tensor rows_in_place(const at::Tensor& t) {
+  const bool in_place = t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
+                        t.stride(0) >= t.size(1) * t.size(2);
+  return in_place ? t : t.contiguous();
+}
+
 // fused_cpu.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,

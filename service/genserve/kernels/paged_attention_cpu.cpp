@@ -556,11 +556,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                   context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
               "block_table [num_seqs, max_blocks] and context_lens [num_seqs] expected");
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
-  // The query rows are read in place when each sequence's [heads, head_dim] is contiguous
-  // (decode_layer passes the Q heads of the rotated [tokens, Q + K heads, head_dim]).
-  const bool q_rows = q.stride(2) == 1 && q.stride(1) == q.size(2) &&
-                      q.stride(0) >= q.size(1) * q.size(2);
-  const auto q_c = q_rows ? q : q.contiguous();
+  // decode_layer passes the Q heads of the rotated [tokens, Q + K heads, head_dim].
+  const auto q_c = rows_in_place(q);
   const auto table_c = block_table.contiguous();
   const auto lens_c = context_lens.contiguous();
   // Out-of-range reads would be silent memory errors: check the table against the pool.
