@@ -33,11 +33,14 @@ from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.model.quantization import choose_method
 from genserve.server.app import GrpcApp
+from genserve.server.chat_reply import ChatFeatures, system_fingerprint
 from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
 from genserve.server.observe import RequestObserver
+from genserve.server.reasoning import reasoning_parser_named
 from genserve.server.security import security_interceptors, server_credentials, server_options
 from genserve.server.servicer import Serving, TextGenerationServicer
+from genserve.server.tool_calls import choose_parser
 from genserve.server.validation import Limits
 from genserve.tokenizer import Tokenizer
 from genserve.tracing import configure_tracing, set_propagators
@@ -63,6 +66,20 @@ class Loaded:
     info: pb.InfoResponse
     chat: ChatRenderer
     grammars: GrammarCompiler | None = None
+    chat_features: ChatFeatures | None = None
+
+
+def chat_features(config: Config, template: str | None, info: pb.InfoResponse) -> ChatFeatures:
+    """--tool-call-parser / --reasoning-parser, and the fingerprint replies carry (#27)."""
+    return ChatFeatures(
+        tool_parser=choose_parser(config.tool_call_parser, template),
+        reasoning=reasoning_parser_named(config.reasoning_parser)
+        if config.reasoning_parser
+        else None,
+        system_fingerprint=system_fingerprint(
+            VERSION, info.model_id, info.model_sha, info.model_dtype
+        ),
+    )
 
 
 def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
@@ -208,7 +225,11 @@ def _size_and_warm_up(
         max_active_adapters=config.max_active_adapters,
         max_loras_per_batch=config.max_loras_per_batch or config.max_active_adapters,
         default_adapter_id=config.adapter_id or "",
+        fill_in_middle=tokenizer.fim_tokens is not None,
     )
+    features = chat_features(config, chat.template, info)
+    info.tool_call_parser = features.tool_parser.name
+    info.reasoning_parser = features.reasoning.name if features.reasoning else ""
     grammars = None
     if not config.disable_grammar_support:
         from genserve.engine.grammar import GrammarCompiler
@@ -217,7 +238,13 @@ def _size_and_warm_up(
         vocab = int(hf_config.get("vocab_size") or tokenizer.vocab_size)
         grammars = GrammarCompiler(tokenizer.hf, vocab, sorted(tokenizer.eos_token_ids))
     return Loaded(
-        runner=runner, tokenizer=tokenizer, limits=limits, info=info, chat=chat, grammars=grammars
+        runner=runner,
+        tokenizer=tokenizer,
+        limits=limits,
+        info=info,
+        chat=chat,
+        grammars=grammars,
+        chat_features=features,
     )
 
 
@@ -369,6 +396,7 @@ class Service:
                 max_concurrent_requests=config.max_concurrent_requests,
                 chat=loaded.chat,
                 grammars=loaded.grammars,
+                chat_features=loaded.chat_features,
             )
         )
         self.engine, self.loaded = engine, loaded

@@ -49,7 +49,7 @@ class Config:
     rope_factor: float | None = None
     quantize: str | None = None  # issue #14: int8 | int4 | gguf (eetq: int8), weight-only
     max_stop_sequences: int = 4
-    max_top_n_tokens: int = 5
+    max_top_n_tokens: int = 20  # OpenAI's top_logprobs allows 20
     max_input_tokens: int | None = None
     max_total_tokens: int | None = None
     max_batch_prefill_tokens: int | None = None
@@ -88,6 +88,10 @@ class Config:
     chat_template: str | None = None
     tokenizer_config_path: Path | None = None
     served_model_name: str | None = None
+    # Issue #27: tool-call and reasoning formats of Chat replies (server/tool_calls/,
+    # server/reasoning.py); None: the template's tool format (else Hermes), no reasoning split.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # Deployment: authentication, TLS, transport limits (server/security.py, server/app.py).
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
     api_key_exempt: tuple[str, ...] = DEFAULT_API_KEY_EXEMPT
@@ -379,6 +383,17 @@ FLAGS: tuple[_Flag, ...] = (
         "tokenizer_config_path",
         "A tokenizer_config.json whose chat_template is used (TGI's flag).",
         Path,
+    ),
+    _flag(
+        "tool_call_parser",
+        "Format tool calls are parsed from in Chat replies (SGLang/vLLM names). Default: the "
+        "chat template's, else hermes (the server then writes the tools in the prompt).",
+        choices=("hermes", "llama3", "llama3_json", "mistral", "qwen", "qwen25", "qwen3"),
+    ),
+    _flag(
+        "reasoning_parser",
+        "Split <think>...</think> out of Chat replies into reasoning_content (SGLang/vLLM).",
+        choices=("deepseek-r1", "deepseek_r1", "qwen3"),
     ),
     _flag(
         "served_model_name",

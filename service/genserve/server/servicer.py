@@ -22,6 +22,8 @@ from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, Tok
 from genserve.engine.request import FinishReason
 from genserve.model.lora import AdapterError
 from genserve.server import best_of, chat
+from genserve.server.chat_reply import ChatFeatures, ChoiceReply, ReplyPiece, whole_reply
+from genserve.server.fim import FimUnsupportedError, fim_prompts
 from genserve.server.grammar_params import GrammarUnsupportedError, attach_grammar
 from genserve.server.observe import RequestObserver, bind_call
 from genserve.server.param_validation import prompt_inputs, stop_token_id
@@ -93,6 +95,7 @@ class Serving:
     max_concurrent_requests: int
     chat: ChatRenderer | None = None  # None: Chat answers FAILED_PRECONDITION
     grammars: GrammarCompiler | None = None  # None: --disable-grammar-support
+    chat_features: ChatFeatures | None = None  # tool-call / reasoning parsers (#27)
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
@@ -154,14 +157,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
 
     def _prompts(
-        self, texts: Sequence[str], id_lists: Sequence[Sequence[int]]
+        self, texts: Sequence[str], id_lists: Sequence[Sequence[int]], suffix: str | None = None
     ) -> list[tuple[str, tuple[int, ...] | None]]:
-        """``inputs`` or ``input_ids`` (never both) as ``(text, ids or None)`` per prompt."""
+        """``inputs`` or ``input_ids`` (never both) as ``(text, ids or None)`` per prompt;
+        with a ``suffix``, text prompts become fill-in-the-middle prompts (server/fim.py)."""
         serving = self._require()
         vocab = serving.limits.vocab_size or serving.tokenizer.vocab_size
         try:
+            if suffix is not None:
+                texts = fim_prompts(serving.tokenizer, texts, bool(id_lists), suffix)
             return prompt_inputs(texts, id_lists, serving.tokenizer, vocab)
-        except ValidationError as exc:
+        except (ValidationError, FimUnsupportedError) as exc:
             raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     async def _with_grammar(
@@ -250,6 +256,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             details.top_tokens.extend(
                 pb.TopTokens(tokens=[_token_pb(t) for t in top]) for top in collected.top_tokens
             )
+            details.prefill_top_tokens.extend(
+                pb.TopTokens(tokens=[_token_pb(t) for t in top]) for top in final.prefill_top
+            )
         return details
 
     # ------------------------------------------------------------------ RPCs
@@ -259,7 +268,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         try:
             limits = self._require().limits
             validate_batch_size(len(request.inputs) or len(request.input_ids), limits)
-            prompts = self._prompts(request.inputs, [t.ids for t in request.input_ids])
+            prompts = self._prompts(
+                request.inputs,
+                [t.ids for t in request.input_ids],
+                request.suffix if request.HasField("suffix") else None,
+            )
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except _CallFailed as exc:
@@ -370,6 +383,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             ((text, ids),) = self._prompts(
                 [request.inputs] if request.inputs or not request.input_ids else [],
                 [request.input_ids] if request.input_ids else [],
+                request.suffix if request.HasField("suffix") else None,
             )
             req = self._validate(_request_id(context), text, params, ids)
             req = await self._with_grammar(req, params)
@@ -474,6 +488,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 serving.limits,
                 serving.info.served_model_name or serving.info.model_id,
                 serving.info.model_id,
+                serving.chat_features,
             )
         except ValidationError as exc:
             raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -520,16 +535,27 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
         tokenizer = self._require().tokenizer
-        response = pb.ChatResponse(id=f"chatcmpl-{base_id}", model=plan.model, created=plan.created)
+        response = pb.ChatResponse(
+            id=f"chatcmpl-{base_id}",
+            model=plan.model,
+            created=plan.created,
+            system_fingerprint=plan.extras.system_fingerprint,
+        )
         finals: list[FinalInfo] = []
         for index, collected in enumerate(results):
             final = collected.final
             assert final is not None
             finals.append(final)
+            piece = whole_reply(final.generated_text, plan.extras.tools, plan.extras.reasoning)
             choice = pb.ChatChoice(
                 index=index,
-                message=pb.ChatMessage(role="assistant", content=final.generated_text),
-                finish_reason=chat.finish_reason(final),
+                message=pb.ChatMessage(
+                    role="assistant",
+                    content=piece.content,
+                    reasoning_content=piece.reasoning,
+                    tool_calls=piece.tool_calls,
+                ),
+                finish_reason=_chat_finish(plan, final, piece),
             )
             if plan.logprobs:
                 choice.logprobs.extend(
@@ -564,6 +590,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
         finals: list[FinalInfo | None] = [None] * len(reqs)
+        replies = [ChoiceReply(plan.extras.tools, plan.extras.reasoning) for _ in reqs]
         try:
             remaining = len(reqs)
             while remaining:
@@ -576,10 +603,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                     remaining -= 1
                     continue
                 msg = pb.ChatStreamResponse(
-                    id=f"chatcmpl-{base_id}", model=plan.model, created=plan.created, index=index
+                    id=f"chatcmpl-{base_id}",
+                    model=plan.model,
+                    created=plan.created,
+                    index=index,
+                    system_fingerprint=plan.extras.system_fingerprint,
                 )
                 if out.token is not None:
-                    msg.delta = out.token.text
+                    piece = replies[index].feed(out.token.text)
+                    msg.delta, msg.reasoning_delta = piece.content, piece.reasoning
                     msg.token.CopyFrom(chat.token_pb(out.token, tokenizer, plan.logprobs))
                     if plan.num_top_logprobs:
                         msg.top_logprobs.extend(
@@ -588,7 +620,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                         )
                 if out.final is not None:
                     finals[index] = out.final
-                    msg.finish_reason = chat.finish_reason(out.final)
+                    last = replies[index].finish()
+                    msg.delta += last.content
+                    msg.reasoning_delta += last.reasoning
+                    msg.tool_calls.extend(
+                        pb.ToolCallDelta(index=i, call=c) for i, c in enumerate(last.tool_calls)
+                    )
+                    msg.finish_reason = _chat_finish(plan, out.final, last)
                     if all(f is not None for f in finals):
                         done = [f for f in finals if f is not None]
                         msg.usage.CopyFrom(chat.usage(plan, done))
@@ -599,3 +637,13 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._in_flight -= len(reqs)
+
+
+def _chat_finish(plan: chat.ChatPlan, final: FinalInfo, piece: ReplyPiece) -> pb.FinishReason:
+    """OpenAI's "tool_calls" when the reply is calls, except for a named tool_choice, which
+    OpenAI answers with "stop"; a reply cut short keeps "length"."""
+    reason = chat.finish_reason(final)
+    calls = piece.tool_calls and plan.extras.tools.mode != "function"
+    if calls and reason != pb.FINISH_REASON_LENGTH:
+        return pb.FINISH_REASON_TOOL_CALLS
+    return reason

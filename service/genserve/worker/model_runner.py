@@ -85,7 +85,7 @@ class _RequestState:
         if p.uses_penalties:
             ids = torch.tensor(new.all_token_ids, dtype=torch.int64, device=device)
             counts = torch.bincount(ids, minlength=vocab_size)[:vocab_size].float()
-        if p.presence_penalty != 0.0:
+        if p.presence_penalty != 0.0 or p.output_frequency_penalty != 0.0:
             out_ids = ids[new.num_prompt_tokens :]  # a readmission brings its output so far
             output_counts = torch.bincount(out_ids, minlength=vocab_size)[:vocab_size].float()
         return cls(
@@ -520,28 +520,44 @@ class ModelRunner:
         Every rank runs the logits (the LM head gathers across shards); only rank 0 reports."""
         rows = list(itertools.chain.from_iterable(range(p[2], p[2] + p[3]) for p in parts))
         targets = list(itertools.chain.from_iterable(p[4] for p in parts))
+        # Issue #27: the top alternatives at prompt positions (OpenAI echo's top_logprobs).
+        num_tops = [self._num_top_tokens(p[0]) for p in parts]
+        max_top = max(num_tops, default=0)
         values: list[float] = []
+        tops: list[list[TokenLogprob]] = []
         for start in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
             index = torch.tensor(rows[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
             target = torch.tensor(targets[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))  # [rows, vocab]
-            chosen = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
-            values.extend(chosen.tolist())
+            logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+            values.extend(logprobs.gather(1, target[:, None])[:, 0].tolist())
+            if max_top:
+                top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [rows, max_top]
+                tops.extend(
+                    [TokenLogprob(t, lp) for t, lp in zip(ids, lps, strict=True)]
+                    for ids, lps in zip(top_ids.tolist(), top_values.tolist(), strict=True)
+                )
         if not self.parallel.is_driver:
             return ()
         result = []
         start = 0
-        for req_id, first_pos, _, count, target_ids in parts:
+        for (req_id, first_pos, _, count, target_ids), num_top in zip(parts, num_tops, strict=True):
             lps = values[start : start + count]
+            top = tuple(tuple(t[:num_top]) for t in tops[start : start + count]) if num_top else ()
             start += count
             result.append(
                 PromptLogprobs(
                     req_id,
                     first_pos,
                     tuple(TokenLogprob(t, lp) for t, lp in zip(target_ids, lps, strict=True)),
+                    top,
                 )
             )
         return tuple(result)
+
+    def _num_top_tokens(self, req_id: str) -> int:
+        state = self._requests.get(req_id)
+        return state.sampling.num_top_tokens if state is not None else 0
 
     def shutdown(self) -> None:
         """Release the KV cache and request state.  Idempotent."""

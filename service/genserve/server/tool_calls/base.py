@@ -39,10 +39,17 @@ class ToolCallParser(Protocol):
     ``needs_special_tokens``: the markers are special tokens, so the reply must be
     detokenized with them (Mistral's ``[TOOL_CALLS]``)."""
 
-    name: str
-    start_markers: tuple[str, ...]
-    at_start_only: bool
-    needs_special_tokens: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def start_markers(self) -> tuple[str, ...]: ...
+
+    @property
+    def at_start_only(self) -> bool: ...
+
+    @property
+    def needs_special_tokens(self) -> bool: ...
 
     def parse(self, section: str) -> ParsedReply | None:
         """``section`` starts at a start marker (with the content before it removed): the
@@ -55,9 +62,9 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def call_from_object(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")) -> (
-    ParsedCall | None
-):
+def call_from_object(
+    obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> ParsedCall | None:
     """``{"name": str, "arguments" | "parameters": object or JSON text}`` as a call; None for
     anything else (the whole reply is then text)."""
     if not isinstance(obj, dict):

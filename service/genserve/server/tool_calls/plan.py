@@ -64,8 +64,7 @@ def plan_tools(
         chosen = [s for s in specs if s.name == name]
         if not chosen:
             raise ToolRequestError(
-                f"tool_choice names function {name!r}, which is not in `tools` "
-                f"({', '.join(names)})"
+                f"tool_choice names function {name!r}, which is not in `tools` ({', '.join(names)})"
             )
         return ToolPlan(mode, specs, parser, name, constrained.named_schema(chosen[0]))
     if mode == "required":

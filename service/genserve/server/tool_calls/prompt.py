@@ -35,9 +35,9 @@ def tool_system_prompt(tools: Sequence[ToolSpec]) -> str:
     return _INSTRUCTIONS.format(tools=listed)
 
 
-def with_tool_prompt(messages: list[dict[str, Any]], tools: Sequence[ToolSpec]) -> list[
-    dict[str, Any]
-]:
+def with_tool_prompt(
+    messages: list[dict[str, Any]], tools: Sequence[ToolSpec]
+) -> list[dict[str, Any]]:
     """``messages`` with the tool instructions added to (or as) the system message."""
     prompt = tool_system_prompt(tools)
     if messages and messages[0].get("role") == "system":
