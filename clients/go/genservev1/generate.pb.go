@@ -728,7 +728,10 @@ type GenerateResult struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	GeneratedText string                 `protobuf:"bytes,1,opt,name=generated_text,json=generatedText,proto3" json:"generated_text,omitempty"`
 	// Set when parameters.details was true.
-	Details       *Details `protobuf:"bytes,2,opt,name=details,proto3" json:"details,omitempty"`
+	Details *Details `protobuf:"bytes,2,opt,name=details,proto3" json:"details,omitempty"`
+	// Issue #27: with parameters.decoder_input_details, the prompt as text (a token-id prompt
+	// decoded, special tokens included): what OpenAI's echo returns.
+	PromptText    string `protobuf:"bytes,3,opt,name=prompt_text,json=promptText,proto3" json:"prompt_text,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -775,6 +778,13 @@ func (x *GenerateResult) GetDetails() *Details {
 		return x.Details
 	}
 	return nil
+}
+
+func (x *GenerateResult) GetPromptText() string {
+	if x != nil {
+		return x.PromptText
+	}
+	return ""
 }
 
 type GenerateResponse struct {
@@ -3312,10 +3322,12 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"parameters\x122\n" +
 	"\tinput_ids\x18\x03 \x03(\v2\x15.genserve.v1.TokenIdsR\binputIds\x12\x1b\n" +
 	"\x06suffix\x18\x04 \x01(\tH\x00R\x06suffix\x88\x01\x01B\t\n" +
-	"\a_suffix\"g\n" +
+	"\a_suffix\"\x88\x01\n" +
 	"\x0eGenerateResult\x12%\n" +
 	"\x0egenerated_text\x18\x01 \x01(\tR\rgeneratedText\x12.\n" +
-	"\adetails\x18\x02 \x01(\v2\x14.genserve.v1.DetailsR\adetails\"I\n" +
+	"\adetails\x18\x02 \x01(\v2\x14.genserve.v1.DetailsR\adetails\x12\x1f\n" +
+	"\vprompt_text\x18\x03 \x01(\tR\n" +
+	"promptText\"I\n" +
 	"\x10GenerateResponse\x125\n" +
 	"\aresults\x18\x01 \x03(\v2\x1b.genserve.v1.GenerateResultR\aresults\"\xb5\x01\n" +
 	"\x15GenerateStreamRequest\x12\x16\n" +

@@ -245,7 +245,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             input_length=final.num_prompt_tokens,
             cached_tokens=final.num_cached_tokens,
             prefill=[_token_pb(t) for t in final.prefill],
-            tokens=[_token_pb(t) for t in collected.tokens],
+            tokens=[self._detail_token(t) for t in collected.tokens],
         )
         if req.seed is not None:
             details.seed = req.seed
@@ -260,6 +260,14 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 pb.TopTokens(tokens=[_token_pb(t) for t in top]) for top in final.prefill_top
             )
         return details
+
+    def _detail_token(self, t: TokenInfo) -> pb.Token:
+        """A generated token for Details: a special token that ended generation (EOS) adds
+        no text to the reply but is listed with its own text, as TGI lists it (#27)."""
+        msg = _token_pb(t)
+        if t.special and not t.text:
+            msg.text = self._require().tokenizer.token_text(t.token_id)
+        return msg
 
     # ------------------------------------------------------------------ RPCs
     async def Generate(
@@ -306,6 +314,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             )
             if params.details or params.decoder_input_details:
                 result.details.CopyFrom(self._details(req, collected, params))
+            if params.decoder_input_details:
+                result.prompt_text = text
             response.results.append(result)
         return response
 

@@ -146,12 +146,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, inputs: _Optional[_Iterable[str]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
-    __slots__ = ("generated_text", "details")
+    __slots__ = ("generated_text", "details", "prompt_text")
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     generated_text: str
     details: Details
-    def __init__(self, generated_text: _Optional[str] = ..., details: _Optional[_Union[Details, _Mapping]] = ...) -> None: ...
+    prompt_text: str
+    def __init__(self, generated_text: _Optional[str] = ..., details: _Optional[_Union[Details, _Mapping]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("results",)
