@@ -13,5 +13,8 @@ echo "== ruff"
 .venv/bin/ruff format --check service tests clients/python
 echo "== mypy"
 .venv/bin/mypy service/genserve clients/python/genserve/client
+echo "== docs"
+# A broken link or anchor, or a nav entry without its page, fails the strict build.
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site
 echo "== pytest"
 .venv/bin/pytest -q -p no:cacheprovider "$@"
