@@ -98,7 +98,10 @@ def test_reply_with_reasoning_and_tool_call_streams_like_whole() -> None:
         parser_named("hermes"),
     )
     reasoning = reasoning_parser_named("qwen3")
-    text = '<think>I should call f.</think>\n\nOn it.\n<tool_call>{"name": "f", "arguments": {"q": 1}}</tool_call>'
+    text = (
+        "<think>I should call f.</think>\n\nOn it.\n"
+        '<tool_call>{"name": "f", "arguments": {"q": 1}}</tool_call>'
+    )
     whole = whole_reply(text, tools, reasoning)
     assert whole.reasoning == "I should call f."
     assert whole.content == "On it.\n"
