@@ -192,3 +192,12 @@ def test_constrained_replies() -> None:
     named = parse_named('{"x": [1, 2]}', "a")
     assert named is not None and json.loads(named.calls[0].arguments) == {"x": [1, 2]}
     assert parse_named('{"x": ', "a") is None
+
+
+def test_auto_without_parallel_calls_keeps_the_first() -> None:
+    tools = [tool("get_current_temperature"), tool("get_temperature_date")]
+    for parallel, expected in ((True, 2), (False, 1)):
+        reply = plan_tools(tools, None, parallel, HERMES).reply()
+        assert reply.feed(QWEN_TWO_CALLS) == ""
+        _, parsed = reply.finish()
+        assert parsed is not None and len(parsed.calls) == expected

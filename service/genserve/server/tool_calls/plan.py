@@ -25,6 +25,7 @@ class ToolPlan:
     parser: ToolCallParser
     function_name: str = ""
     grammar_schema: str | None = None
+    parallel: bool = True  # more than one call per reply (auto keeps only the first if not)
 
     @property
     def active(self) -> bool:
@@ -66,10 +67,11 @@ def plan_tools(
             raise ToolRequestError(
                 f"tool_choice names function {name!r}, which is not in `tools` ({', '.join(names)})"
             )
-        return ToolPlan(mode, specs, parser, name, constrained.named_schema(chosen[0]))
+        return ToolPlan(mode, specs, parser, name, constrained.named_schema(chosen[0]), parallel)
     if mode == "required":
-        return ToolPlan(mode, specs, parser, "", constrained.required_schema(specs, parallel))
-    return ToolPlan(mode, specs, parser)
+        schema = constrained.required_schema(specs, parallel)
+        return ToolPlan(mode, specs, parser, "", schema, parallel)
+    return ToolPlan(mode, specs, parser, parallel=parallel)
 
 
 class ToolReply:
@@ -95,7 +97,11 @@ class ToolReply:
     def finish(self) -> tuple[str, ParsedReply | None]:
         """(content not yet released, the calls or None)."""
         if self._stream is not None:
-            return self._stream.finish()
+            rest, parsed = self._stream.finish()
+            if parsed is not None and not self._plan.parallel and len(parsed.calls) > 1:
+                # parallel_tool_calls false: the first call only, as OpenAI answers.
+                parsed = ParsedReply(parsed.content, parsed.calls[:1])
+            return rest, parsed
         if self._plan.mode == "none":
             return "", None
         text = "".join(self._held)
