@@ -24,7 +24,7 @@ from genserve.adapter_metrics import AdapterCollector
 from genserve.chat_template import ChatRenderer, load_template_override
 from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
-from genserve.engine.adapter_manager import start_adapters
+from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
@@ -111,9 +111,19 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
     runner: ModelRunner
     if num_shard > 1:
-        from genserve.worker.sharded_runner import launch_sharded_runner
+        from genserve.worker.sharded_runner import ShardSettings, launch_sharded_runner
 
-        runner = launch_sharded_runner(resolved, config, num_shard, dtype_name, on_shard_failure)
+        settings = ShardSettings(
+            master_addr=config.master_addr,
+            master_port=config.master_port,
+            cuda_memory_fraction=config.cuda_memory_fraction,
+            cpu_memory_fraction=config.cpu_memory_fraction,
+            json_output=config.json_output,
+            trust_remote_code=config.trust_remote_code,
+            kernel_cache_dir=config.genserve_cache / "kernels",
+            cpu_kernels=not config.disable_cpu_kernels,
+        )
+        runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:
         runner = ModelRunner(
             resolved,
@@ -338,7 +348,13 @@ class Service:
         config = self.config
         engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
         engine.step_observers.append(self.servicer.observer.on_step)
-        engine.adapters = await start_adapters(config, loaded.runner.config, loaded.info)
+        adapter_settings = AdapterSettings(
+            lora_adapters=config.lora_adapters,
+            default_id=config.adapter_id,
+            source=config.adapter_source,
+            max_active=config.max_active_adapters,
+        )
+        engine.adapters = await start_adapters(adapter_settings, loaded.runner.config, loaded.info)
         if self.metrics is not None:
             self.metrics.registry.register(AdapterCollector(engine.adapters))
         if self.metrics is not None:
