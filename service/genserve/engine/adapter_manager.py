@@ -21,10 +21,10 @@ from pathlib import Path
 import structlog
 
 from genserve.adapter_metrics import AdapterStats
+from genserve.model.adapter_files import read_adapter, resolve_adapter_dir
 from genserve.model.config import ModelConfig
 from genserve.step import AdapterRef
 from genserve.v1 import generate_pb2 as pb
-from genserve.worker.adapters import read_adapter, resolve_adapter_dir
 
 log = structlog.get_logger(__name__)
 
@@ -88,7 +88,7 @@ class AdapterManager:
 
     async def acquire(self, adapter_id: str) -> AdapterRef:
         """Resolve, validate and pin ``adapter_id`` into a slot.  Raises
-        :class:`~genserve.worker.adapters.AdapterNotFoundError` or
+        :class:`~genserve.model.adapter_files.AdapterNotFoundError` or
         :class:`~genserve.model.lora.AdapterError`; waits while every slot is pinned."""
         path = await self._validate(adapter_id)
         self.stats.setdefault(adapter_id, AdapterStats()).requests += 1

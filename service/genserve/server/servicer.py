@@ -20,6 +20,7 @@ from genserve.chat_template import ChatRenderer
 from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason
+from genserve.model.adapter_files import AdapterNotFoundError
 from genserve.model.lora import AdapterError
 from genserve.server.chat_render import ChatStreamAssembler, chat_response
 from genserve.server.conversion.convert import Conversion, RequestConverter
@@ -30,7 +31,6 @@ from genserve.server.observe import RequestObserver, bind_call
 from genserve.tokenizer import Tokenizer
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
-from genserve.worker.adapters import AdapterNotFoundError
 
 if TYPE_CHECKING:
     from genserve.engine.grammar import GrammarCompiler
