@@ -1,7 +1,11 @@
 """The ``genserve`` launcher: flags → config → model runner, engine and gRPC server, wired.
 
 The gRPC port opens first, with health NOT_SERVING, so that probes see "loading" rather
-than "connection refused" while the model loads and warms up."""
+than "connection refused" while the model loads and warms up.
+
+Over ~500 lines because it is the wiring: every object the server runs is built here from
+the config (the layers below never read it), so each new capability adds its few lines of
+construction to this one module."""
 
 from __future__ import annotations
 
