@@ -34,7 +34,9 @@ Parts: this module owns the queues, request states and step assembly; which wait
 requests join a step is :mod:`~genserve.engine.admission`'s decision (with
 :mod:`~genserve.engine.adapter_cycling` for LoRAX's adapter turns, and
 :mod:`~genserve.engine.scheduler_policy` for ordering and growth estimates); what a request
-runs in a step is cut by :mod:`~genserve.engine.step_chunks`.
+runs in a step is cut by :mod:`~genserve.engine.step_chunks`.  At ~520 lines it is the
+state machine and the step it builds, kept in one place on purpose: every change of a
+request's state happens here.
 
 Threading: one owner.  ``finish_requests`` may be called while the runner executes a step
 (the engine serialises calls onto its loop); ``schedule`` must not be called again before
@@ -46,6 +48,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -56,7 +59,6 @@ from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.engine.scheduler_output import EngineCoreOutput, SchedulerStats
 from genserve.engine.scheduler_policy import AdmissionPolicy
 from genserve.engine.speculative import DraftLengthController, NgramProposer
-from genserve.engine.step_bitmasks import StepBitmasks
 from genserve.engine.step_chunks import plain_chunk, speculative_chunk
 from genserve.kv_cache.manager import KVCacheManager
 from genserve.step import (
@@ -67,6 +69,9 @@ from genserve.step import (
     ScheduledChunk,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import BitmaskFiller
 
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
@@ -103,7 +108,7 @@ class Scheduler:
         self._num_accepted_tokens = 0
         self._cycler = AdapterCycler(config)  # LoRA adapter cycling
         self.clock: Callable[[], float] = time.monotonic  # tests substitute their own
-        self._bitmasks = StepBitmasks()
+        self._mask_filler: BitmaskFiller | None = None  # made on the first constrained step
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -315,9 +320,7 @@ class Scheduler:
         num_tokens = sum(len(c.token_ids) for c in chunks)
         num_prefill = self.config.max_batch_prefill_tokens - budget
         self._last_step = (len(chunks), num_tokens, num_prefill)
-        bitmask, grammar_ids = self._bitmasks.submit(
-            chunks, lambda req_id: self._requests[req_id].grammar
-        )
+        bitmask, grammar_ids = self._grammar_bitmask(chunks)
         return SchedulerOutput(
             step_id=self._step_id,
             chunks=tuple(chunks),
@@ -326,6 +329,27 @@ class Scheduler:
             grammar_bitmask=bitmask,
             grammar_req_ids=grammar_ids,
         )
+
+    def _grammar_bitmask(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[object | None, tuple[str, ...]]:
+        """One packed bitmask row per sampling chunk of a constrained request, filled for all
+        of them in one call in the grammar thread while the forward runs (a
+        :class:`~genserve.engine.grammar.PendingBitmask`; the runner waits for it)."""
+        states = []
+        req_ids = []
+        for c in chunks:
+            grammar = self._requests[c.req_id].grammar
+            if c.sample and grammar is not None:
+                states.append(grammar)
+                req_ids.append(c.req_id)
+        if not states:
+            return None, ()
+        if self._mask_filler is None:
+            from genserve.engine.grammar import BitmaskFiller  # only constrained steps pay
+
+            self._mask_filler = BitmaskFiller()
+        return self._mask_filler.submit(states), tuple(req_ids)
 
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens a running request gets this step: its decode token, or a prompt chunk
