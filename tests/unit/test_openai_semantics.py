@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from genserve.server.chat_reply import ChoiceReply, whole_reply
-from genserve.server.fim import FimUnsupportedError, fim_prompts
+from genserve.server.conversion.fim import FimUnsupportedError, fim_prompts
 from genserve.server.reasoning import reasoning_parser_named
 from genserve.server.tool_calls import parser_named, plan_tools
 from genserve.step import SamplingParams

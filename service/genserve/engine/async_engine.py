@@ -22,6 +22,7 @@ from genserve.engine.adapter_manager import AdapterManager
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import EngineCoreOutput, Scheduler
+from genserve.model.adapter_files import AdapterNotFoundError
 from genserve.step import (
     AdapterRef,
     PromptLogprobs,
@@ -31,7 +32,6 @@ from genserve.step import (
     TokenLogprob,
 )
 from genserve.tokenizer import IncrementalDetokenizer, Tokenizer
-from genserve.worker.adapters import AdapterNotFoundError
 
 log = structlog.get_logger(__name__)
 

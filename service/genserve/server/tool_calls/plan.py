@@ -6,8 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from genserve.server.tool_calls import constrained
 from genserve.server.tool_calls.base import ParsedReply, ToolCallParser
+from genserve.server.tool_calls.constrained import (
+    named_schema,
+    parse_named,
+    parse_required,
+    required_schema,
+)
 from genserve.server.tool_calls.stream import ToolCallStream
 from genserve.server.tool_calls.tools import ToolRequestError, ToolSpec, tool_spec
 from genserve.v1 import generate_pb2 as pb
@@ -67,9 +72,9 @@ def plan_tools(
             raise ToolRequestError(
                 f"tool_choice names function {name!r}, which is not in `tools` ({', '.join(names)})"
             )
-        return ToolPlan(mode, specs, parser, name, constrained.named_schema(chosen[0]), parallel)
+        return ToolPlan(mode, specs, parser, name, named_schema(chosen[0]), parallel)
     if mode == "required":
-        schema = constrained.required_schema(specs, parallel)
+        schema = required_schema(specs, parallel)
         return ToolPlan(mode, specs, parser, "", schema, parallel)
     return ToolPlan(mode, specs, parser, parallel=parallel)
 
@@ -106,7 +111,7 @@ class ToolReply:
             return "", None
         text = "".join(self._held)
         if self._plan.mode == "function":
-            parsed = constrained.parse_named(text, self._plan.function_name)
+            parsed = parse_named(text, self._plan.function_name)
         else:
-            parsed = constrained.parse_required(text)
+            parsed = parse_required(text)
         return ("", parsed) if parsed is not None else (text, None)
