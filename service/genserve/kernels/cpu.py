@@ -53,6 +53,7 @@ _OPS = (
     "qpanel_linear",
     "decode_layer",
     "greedy_stats",
+    "set_batch_invariant",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
@@ -61,6 +62,9 @@ _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 class _Settings:
     cache_dir: Path = Path.home() / ".cache" / "genserve" / "kernels"
     enabled: bool = True
+    # --deterministic: every op computes each row by one code path whatever the batch
+    # (``genserve_ops.h``'s batch_invariant; the model and attention read it too).
+    batch_invariant: bool = False
     # The outcome of the one build-and-load attempt of this process (None: not tried yet).
     # A library registers the ``genserve`` op namespace, which a process can do only once:
     # a second library (another cache directory) would abort the process.
@@ -111,13 +115,27 @@ def _isa_level() -> str:
     return capability if capability in _ISA_FLAGS else "default"
 
 
-def configure(cache_dir: Path | None = None, enabled: bool = True) -> None:
-    """Where builds are cached (None: leave it) and whether to use the kernels at all; call
-    before :func:`load` (the launcher does, from its config).  Once a process has loaded the
-    library, a new cache directory has no effect; disabling still does."""
+def configure(
+    cache_dir: Path | None = None, enabled: bool = True, batch_invariant: bool = False
+) -> None:
+    """Where builds are cached (None: leave it), whether to use the kernels at all, and
+    whether they run batch-invariant (``--deterministic``); call before :func:`load` (the
+    launcher does, from its config) and before the model is built.  Once a process has
+    loaded the library, a new cache directory has no effect; the other two still do."""
     if cache_dir is not None:
         _settings.cache_dir = cache_dir
     _settings.enabled = enabled
+    _settings.batch_invariant = batch_invariant
+    if _settings.loaded:
+        torch.ops.genserve.set_batch_invariant(batch_invariant)
+
+
+def batch_invariant() -> bool:
+    """True when ``--deterministic`` asked for batch-invariant kernels and they are loaded:
+    every row of a step then takes the same code path, in the same order of float sums,
+    whatever else the step holds (projections by the matvec at any row count, attention
+    by the paged kernel for prefill tokens too, no split of a context over threads)."""
+    return _settings.batch_invariant and enabled_and_loaded()
 
 
 def _content_hash() -> str:
@@ -159,8 +177,9 @@ def enabled_and_loaded() -> bool:
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when the kernels serve a model on ``device`` in ``dtype``: CPU in float32 or half
-    precision, enabled, and loaded (see :func:`load`).  In float32 they differ from the torch
+    """True when the kernels serve a model on ``device`` in ``dtype``: CPU in float32,
+    bfloat16 or float16 (widened to float32 in registers, as bfloat16 is), enabled, and
+    loaded (see :func:`load`).  In float32 they differ from the torch
     ops only in the order of float32 sums (norm, attention) and the last bit of silu's exp,
     which keeps greedy output equal to transformers' (tests/e2e/test_hf_parity.py)."""
     return (
@@ -189,6 +208,7 @@ def _build_and_load() -> bool:
         )
         for op in (*_OPS, *_LORA_OPS):
             getattr(torch.ops.genserve, op)  # raises if the library did not register it
+        torch.ops.genserve.set_batch_invariant(_settings.batch_invariant)
     except Exception as exc:  # any failure: keep the torch path, say why once
         log.warning(
             "cpu_kernels_unavailable",
