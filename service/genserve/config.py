@@ -66,6 +66,7 @@ class Config:
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
+    deterministic: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
     cuda_graphs: tuple[int, ...] | None = None  # None: default buckets; (): disabled (#12)
@@ -327,6 +328,13 @@ FLAGS: tuple[_Flag, ...] = (
     _flag(
         "disable_cpu_kernels",
         "On CPU in half precision: use torch ops instead of genserve's C++ kernels.",
+        _SWITCH,
+    ),
+    _flag(
+        "deterministic",
+        "Batch-invariant kernels (CPU): greedy and seeded output, tokens and logprobs, "
+        "independent of what else is batched, the prefill chunk size and prefix-cache hits, "
+        "in every dtype. Costs speed (docs/operations/first-start.md).",
         _SWITCH,
     ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),
