@@ -77,6 +77,7 @@ class AsyncEngine:
         self._accepting = False
         self._dead_reason: str | None = None
         self._idle = asyncio.Event()  # set whenever the last stream ends
+        self._drain_cut = False  # end_drain: shutdown aborts in-flight requests at once
         self.step_observers: list[Callable[[StepObservation], None]] = []
         # LoRA adapters (set by the launcher); None: requests naming an adapter are refused.
         self.adapters: AdapterManager | None = None
@@ -115,6 +116,12 @@ class AsyncEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def end_drain(self) -> None:
+        """Stop waiting for in-flight requests (a second SIGTERM/SIGINT): a shutdown under
+        way, or the next one, aborts them now (their calls end UNAVAILABLE)."""
+        self._drain_cut = True
+        self._idle.set()
+
     def mark_dead(self, reason: str) -> None:
         """A part the engine depends on (a shard worker) is gone: fail every request now.
 
@@ -141,7 +148,7 @@ class AsyncEngine:
         """Stop accepting, let in-flight requests finish for up to ``grace_s``, abort the rest,
         stop the loop and the runner."""
         self._accepting = False
-        if self._streams and self._dead_reason is None:
+        if self._streams and self._dead_reason is None and not self._drain_cut:
             self._idle.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), max(0.0, grace_s))
