@@ -67,16 +67,16 @@ def _assert_same(expected: Sequence[Answer], got: Sequence[Answer], what: str) -
         assert have[1] == want[1], f"{what}: prompt {i} logprobs differ"
 
 
-def test_output_does_not_depend_on_batching_chunks_or_cache(tiny_model_factory: TinyModelFactory) -> None:
+def test_output_does_not_depend_on_batching_chunks_or_cache(
+    tiny_model_factory: TinyModelFactory,
+) -> None:
     model: Path = tiny_model_factory("llama", seed=7)
     with start_server(model, *SERVER_ARGS, "--disable-prefix-caching") as server:
         assert "batch-invariant" in server.logs()
         expected = _alone(server)
         _assert_same(expected, _together(server), "a mixed batch of 8")
     for chunk in (7, 8, 16):
-        with start_server(
-            model, *SERVER_ARGS, "--max-batch-prefill-tokens", str(chunk)
-        ) as server:
+        with start_server(model, *SERVER_ARGS, "--max-batch-prefill-tokens", str(chunk)) as server:
             _assert_same(expected, _together(server), f"prefill chunks of {chunk}")
             # The prompts' full blocks are cached now: the second round reads them.
             _assert_same(expected, _together(server), f"chunks of {chunk}, prefix-cache hits")
