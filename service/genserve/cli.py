@@ -39,6 +39,7 @@ from genserve.server.observe import RequestObserver
 from genserve.server.security import security_interceptors, server_credentials, server_options
 from genserve.server.servicer import Serving, TextGenerationServicer
 from genserve.server.validation import Limits
+from genserve.stray_output import capture as capture_stray_output
 from genserve.tokenizer import Tokenizer
 from genserve.tracing import configure_tracing, set_propagators
 from genserve.v1 import generate_pb2 as pb
@@ -541,6 +542,9 @@ async def _exit_after_shard_failure(
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(argv)
+    # --json-output: stdout/stderr lines that bypass the logger (progress bars, libraries'
+    # prints, C++ warnings, worker processes) are wrapped into JSON objects too.
+    stray = capture_stray_output() if config.json_output else None
     configure_logging(config.json_output)
     if config.env:
         log.info("runtime_environment", **runtime_environment())
@@ -554,6 +558,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if stray is not None:
+        stray.close()
     os._exit(code)
 
 
