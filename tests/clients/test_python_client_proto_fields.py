@@ -44,7 +44,7 @@ def test_every_chat_field_is_a_keyword() -> None:
 
 def test_n_grammar_and_input_ids_reach_the_server(server: LiveServer) -> None:
     with Client(server.address, timeout=60) as client:
-        ids = list(client.tokenize("Hello there").tokens)
+        ids = client.tokenize("Hello there")
         token_ids = [t.id for t in ids]
         by_text = client.generate("Hello there", max_new_tokens=5)
         by_ids = client.generate(input_ids=token_ids, max_new_tokens=5)
