@@ -34,9 +34,13 @@ def _is_json_object(line: bytes) -> bool:
 
 def as_json_line(line: bytes, stream: str) -> bytes:
     """``line`` (no line break) itself when it is a JSON object, else a JSON object holding
-    it; with a line break."""
+    it; with a line break.  A log line written after a progress bar that left no line break
+    (``done{"event": ...}``) becomes two: the bar's text, then the log line."""
     if _is_json_object(line):
         return line + b"\n"
+    start = line.find(b'{"', 1)
+    if start > 0 and _is_json_object(line[start:]):
+        return as_json_line(line[:start], stream) + line[start:] + b"\n"
     text = _ANSI.sub("", line.decode("utf-8", errors="replace")).strip()
     record = {
         "event": "stray_output",
