@@ -5,7 +5,9 @@ The C++ source is built with torch's JIT extension builder (ninja + the system C
 compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``) and
 loaded as ``torch.ops.genserve.*``; later processes load the cached library in
 milliseconds.  ``scripts/bootstrap.sh`` builds it once (``python -m genserve.kernels.cpu``)
-so that neither a server start nor a test pays the ~20 s compile.  The launcher points the
+so that neither a server start nor a test pays the compile (82 s of CPU time measured on an
+AVX-512 machine, spread over the cores by ninja; a start that compiles says so in the log,
+and one pointed at another cache loads the bootstrap's build).  The launcher points the
 cache at ``--genserve-cache`` and turns the kernels off with ``--disable-cpu-kernels``
 through :func:`configure` (before the model is built).
 
@@ -23,6 +25,7 @@ import hashlib
 import os
 import platform
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +75,7 @@ class _Settings:
 
 
 _settings = _Settings()
+_BOOTSTRAP_HINT = "once per machine and torch version; python -m genserve.kernels.cpu does it ahead"
 
 # Half-precision steps with at most this many rows run their projections through
 # ``genserve::matvec`` (measured on the default model's matrices, 1 thread: bfloat16 storage
@@ -187,10 +191,33 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+# Where ``python -m genserve.kernels.cpu`` (scripts/bootstrap.sh) builds by default: a server
+# whose --genserve-cache points elsewhere loads a build found here instead of compiling.
+_DEFAULT_CACHE_DIR = _settings.cache_dir
+
+
+def _library(directory: Path, name: str) -> Path:
+    return directory / f"{name}.so"
+
+
+def _build_directory(name: str) -> Path:
+    """The configured cache's directory for ``name``, unless only the default cache (the
+    bootstrap's) holds a finished build of it."""
+    configured = _settings.cache_dir / name
+    prebuilt = _DEFAULT_CACHE_DIR / name
+    if not _library(configured, name).is_file() and _library(prebuilt, name).is_file():
+        return prebuilt
+    return configured
+
+
 def _build_and_load() -> bool:
     level = _isa_level()
     name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
-    directory = _settings.cache_dir / name
+    directory = _build_directory(name)
+    compiled = not _library(directory, name).is_file()
+    started = time.monotonic()
+    if compiled:
+        log.info("cpu_kernels_compiling", directory=str(directory), hint=_BOOTSTRAP_HINT)
     try:
         from torch.utils import cpp_extension
 
@@ -216,15 +243,31 @@ def _build_and_load() -> bool:
             fallback="torch ops",
         )
         return False
-    log.info("cpu_kernels_loaded", isa=level, directory=str(directory))
+    log.info(
+        "cpu_kernels_loaded",
+        isa=level,
+        directory=str(directory),
+        compiled=compiled,
+        seconds=round(time.monotonic() - started, 2),
+    )
     return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the kernels now (bootstrap); exit status 0 either way, the server falls back."""
     parser = argparse.ArgumentParser(description="Build genserve's CPU kernels into the cache.")
-    parser.add_argument("--cache-dir", type=Path, default=_settings.cache_dir)
-    configure(parser.parse_args(argv).cache_dir)
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="default: $GENSERVE_CACHE/kernels, as the server (else ~/.cache/genserve/kernels)",
+    )
+    cache_dir = parser.parse_args(argv).cache_dir
+    if cache_dir is None:  # the same place a server started in this environment looks
+        from genserve.config import load_config
+
+        cache_dir = load_config([]).genserve_cache / "kernels"
+    configure(cache_dir)
     ok = load()
     print(f"genserve CPU kernels: {'ready' if ok else 'unavailable (torch fallback)'}")
     return 0
