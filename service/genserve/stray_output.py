@@ -12,6 +12,7 @@ what is still buffered (call it before ``os._exit``)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -59,6 +60,7 @@ class StrayOutput:
     def __init__(self) -> None:
         self._saved: dict[int, int] = {}
         self._threads: list[threading.Thread] = []
+        self._closed = False
         for fd, stream in ((1, "stdout"), (2, "stderr")):
             sys.stdout.flush()
             sys.stderr.flush()
@@ -72,6 +74,8 @@ class StrayOutput:
             )
             thread.start()
             self._threads.append(thread)
+        # An uncaught exception's traceback is printed before atexit runs: it gets through.
+        atexit.register(self.close)
 
     @staticmethod
     def _pump(read_end: int, real: int, stream: str) -> None:
@@ -93,7 +97,10 @@ class StrayOutput:
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Put the real descriptors back and wait (up to ``timeout_s``) for the pipes to be
-        drained; a child process still holding a pipe open only shortens the wait."""
+        drained; a child process still holding a pipe open only shortens the wait.  Once."""
+        if self._closed:
+            return
+        self._closed = True
         sys.stdout.flush()
         sys.stderr.flush()
         for fd, real in self._saved.items():

@@ -46,6 +46,14 @@ def test_every_line_is_a_json_object(tmp_path: Path) -> None:
     assert "plain print" in done.stdout.decode()
 
 
+def test_a_crash_traceback_comes_out_as_json() -> None:
+    child = "from genserve.stray_output import capture\ncapture()\nraise SystemError('boom')\n"
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, timeout=120)
+    assert done.returncode != 0
+    records = [json.loads(line) for line in done.stderr.decode().splitlines()]
+    assert any("SystemError: boom" in r["text"] for r in records)
+
+
 def test_json_lines_pass_through() -> None:
     line = b'{"event": "x", "level": "info"}'
     assert as_json_line(line, "stderr") == line + b"\n"
