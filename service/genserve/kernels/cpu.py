@@ -256,18 +256,10 @@ def _build_and_load() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the kernels now (bootstrap); exit status 0 either way, the server falls back."""
     parser = argparse.ArgumentParser(description="Build genserve's CPU kernels into the cache.")
-    parser.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="default: $GENSERVE_CACHE/kernels, as the server (else ~/.cache/genserve/kernels)",
-    )
-    cache_dir = parser.parse_args(argv).cache_dir
-    if cache_dir is None:  # the same place a server started in this environment looks
-        from genserve.config import load_config
-
-        cache_dir = load_config([]).genserve_cache / "kernels"
-    configure(cache_dir)
+    # scripts/bootstrap.sh passes $GENSERVE_CACHE/kernels: where a server started in the same
+    # environment looks (config.py is the one reader of the environment).
+    parser.add_argument("--cache-dir", type=Path, default=_settings.cache_dir)
+    configure(parser.parse_args(argv).cache_dir)
     ok = load()
     print(f"genserve CPU kernels: {'ready' if ok else 'unavailable (torch fallback)'}")
     return 0
