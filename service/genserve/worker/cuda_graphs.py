@@ -40,6 +40,7 @@ import structlog
 import torch
 
 from genserve.model.attention import TorchAttentionMetadata
+from genserve.worker.device_io import host_buffer
 
 log = structlog.get_logger("genserve.worker")
 
@@ -174,11 +175,10 @@ class DecodeGraphs:
         # two sets used in turn: the copies of step n may still be queued when step n + 1
         # fills its set, but step n's result was read back (a synchronisation) before step
         # n + 2 reuses the first.
-        pin = device.type == "cuda" and torch.cuda.is_available()
         self._staging = [
             (
-                torch.zeros((4, largest), dtype=torch.int64, pin_memory=pin),
-                torch.zeros((largest, width), dtype=torch.int64, pin_memory=pin),
+                host_buffer((4, largest), torch.int64, device),
+                host_buffer((largest, width), torch.int64, device),
             )
             for _ in range(2)
         ]

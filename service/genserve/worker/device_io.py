@@ -92,7 +92,7 @@ class Readback:
         out = self._buffer[:numel].view(packed.shape)
         out.copy_(packed, non_blocking=True)
         if self._io.device.type == "cuda":
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record()
             done.synchronize()  # the step's one wait: everything queued before is finished
         return out

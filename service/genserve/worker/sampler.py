@@ -166,8 +166,10 @@ class Sampler:
             token_ids = self._sample(scores, rows)
         else:
             # [num_rows]; kept for greedy rows (stats' own tensor: nothing else reads it)
-            use_stats = stats is not None and scores is logits
-            token_ids = stats[0] if stats is not None and use_stats else first_argmax(scores)
+            if stats is not None and scores is logits:
+                token_ids = stats[0]
+            else:
+                token_ids = first_argmax(scores, cpu_trick=not self.sync_free)
             if sampled:
                 index = self.io.upload(sampled, torch.int64)
                 picked = self._sample(scores.index_select(0, index), [rows[i] for i in sampled])
@@ -248,7 +250,7 @@ class Sampler:
         if any(p.top_p < 1.0 for p in params):
             top_p = [p.top_p for p in params]
             if self.sync_free:
-                scores = _top_p_sorted(scores, upload(top_p, torch.float32))
+                scores = _top_p_sync_free(scores, upload(top_p, torch.float32))
             else:
                 scores = _top_p(scores, top_p)
         if any(p.min_p > 0.0 for p in params):  # transformers' order: after top-p
@@ -294,15 +296,17 @@ def _greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return argmax, peak, log_total
 
 
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
+def first_argmax(x: torch.Tensor, cpu_trick: bool = True) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for ``[rows, vocab]`` (first index on ties), faster.
 
     PyTorch's CPU argmax is not vectorised (1 ms for 32 x 49152); the vectorised ``amax``
     over chunks finds each row's first chunk holding the maximum, and argmax then runs only
     inside that chunk.  Falls back to argmax when the vocabulary does not split evenly, and
-    off the CPU, where argmax is one kernel and the trick would cost seven."""
+    off the CPU (or without ``cpu_trick``: the sync-free path mirrors CUDA's ops), where
+    argmax is one kernel and the trick would cost seven."""
     rows, vocab = x.shape
-    if x.device.type != "cpu" or vocab % _ARGMAX_CHUNK or vocab < 4 * _ARGMAX_CHUNK:
+    trick = cpu_trick and x.device.type == "cpu"
+    if not trick or vocab % _ARGMAX_CHUNK or vocab < 4 * _ARGMAX_CHUNK:
         return x.argmax(dim=-1)
     chunks = x.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
     best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [rows]
@@ -353,16 +357,42 @@ def _top_p(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     for k in _TOP_P_CANDIDATES:
         if k >= vocab:
             break
-        top_probs, top_ids = probs.topk(k, dim=-1)  # descending
-        if not bool(((top_probs.sum(dim=-1) >= p) | (p >= 1.0)).all()):
+        enough, filtered = _top_p_candidates(scores, probs, p, k)
+        if not bool(enough):
             continue
-        before = top_probs.cumsum(dim=-1) - top_probs  # mass of the more likely tokens
-        keep = before < p[:, None]
-        keep[:, 0] = True
-        remove = torch.ones_like(scores, dtype=torch.bool).scatter_(1, top_ids, ~keep)
-        remove.masked_fill_((p >= 1.0)[:, None], False)
-        return scores.masked_fill(remove, float("-inf"))
+        return filtered
     return _top_p_sorted(scores, p)
+
+
+def _top_p_sync_free(scores: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """:func:`_top_p` without reading anything back: every candidate count and the full
+    sort are computed, and the same one :func:`_top_p` would take is selected on the device
+    (so the two agree bit for bit).  On a GPU the sort is cheap next to a sync."""
+    vocab = scores.shape[-1]
+    probs = scores.softmax(dim=-1)
+    result = _top_p_sorted(scores, p)
+    for k in reversed(_TOP_P_CANDIDATES):
+        if k >= vocab:
+            continue
+        enough, filtered = _top_p_candidates(scores, probs, p, k)
+        result = torch.where(enough, filtered, result)
+    return result
+
+
+def _top_p_candidates(
+    scores: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p among each row's ``k`` most likely tokens: ``(enough, filtered)``, ``enough``
+    a 0-dim device bool saying whether those hold ``p`` of every row's mass (only then is
+    ``filtered`` the nucleus)."""
+    top_probs, top_ids = probs.topk(k, dim=-1)  # descending
+    enough = ((top_probs.sum(dim=-1) >= p) | (p >= 1.0)).all()
+    before = top_probs.cumsum(dim=-1) - top_probs  # mass of the more likely tokens
+    keep = before < p[:, None]
+    keep[:, 0] = True
+    remove = torch.ones_like(scores, dtype=torch.bool).scatter_(1, top_ids, ~keep)
+    remove.masked_fill_((p >= 1.0)[:, None], False)
+    return enough, scores.masked_fill(remove, float("-inf"))
 
 
 def _top_p_sorted(scores: torch.Tensor, top_p: torch.Tensor | Sequence[float]) -> torch.Tensor:
