@@ -110,7 +110,7 @@ class SyncAudit(TorchDispatchMode):
         host_tensors: Iterable[torch.Tensor] = (),
         layer: torch.nn.Module | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.counts = AuditCounts()
         self._device: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -230,11 +230,11 @@ class SyncAudit(TorchDispatchMode):
                     audit._in_layer = False
 
             layer.forward = counted  # type: ignore[method-assign]
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
         for method, original in self._patched:
             setattr(torch.Tensor, method, original)
         self._patched.clear()
