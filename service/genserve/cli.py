@@ -339,7 +339,12 @@ class Service:
         assert self._loading is not None, "start() first"
         loaded = await self._loading
         config = self.config
-        engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
+        engine = AsyncEngine(
+            _scheduler(config, loaded.limits),
+            loaded.runner,
+            loaded.tokenizer,
+            overlap=config.overlap_scheduling,
+        )
         engine.step_observers.append(self.servicer.observer.on_step)
         engine.adapters = await start_adapters(config, loaded.runner.config, loaded.info)
         if self.metrics is not None:

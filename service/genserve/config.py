@@ -63,6 +63,7 @@ class Config:
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
     disable_grammar_support: bool = False
+    overlap_scheduling: bool = False  # issue #29: stream step n while step n + 1 runs
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
@@ -267,6 +268,13 @@ FLAGS: tuple[_Flag, ...] = (
     _flag(
         "disable_grammar_support",
         "Refuse GenerateParameters.grammar (structured output) with UNIMPLEMENTED.",
+        _SWITCH,
+    ),
+    _flag(
+        "overlap_scheduling",
+        "Stream a step's tokens (detokenise, check stop strings, send) while the next step "
+        "runs; a stop string then ends its request one step later and the extra token is "
+        "dropped, so outputs are unchanged.",
         _SWITCH,
     ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),
