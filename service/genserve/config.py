@@ -151,9 +151,20 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
-    from genserve.worker.cuda_graphs import parse_batch_sizes
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` → ``(1, 2, 4, 8)`` (sorted, unique); ``"0"`` → ``()`` (graphs off)."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"expected comma-separated batch sizes or 0, got {text!r}") from None
+    if values == [0]:
+        return ()
+    if not values or values[0] < 1:
+        raise ValueError(f"batch sizes must be positive (or a single 0 to disable), got {text!r}")
+    return tuple(values)
 
+
+def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
     try:
         return parse_batch_sizes(text)
     except ValueError as exc:

@@ -3,7 +3,7 @@
 The runner runs its CUDA code path on the CPU: bfloat16, CPU kernels off (every op is one CUDA
 would run), every host → device transfer an explicit copy (``explicit_transfers``), the
 decode step replayed from DecodeGraphs' static buffers with the Triton decode kernel stubbed
-by one custom op.  Under :class:`genserve.testing.sync_audit.SyncAudit` a greedy and a
+by one custom op.  Under :class:`genserve.worker.sync_audit.SyncAudit` a greedy and a
 sampled decode step at 1 and 64 rows must show: no blocking host → device copy, exactly one
 device → host copy, no ``item()`` / ``tolist()`` / ``bool()`` (or any other value read) on a
 device tensor, no host array slipped into a device op, and a bounded kernel count per
@@ -28,9 +28,9 @@ from genserve.step import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from genserve.testing.sync_audit import SyncAudit
 from genserve.worker.cuda_graphs import DecodeGraphs
 from genserve.worker.model_runner import ModelRunner
+from genserve.worker.sync_audit import SyncAudit
 from tests.conftest import TinyModelFactory
 
 CPU = torch.device("cpu")

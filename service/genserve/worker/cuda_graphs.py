@@ -39,6 +39,7 @@ import numpy as np
 import structlog
 import torch
 
+from genserve.config import parse_batch_sizes as parse_batch_sizes  # the flag's parser
 from genserve.model.attention import TorchAttentionMetadata
 from genserve.worker.device_io import host_buffer
 
@@ -47,19 +48,6 @@ log = structlog.get_logger("genserve.worker")
 # Default buckets: every power of two up to 8, then steps of 8 (what TGI and vLLM default to);
 # a step pads to the next bucket, so at most 7 wasted rows above 8.
 _DEFAULT_MAX_BATCH = 256
-
-
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
-    """``"1,2,4,8"`` → ``(1, 2, 4, 8)`` (sorted, unique); ``"0"`` → ``()`` (graphs off)."""
-    try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise ValueError(f"expected comma-separated batch sizes or 0, got {text!r}") from None
-    if values == [0]:
-        return ()
-    if not values or values[0] < 1:
-        raise ValueError(f"batch sizes must be positive (or a single 0 to disable), got {text!r}")
-    return tuple(values)
 
 
 def default_batch_sizes(max_batch: int | None) -> tuple[int, ...]:
