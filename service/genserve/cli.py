@@ -32,7 +32,7 @@ from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
-from genserve.limits import LimitsError, ServingLimits, derive_limits
+from genserve.limits import LimitsError, ServingLimits, derive_limits, token_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.model.quantization import choose_method
@@ -176,7 +176,10 @@ def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int 
     sizes = config.cuda_graphs
     if sizes is None:
         sizes = default_batch_sizes(config.max_batch_size or config.max_concurrent_requests)
-    max_seq_len = config.max_total_tokens or max_positions or 4096
+    # The block table's width: the longest context a request may reach, i.e. the derived
+    # total-token limit (TGI's min(max_pos, 4096) by default), not max_position_embeddings
+    # (131,072 for Llama-3.1 would mean 8,192 columns and a 16 GiB trial cache).
+    max_seq_len = token_limits(config, _scaled_max_pos(max_positions, config))[1]
     runner.enable_cuda_graphs(sizes, max_seq_len, config.block_size)
 
 
@@ -385,7 +388,12 @@ class Service:
         assert self._loading is not None, "start() first"
         loaded = await self._loading
         config = self.config
-        engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
+        engine = AsyncEngine(
+            _scheduler(config, loaded.limits),
+            loaded.runner,
+            loaded.tokenizer,
+            overlap=config.overlap_scheduling,
+        )
         engine.step_observers.append(self.servicer.observer.on_step)
         adapter_settings = AdapterSettings(
             lora_adapters=config.lora_adapters,

@@ -273,14 +273,15 @@ class RotaryEmbedding(nn.Module):
         self.rope, self.head_dim = rope, head_dim
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, num_decodes: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and *signed* ``sin`` of shape ``[num_tokens, 1, head_dim]``, computed once
         per step and shared by every layer.  The first half of ``sin`` is negated so that
-        :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``."""
+        :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``.
+        ``num_decodes``: the leading decode rows, one sequence each (dynamic NTK reads it)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
         if self.rope.rope_type == "dynamic":  # issue #15 --rope-scaling dynamic
-            freqs = rope_scaling.dynamic_freqs(positions, self.rope, self.head_dim)
+            freqs = rope_scaling.dynamic_freqs(positions, self.rope, self.head_dim, num_decodes)
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
         sin = emb.sin()
         sin[:, : freqs.shape[1]].neg_()

@@ -295,7 +295,8 @@ class LlamaForCausalLM(nn.Module):
         *before* the final norm (which ``compute_logits`` applies to the rows it needs).
         Writes every token's K/V into ``kv_caches`` (one tensor per layer)."""
         x = self.embed_tokens.forward(token_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        # Decode rows are one sequence each (dynamic RoPE must not merge adjacent ones).
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, getattr(meta, "num_decodes", 0))
         if (
             self._decode_layers_fused
             and isinstance(meta, TorchAttentionMetadata)
