@@ -32,7 +32,7 @@ from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
-from genserve.limits import LimitsError, ServingLimits, derive_limits
+from genserve.limits import LimitsError, ServingLimits, derive_limits, token_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.model.quantization import choose_method
@@ -46,6 +46,7 @@ from genserve.server.reasoning import reasoning_parser_named
 from genserve.server.security import security_interceptors, server_credentials, server_options
 from genserve.server.servicer import Serving, TextGenerationServicer
 from genserve.server.tool_calls import choose_parser
+from genserve.stray_output import capture as capture_stray_output
 from genserve.tokenizer import Tokenizer
 from genserve.tracing import configure_tracing, set_propagators
 from genserve.v1 import generate_pb2 as pb
@@ -108,7 +109,13 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
-    cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
+    # Before any weight is read: a directory without a tokenizer fails in a second.
+    tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
+    cpu_kernels.configure(
+        config.genserve_cache / "kernels",
+        not config.disable_cpu_kernels,
+        batch_invariant=config.deterministic,
+    )
     if config.disable_cpu_kernels:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
     on_cuda = torch.cuda.is_available()
@@ -122,6 +129,8 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
+    if config.deterministic:
+        _check_deterministic(device, cpu_kernels.batch_invariant())
     resolved = dataclasses.replace(
         resolved,
         rope_scaling=config.rope_scaling,
@@ -143,6 +152,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             trust_remote_code=config.trust_remote_code,
             kernel_cache_dir=config.genserve_cache / "kernels",
             cpu_kernels=not config.disable_cpu_kernels,
+            deterministic=config.deterministic,
         )
         runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:
@@ -154,11 +164,27 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         )
     try:
         return _size_and_warm_up(
-            config, resolved, runner, dtype_name, device, num_shard, chat_template
+            config, resolved, runner, tokenizer, dtype_name, device, num_shard, chat_template
         )
     except BaseException:
         runner.shutdown()  # a sharded runner stops its workers
         raise
+
+
+def _check_deterministic(device: Any, batch_invariant: bool) -> None:
+    """--deterministic is a promise: refuse to start where the batch-invariant kernels do not
+    run, rather than serve output that moves with load."""
+    if device.type != "cpu":
+        raise ValueError(
+            "--deterministic has batch-invariant kernels on CPU only; this server would run "
+            f"on {device.type}, whose matmul and attention kernels change with the batch"
+        )
+    if not batch_invariant:
+        raise ValueError(
+            "--deterministic needs genserve's CPU kernels (drop --disable-cpu-kernels, or see "
+            "the cpu_kernels_unavailable log line for why they did not build)"
+        )
+    log.info("deterministic", detail="batch-invariant kernels: output independent of batching")
 
 
 def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int | None) -> None:
@@ -167,7 +193,10 @@ def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int 
     sizes = config.cuda_graphs
     if sizes is None:
         sizes = default_batch_sizes(config.max_batch_size or config.max_concurrent_requests)
-    max_seq_len = config.max_total_tokens or max_positions or 4096
+    # The block table's width: the longest context a request may reach, i.e. the derived
+    # total-token limit (TGI's min(max_pos, 4096) by default), not max_position_embeddings
+    # (131,072 for Llama-3.1 would mean 8,192 columns and a 16 GiB trial cache).
+    max_seq_len = token_limits(config, _scaled_max_pos(max_positions, config))[1]
     runner.enable_cuda_graphs(sizes, max_seq_len, config.block_size)
 
 
@@ -175,13 +204,13 @@ def _size_and_warm_up(
     config: Config,
     resolved: ResolvedModel,
     runner: ModelRunner,  # rank 0's (a ShardedModelRunner keeps the workers in step)
+    tokenizer: Tokenizer,
     dtype_name: str,
     device: torch.device,
     num_shard: int,
     chat_template: str | None = None,
 ) -> Loaded:
     on_cuda = device.type == "cuda"
-    tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
     chat = ChatRenderer(tokenizer.hf, resolved.model_id, chat_template)
     log.info("chat_template", loaded=chat.has_template, source=_template_source(config, chat))
     hf_config = json.loads((resolved.local_dir / "config.json").read_text())
@@ -260,6 +289,15 @@ def _size_and_warm_up(
         grammars=grammars,
         chat_features=features,
     )
+
+
+def _limit_sources(limits: ServingLimits) -> dict[str, str]:
+    """What refused requests cite for the per-request limits: their flags, or the cause that
+    lowered them (limits.derive_limits)."""
+    if limits.lowered_by is None:
+        return {}
+    cause = f"lowered to fit the KV cache by {limits.lowered_by}"
+    return {"input_limit_source": cause, "total_limit_source": cause}
 
 
 def _template_source(config: Config, chat: ChatRenderer) -> str | None:
@@ -377,7 +415,12 @@ class Service:
         assert self._loading is not None, "start() first"
         loaded = await self._loading
         config = self.config
-        engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
+        engine = AsyncEngine(
+            _scheduler(config, loaded.limits),
+            loaded.runner,
+            loaded.tokenizer,
+            overlap=config.overlap_scheduling,
+        )
         engine.step_observers.append(self.servicer.observer.on_step)
         adapter_settings = AdapterSettings(
             lora_adapters=config.lora_adapters,
@@ -411,6 +454,7 @@ class Service:
                     max_total_tokens=loaded.limits.max_total_tokens,
                     max_client_batch_size=config.max_client_batch_size,
                     vocab_size=loaded.info.vocab_size,
+                    **_limit_sources(loaded.limits),
                 ),
                 info=loaded.info,
                 max_concurrent_requests=config.max_concurrent_requests,
@@ -456,6 +500,15 @@ class Service:
             await self.app.set_serving(False)
             log.error("health_not_serving", reason=engine.dead_reason)
 
+    def end_drain(self, signal_name: str) -> None:
+        """Abort the in-flight requests instead of waiting for them (a second signal)."""
+        log.warning("shutdown_drain_ended", signal=signal_name, in_flight=self._in_flight())
+        if self.engine is not None:
+            self.engine.end_drain()
+
+    def _in_flight(self) -> int:
+        return self.engine.num_in_flight if self.engine is not None else 0
+
     async def stop(self) -> None:
         """Health NOT_SERVING, refuse new calls, give in-flight ones the shutdown timeout,
         abort the rest, stop the runner and the port."""
@@ -480,9 +533,17 @@ async def serve(config: Config) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     service = Service(config)
+
+    def on_signal(sig: signal.Signals) -> None:
+        # The first signal drains (--shutdown-timeout); a second one, as an operator's
+        # repeated Ctrl-C means, ends the drain at once.
+        if stop.is_set():
+            service.end_drain(sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await service.start()
     except OSError as exc:  # a port is taken: say which, no traceback
@@ -538,6 +599,9 @@ async def _exit_after_shard_failure(
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(argv)
+    # --json-output: stdout/stderr lines that bypass the logger (progress bars, libraries'
+    # prints, C++ warnings, worker processes) are wrapped into JSON objects too.
+    stray = capture_stray_output() if config.json_output else None
     configure_logging(config.json_output)
     if config.env:
         log.info("runtime_environment", **runtime_environment())
@@ -551,6 +615,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if stray is not None:
+        stray.close()
     os._exit(code)
 
 
