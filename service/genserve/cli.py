@@ -597,6 +597,15 @@ async def _exit_after_shard_failure(
     return EXIT_SHARD_FAILED
 
 
+def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
+    """--rope-scaling/--rope-factor stretch the context the default limits derive from."""
+    from genserve.model.rope_scaling import scaled_max_positions
+
+    if max_pos is None:
+        return None
+    return scaled_max_positions(int(max_pos), config.rope_scaling, config.rope_factor)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(argv)
     # --json-output: stdout/stderr lines that bypass the logger (progress bars, libraries'
@@ -622,12 +631,3 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
-    """--rope-scaling/--rope-factor stretch the context the default limits derive from."""
-    from genserve.model.rope_scaling import scaled_max_positions
-
-    if max_pos is None:
-        return None
-    return scaled_max_positions(int(max_pos), config.rope_scaling, config.rope_factor)
