@@ -73,6 +73,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     import torch
 
     from genserve.kernels import cpu as cpu_kernels
+    from genserve.kernels import int_dot
     from genserve.model.loader import resolve_model
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
@@ -101,6 +102,15 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
+    int_dot.configure(config.cpu_int_dot)
+    if quantize.method is not None and not on_cuda:
+        int_dot_choice = int_dot.choose()  # --cpu-int-dot on where impossible: refused here
+        log.info(
+            "cpu_int_dot",
+            enabled=int_dot_choice.enabled,
+            isa=int_dot_choice.isa.name if int_dot_choice.isa is not None else None,
+            reason=int_dot_choice.reason,
+        )
     resolved = dataclasses.replace(
         resolved,
         rope_scaling=config.rope_scaling,

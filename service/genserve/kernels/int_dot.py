@@ -38,7 +38,7 @@ class Isa(enum.IntEnum):
     AVX512_VNNI = 3
 
 
-class IntDotUnavailableError(RuntimeError):
+class IntDotUnavailableError(ValueError):
     """``--cpu-int-dot on`` on a machine where the integer kernels cannot run."""
 
 

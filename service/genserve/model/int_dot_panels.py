@@ -3,7 +3,7 @@
 
 The column panels of :mod:`genserve.model.weight_panels` (32 output features per panel) with
 ``k`` grouped in quads: within a panel, for each quad of 4 consecutive input features, the 32
-features' 4 weights are consecutive bytes, the operand of one VPDPBUSD (16 features × 4
+features' 4 weights are consecutive bytes, the operand of one VPDPBUSD (16 features x 4
 bytes per 512-bit register).  ``K`` is padded to a multiple of 32 with zero weights.
 
 * 8-bit: ``data`` uint8 ``[P, Kp / 4, 128]``, each byte ``q + 128``.

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.kernels import int_dot
 from genserve.model import rope_scaling
 from genserve.model.config import RopeConfig, UnsupportedModelError
-from genserve.kernels import int_dot
 from genserve.model.huge_pages import HugePageRegion
 from genserve.model.int_dot_panels import IntDotPanels
 from genserve.model.lora import LoraHook
