@@ -15,6 +15,7 @@ import argparse
 import platform
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -92,9 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             panels, ints = QuantizedPanels.pack(quant), IntDotPanels.pack(quant)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
-                cells = [_best_ms(lambda: panels.linear(x, None), args.repeats)]
+                cells = [_best_ms(partial(panels.linear, x, None), args.repeats)]
                 for isa in isas:
-                    cells.append(_best_ms(lambda isa=isa: ints.linear(x, None, isa), args.repeats))
+                    cells.append(_best_ms(partial(ints.linear, x, None, isa), args.repeats))
                 shown = " | ".join(f"{c:.3f}" for c in cells)
                 print(f"| {name} | {n} x {k} | {rows} | {shown} |", flush=True)
     return 0

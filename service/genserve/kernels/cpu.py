@@ -43,7 +43,9 @@ _SOURCES.append(Path(__file__).with_name("decode_layer_cpu.cpp"))  # one op per 
 # --cpu-int-dot: integer dot products on 8-/4-bit blocks (kernels/int_dot.py)
 _SOURCES.append(Path(__file__).with_name("int_dot_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
-_HEADERS += [Path(__file__).with_name(n) for n in ("int_dot.h", "int_dot_tile.inc")]
+_HEADERS += [
+    Path(__file__).with_name(n) for n in ("int_dot.h", "int_dot_tile.inc", "int_dot_ymm_vnni.inc")
+]
 _OPS = (
     "paged_decode_attention",
     "rms_norm",

@@ -12,6 +12,9 @@ constexpr int64_t kIntDotAuto = 0;        // the best this CPU has
 constexpr int64_t kIntDotAvx2 = 1;        // VPMADDUBSW + VPMADDWD
 constexpr int64_t kIntDotAvxVnni = 2;     // 256-bit VPDPBUSD (VEX)
 constexpr int64_t kIntDotAvx512Vnni = 3;  // 512-bit VPDPBUSD
+// The AVX-VNNI tile with AVX512-VNNI's 256-bit (EVEX) VPDPBUSD: never chosen by kIntDotAuto,
+// it runs the AVX-VNNI path's code in tests on AVX-512 CPUs that lack AVX-VNNI.
+constexpr int64_t kIntDotVnni256Evex = 4;
 
 // y = x Wᵀ (+ b), x [M, K] float32/bfloat16 quantized per block of 32 to int8, W as
 // model/int_dot_panels.py packs it (data, float32 scales, float32 mins for 4-bit), N its

@@ -36,6 +36,8 @@ class Isa(enum.IntEnum):
     AVX2 = 1
     AVX_VNNI = 2
     AVX512_VNNI = 3
+    # The AVX-VNNI code with AVX512-VNNI's 256-bit instruction: for tests, never chosen.
+    VNNI256_EVEX = 4
 
 
 class IntDotUnavailableError(ValueError):

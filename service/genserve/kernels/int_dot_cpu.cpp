@@ -148,45 +148,27 @@ RunRange range() { return &run_range; }
 // ---- AVX-VNNI: 256-bit VPDPBUSD (VEX), 4 registers per panel row, 2 rows per tile -------
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avxvnni")
+#define GENSERVE_YMM_DPBUSD _mm256_dpbusd_avx_epi32
 namespace int_dot_avxvnni {
 namespace {
-using I = __m256i;
-using F = __m256;
-constexpr int kV = 4, kL = 8, kTileRows = 2;
-constexpr bool kOffsetWeights = true;
-inline I zero() { return _mm256_setzero_si256(); }
-inline I set1(int32_t v) { return _mm256_set1_epi32(v); }
-inline I bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-inline F loadf(const float* p) { return _mm256_loadu_ps(p); }
-inline void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
-inline F set1f(float v) { return _mm256_set1_ps(v); }
-inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
-inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-inline I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
-inline void weights8(const uint8_t* at, I* w) {
-  for (int v = 0; v < kV; ++v) w[v] = load(at + 32 * v);
-}
-// Bytes [0, 32) hold columns 0-7 (low nibbles) and 16-23 (high); [32, 64) 8-15 and 24-31.
-inline void weights4(const uint8_t* at, I* w) {
-  const I mask = _mm256_set1_epi8(0x0F);
-  for (int h = 0; h < 2; ++h) {
-    const I packed = load(at + 32 * h);
-    w[h] = _mm256_and_si256(packed, mask);
-    w[h + 2] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
-  }
-}
-inline void dot8(I* acc, const I* w, I x) {
-  for (int v = 0; v < kV; ++v) acc[v] = _mm256_dpbusd_avx_epi32(acc[v], w[v], x);
-}
-inline void dot4(I* acc, const I* w, I x) { dot8(acc, w, x); }
-#include "int_dot_tile.inc"
+#include "int_dot_ymm_vnni.inc"
 }  // namespace
 RunRange range() { return &run_range; }
 }  // namespace int_dot_avxvnni
+#undef GENSERVE_YMM_DPBUSD
+#pragma GCC pop_options
+
+// ---- The same 256-bit tile by the EVEX VPDPBUSD of AVX512-VNNI + VL (see the .inc) -------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
+#define GENSERVE_YMM_DPBUSD _mm256_dpbusd_epi32
+namespace int_dot_avx512vl_vnni256 {
+namespace {
+#include "int_dot_ymm_vnni.inc"
+}  // namespace
+RunRange range() { return &run_range; }
+}  // namespace int_dot_avx512vl_vnni256
+#undef GENSERVE_YMM_DPBUSD
 #pragma GCC pop_options
 
 // ---- AVX2: VPMADDUBSW + VPMADDWD + VPADDD, 4 registers per panel row, 2 rows per tile ----
@@ -259,6 +241,7 @@ bool cpu_has(int64_t isa) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("avxvnni");
     case genserve_ops::kIntDotAvx512Vnni:
+    case genserve_ops::kIntDotVnni256Evex:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
              __builtin_cpu_supports("fma");
@@ -280,6 +263,8 @@ RunRange range_of(int64_t isa) {
       return int_dot_avxvnni::range();
     case genserve_ops::kIntDotAvx512Vnni:
       return int_dot_avx512vnni::range();
+    case genserve_ops::kIntDotVnni256Evex:
+      return int_dot_avx512vl_vnni256::range();
     default:
       break;
   }
@@ -374,7 +359,7 @@ at::Tensor int_dot_linear_impl(const at::Tensor& x, const at::Tensor& data,
   if (isa == genserve_ops::kIntDotAuto) isa = best_isa();
   TORCH_CHECK(isa != genserve_ops::kIntDotNone, "int_dot_linear: this CPU has no AVX2");
   TORCH_CHECK(cpu_has(isa), "int_dot_linear: this CPU lacks instruction set ", isa,
-              " (1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI)");
+              " (1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI, 4 256-bit AVX512-VNNI)");
   const RunRange run = range_of(isa);
   TORCH_CHECK(run != nullptr, "int_dot_linear: no such instruction set path ", isa);
   const auto xc = x.to(at::kFloat).contiguous();  // bfloat16 models: widened once
@@ -443,11 +428,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int_dot_quantize(const at::Tensor
   return {r.q, r.d, r.sums};
 }
 
-// The instruction-set paths this CPU runs (1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI), best last.
+// The instruction-set paths this CPU runs (int_dot.h's codes), best last.
 std::vector<int64_t> int_dot_isas() {
   std::vector<int64_t> isas;
-  for (int64_t isa : {genserve_ops::kIntDotAvx2, genserve_ops::kIntDotAvxVnni,
-                      genserve_ops::kIntDotAvx512Vnni}) {
+  for (int64_t isa : {genserve_ops::kIntDotAvx2, genserve_ops::kIntDotVnni256Evex,
+                      genserve_ops::kIntDotAvxVnni, genserve_ops::kIntDotAvx512Vnni}) {
     if (cpu_has(isa)) isas.push_back(isa);
   }
   return isas;
