@@ -202,6 +202,7 @@ def launch_sharded_runner(
         trust_remote_code=config.trust_remote_code,
         kernel_cache_dir=str(config.genserve_cache / "kernels"),
         cpu_kernels=not config.disable_cpu_kernels,
+        cpu_int_dot=config.cpu_int_dot,
         rope_scaling=model.rope_scaling,
         rope_factor=model.rope_factor,
         quantize=model.quantize,
