@@ -27,7 +27,7 @@ FORMATS = {
     "Q4_0": q4_0,
     "Q4_1 (int4)": quantize_int4,
 }
-ROWS = (1, 3, 8, 17, 32, 70)  # 70: past one task's 64-row block
+ROWS = (1, 3, 8, 32, 70)  # 70: past one task's 64-row block
 
 
 def _require(isa: Isa) -> None:

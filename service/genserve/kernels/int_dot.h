@@ -17,7 +17,7 @@ constexpr int64_t kIntDotAvx512Vnni = 3;  // 512-bit VPDPBUSD
 constexpr int64_t kIntDotVnni256Evex = 4;
 
 // y = x Wᵀ (+ b), x [M, K] float32/bfloat16 quantized per block of 32 to int8, W as
-// model/int_dot_panels.py packs it (data, float32 scales, float32 mins for 4-bit), N its
+// model/int_dot_panels.py packs it (data, float16 scales, float16 mins for 4-bit), N its
 // unpadded output width.
 at::Tensor int_dot_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& mins, int64_t bits, int64_t N,

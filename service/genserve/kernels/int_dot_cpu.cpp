@@ -17,7 +17,8 @@
 //   8-bit: data uint8 [P, Kp / 4, 32 × 4], each byte w + 128 (u8, VPDPBUSD's unsigned side);
 //   4-bit: data uint8 [P, Kp / 4, 64]: byte j holds column j / 4 (k-step j % 4 of the quad)
 //          in its low nibble and column 16 + j / 4 in its high one, q in 0..15;
-//   scales (and 4-bit mins) float32 [P, Kp / 32, 32], one per block of 32 k-steps;
+//   scales (and 4-bit mins) float16 [P, Kp / 32, 32], one per block of 32 k-steps (GGUF's
+//   own values; widened once per block and row tile);
 // Kp is K rounded up to 32 (padded weights are zero, padded activations too).
 //
 // Per block, per output column: s = Σ q_w · q_x (int32, exact), then
@@ -68,8 +69,8 @@ struct QActs {
 
 struct IntPanels {
   const uint8_t* data;
-  const float* scales;  // [P, B, 32]
-  const float* mins;    // [P, B, 32] or nullptr (8-bit)
+  const uint16_t* scales;  // float16 [P, B, 32]
+  const uint16_t* mins;    // float16 [P, B, 32] or nullptr (8-bit)
   int64_t bits, padded_k, blocks;
 };
 
@@ -122,6 +123,9 @@ inline I bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 inline F loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline F loadh(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
 inline F set1f(float v) { return _mm512_set1_ps(v); }
 inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
@@ -147,7 +151,7 @@ RunRange range() { return &run_range; }
 
 // ---- AVX-VNNI: 256-bit VPDPBUSD (VEX), 4 registers per panel row, 2 rows per tile -------
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avxvnni")
+#pragma GCC target("avx2,fma,f16c,avxvnni")
 #define GENSERVE_YMM_DPBUSD _mm256_dpbusd_avx_epi32
 namespace int_dot_avxvnni {
 namespace {
@@ -160,7 +164,7 @@ RunRange range() { return &run_range; }
 
 // ---- The same 256-bit tile by the EVEX VPDPBUSD of AVX512-VNNI + VL (see the .inc) -------
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 #define GENSERVE_YMM_DPBUSD _mm256_dpbusd_epi32
 namespace int_dot_avx512vl_vnni256 {
 namespace {
@@ -173,7 +177,7 @@ RunRange range() { return &run_range; }
 
 // ---- AVX2: VPMADDUBSW + VPMADDWD + VPADDD, 4 registers per panel row, 2 rows per tile ----
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace int_dot_avx2 {
 namespace {
 using I = __m256i;
@@ -188,6 +192,9 @@ inline I bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 inline F loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline F loadh(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
 inline F set1f(float v) { return _mm256_set1_ps(v); }
 inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
@@ -236,10 +243,11 @@ bool cpu_has(int64_t isa) {
   __builtin_cpu_init();
   switch (isa) {
     case genserve_ops::kIntDotAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
     case genserve_ops::kIntDotAvxVnni:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("avxvnni");
+             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avxvnni");
     case genserve_ops::kIntDotAvx512Vnni:
     case genserve_ops::kIntDotVnni256Evex:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -347,13 +355,13 @@ at::Tensor int_dot_linear_impl(const at::Tensor& x, const at::Tensor& data,
               "] expected");
   const int64_t P = data.size(0);
   TORCH_CHECK(N <= P * kPanel && N > (P - 1) * kPanel, "int_dot_linear: data and N disagree");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.size(0) == P &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == P &&
                   scales.size(1) == B && scales.size(2) == kPanel,
-              "int_dot_linear: float32 scales [P, ceil(K / 32), 32] expected");
+              "int_dot_linear: float16 scales [P, ceil(K / 32), 32] expected");
   const bool has_mins = mins.has_value() && mins->defined() && mins->numel() > 0;
   TORCH_CHECK(has_mins == (bits == 4), "int_dot_linear: 4-bit weights need mins, 8-bit none");
   if (has_mins) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes(),
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes(),
                 "int_dot_linear: mins like scales");
   }
   if (isa == genserve_ops::kIntDotAuto) isa = best_isa();
@@ -383,8 +391,9 @@ at::Tensor int_dot_linear_impl(const at::Tensor& x, const at::Tensor& data,
   const QuantizedRows qx = quantize(xc, Kp);
   const Job job{QActs{qx.q.data_ptr<int8_t>(), qx.d.data_ptr<float>(), qx.sums.data_ptr<int32_t>(),
                       qx.scaled_sums.data_ptr<float>()},
-                IntPanels{dc.data_ptr<uint8_t>(), sc.data_ptr<float>(),
-                          has_mins ? mc.data_ptr<float>() : nullptr, bits, Kp, B},
+                IntPanels{dc.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sc.data_ptr()),
+                          has_mins ? reinterpret_cast<const uint16_t*>(mc.data_ptr()) : nullptr,
+                          bits, Kp, B},
                 M, P, N, b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                 accumulate};
   // Tasks over (row block, panel) pairs, panel-major within a row block so that each thread

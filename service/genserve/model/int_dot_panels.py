@@ -9,11 +9,11 @@ bytes per 512-bit register).  ``K`` is padded to a multiple of 32 with zero weig
 * 8-bit: ``data`` uint8 ``[P, Kp / 4, 128]``, each byte ``q + 128``.
 * 4-bit: ``data`` uint8 ``[P, Kp / 4, 64]``; byte ``j`` of a quad holds feature ``j // 4``
   (input ``j % 4`` of the quad) in its low nibble and feature ``16 + j // 4`` in its high one.
-* ``scales`` (and 4-bit ``mins``) float32 ``[P, Kp / 32, 32]``: the weight's scale (and min)
+* ``scales`` (and 4-bit ``mins``) float16 ``[P, Kp / 32, 32]``: the weight's scale (and min)
   for every block of 32 inputs, also where the weight has one scale per row (``--quantize
   int8``), so the kernel reads one per block of activations.
 
-Packing is exact (the same integers, float16 scales widened to float32): the weights are
+Packing is exact (the same integers and float16 scales): the weights are
 those of the :class:`QuantizedWeight`; only the activations are rounded (to int8 per block).
 """
 
@@ -43,9 +43,9 @@ def _pad(t: torch.Tensor, rows: int, cols: int, value: int | float = 0) -> torch
 
 
 def _block_params(t: torch.Tensor, group: int, k: int, n_pad: int, blocks: int) -> torch.Tensor:
-    """Per-group float16 ``[N, groups]`` -> float32 ``[P, blocks, 32]``, one per block of 32."""
+    """Per-group float16 ``[N, groups]`` -> ``[P, blocks, 32]``, one per block of 32."""
     index = torch.clamp(torch.arange(blocks) * BLOCK // group, max=t.shape[1] - 1)
-    per_block = _pad(t.to(torch.float32)[:, index], n_pad, blocks)
+    per_block = _pad(t[:, index], n_pad, blocks)
     return per_block.view(n_pad // PANEL, PANEL, blocks).transpose(1, 2).contiguous()
 
 
@@ -139,7 +139,7 @@ class IntDotPanels:
             high = (col >= PANEL // 2)[:, None, None]
             q = torch.where(high, byte >> 4, byte & 0x0F).to(torch.int32)
         w = q.reshape(-1, kp // BLOCK, BLOCK).to(torch.float32)
-        w = w * self.scales[panel, :, col][..., None]
+        w = w * self.scales[panel, :, col].to(torch.float32)[..., None]
         if self.mins is not None:
-            w = w + self.mins[panel, :, col][..., None]
+            w = w + self.mins[panel, :, col].to(torch.float32)[..., None]
         return w.reshape(-1, kp)[:, : self.in_features].to(dtype)
