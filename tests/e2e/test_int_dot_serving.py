@@ -84,6 +84,8 @@ def test_default_model_with_int_dot_agrees_with_the_float_path() -> None:
     agreement = sum(prefixes) / (NEW_TOKENS * len(PROMPTS))
     print(f"int-dot vs float path: agreeing prefixes {prefixes} of {NEW_TOKENS}")
     # Not an equality: a near-tie between two tokens may flip, and the rest of that output
-    # then differs.  What must hold is that the outputs start the same and mostly agree.
-    assert all(p >= 1 for p in prefixes)
-    assert agreement >= 0.5
+    # then differs.  Measured on an AVX512-VNNI CPU: prefixes [5, 24, 12, 24, 8, 5], 54% of
+    # the tokens (docs/cpu/integer-kernels.md).  What must hold: every output starts the
+    # same, and a fair share of the tokens agree before the first divergence.
+    assert all(p >= 4 for p in prefixes)
+    assert agreement >= 0.3
