@@ -339,7 +339,7 @@ FLAGS: tuple[_Flag, ...] = (
         "activations rounded to int8 per block of 32 with integer dot products (VNNI or "
         "AVX2) instead of dequantizing to float32. Faster; changes the numerics slightly "
         "(docs/cpu/integer-kernels.md). off: the float path; on: integer on any AVX2 CPU "
-        "(refused where none); auto: integer where the CPU has VNNI.",
+        "(refused where none); auto: integer wherever the CPU has a path.",
         choices=("auto", "on", "off"),
     ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),
