@@ -95,6 +95,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     import torch
 
     from genserve.kernels import cpu as cpu_kernels
+    from genserve.kernels import int_dot
     from genserve.model.loader import resolve_model
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
@@ -129,6 +130,15 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
+    int_dot.configure(config.cpu_int_dot)
+    if quantize.method is not None and not on_cuda:
+        int_dot_choice = int_dot.choose()  # --cpu-int-dot on where impossible: refused here
+        log.info(
+            "cpu_int_dot",
+            enabled=int_dot_choice.enabled,
+            isa=int_dot_choice.isa.name if int_dot_choice.isa is not None else None,
+            reason=int_dot_choice.reason,
+        )
     if config.deterministic:
         _check_deterministic(device, cpu_kernels.batch_invariant())
     resolved = dataclasses.replace(
@@ -153,6 +163,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             kernel_cache_dir=config.genserve_cache / "kernels",
             cpu_kernels=not config.disable_cpu_kernels,
             deterministic=config.deterministic,
+            cpu_int_dot=config.cpu_int_dot,
         )
         runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 # "auto" (or unset): genserve.dtype_choice picks for the machine at start-up.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
+CpuIntDot = Literal["auto", "on", "off"]
 AdapterSource = Literal["local", "hub"]
 
 DEFAULT_PORT = 50051
@@ -71,6 +72,7 @@ class Config:
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
+    cpu_int_dot: CpuIntDot = "off"  # issue #28: auto | on | off (kernels/int_dot.py)
     deterministic: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
@@ -358,6 +360,15 @@ FLAGS: tuple[_Flag, ...] = (
         "On CPU: use torch ops instead of genserve's C++ kernels (a .gguf model is then "
         "dequantized unless --quantize asks otherwise).",
         _SWITCH,
+    ),
+    _flag(
+        "cpu_int_dot",
+        "On CPU, quantized weights (Q8_0/Q4_0/Q4_1, --quantize int8/int4): multiply by "
+        "activations rounded to int8 per block of 32 with integer dot products (VNNI or "
+        "AVX2) instead of dequantizing to float32. Faster; changes the numerics slightly "
+        "(docs/cpu/integer-kernels.md). off: the float path; on: integer on any AVX2 CPU "
+        "(refused where none); auto: integer wherever the CPU has a path.",
+        choices=("auto", "on", "off"),
     ),
     _flag(
         "deterministic",
