@@ -31,7 +31,9 @@ from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
 from genserve.limits import LimitsError, ServingLimits, derive_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
-from genserve.model.quantization import choose_method
+from genserve.fallback_options import disabled_features, restrict_for_fallback
+from genserve.model.quantization import MethodChoice, choose_method
+from genserve.model.serving_path import choose_serving_path
 from genserve.server.app import GrpcApp
 from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
@@ -63,6 +65,8 @@ class Loaded:
     info: pb.InfoResponse
     chat: ChatRenderer
     grammars: GrammarCompiler | None = None
+    # The launcher's config as the model path allows it (genserve.fallback_options).
+    config: Config | None = None
 
 
 def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
@@ -87,6 +91,15 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
+    # Native or the transformers fallback; the fallback switches off what it cannot do.
+    serving = choose_serving_path(resolved.local_dir, config.trust_remote_code)
+    log.info(
+        "serving_path",
+        architecture=serving.architecture,
+        implementation=serving.implementation,
+        reason=serving.reason,
+    )
+    config = restrict_for_fallback(config, serving)
     cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
     if config.disable_cpu_kernels:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
@@ -100,6 +113,8 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         from_gguf=resolved.gguf_file is not None,
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
+    if not serving.is_native and quantize.method is not None:
+        quantize = MethodChoice(None, "the transformers fallback serves the model's own weights")
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
     resolved = dataclasses.replace(
         resolved,
@@ -208,6 +223,9 @@ def _size_and_warm_up(
         max_active_adapters=config.max_active_adapters,
         max_loras_per_batch=config.max_loras_per_batch or config.max_active_adapters,
         default_adapter_id=config.adapter_id or "",
+        architecture=runner.serving.architecture,
+        implementation=runner.serving.implementation,
+        disabled_features=list(disabled_features(runner.serving)),
     )
     grammars = None
     if not config.disable_grammar_support:
@@ -217,7 +235,13 @@ def _size_and_warm_up(
         vocab = int(hf_config.get("vocab_size") or tokenizer.vocab_size)
         grammars = GrammarCompiler(tokenizer.hf, vocab, sorted(tokenizer.eos_token_ids))
     return Loaded(
-        runner=runner, tokenizer=tokenizer, limits=limits, info=info, chat=chat, grammars=grammars
+        runner=runner,
+        tokenizer=tokenizer,
+        limits=limits,
+        info=info,
+        chat=chat,
+        grammars=grammars,
+        config=config,
     )
 
 
@@ -335,7 +359,7 @@ class Service:
         """Raises what loading raised (LimitsError, FileNotFoundError, ...)."""
         assert self._loading is not None, "start() first"
         loaded = await self._loading
-        config = self.config
+        config = loaded.config if loaded.config is not None else self.config
         engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
         engine.step_observers.append(self.servicer.observer.on_step)
         engine.adapters = await start_adapters(config, loaded.runner.config, loaded.info)

@@ -1168,6 +1168,15 @@ type InfoResponse struct {
 	Quantize string `protobuf:"bytes,39,opt,name=quantize,proto3" json:"quantize,omitempty"`
 	// Bytes of model weights held on shard 0 (quantized matrices at their packed size).
 	ModelWeightBytes uint64 `protobuf:"varint,40,opt,name=model_weight_bytes,json=modelWeightBytes,proto3" json:"model_weight_bytes,omitempty"`
+	// The architecture served (config.json `architectures`, e.g. "Gemma2ForCausalLM").
+	Architecture string `protobuf:"bytes,41,opt,name=architecture,proto3" json:"architecture,omitempty"`
+	// How it runs: "native" (genserve's own layers), "transformers" (transformers' modeling
+	// code with genserve's paged KV cache and continuous batching) or "transformers-sequential"
+	// (recurrent/hybrid layers: one sequence at a time with transformers' own cache).
+	Implementation string `protobuf:"bytes,42,opt,name=implementation,proto3" json:"implementation,omitempty"`
+	// Features the implementation cannot serve, switched off at start-up, as
+	// "feature: reason" (e.g. "lora: adapters attach to genserve's native layers").
+	DisabledFeatures []string `protobuf:"bytes,43,rep,name=disabled_features,json=disabledFeatures,proto3" json:"disabled_features,omitempty"`
 	unknownFields    protoimpl.UnknownFields
 	sizeCache        protoimpl.SizeCache
 }
@@ -1417,6 +1426,27 @@ func (x *InfoResponse) GetModelWeightBytes() uint64 {
 		return x.ModelWeightBytes
 	}
 	return 0
+}
+
+func (x *InfoResponse) GetArchitecture() string {
+	if x != nil {
+		return x.Architecture
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetImplementation() string {
+	if x != nil {
+		return x.Implementation
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetDisabledFeatures() []string {
+	if x != nil {
+		return x.DisabledFeatures
+	}
+	return nil
 }
 
 type TokenizeRequest struct {
@@ -2796,7 +2826,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xf6\t\n" +
+	"\vInfoRequest\"\xef\n" +
+	"\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2832,7 +2863,10 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0fwatermark_delta\x18\x1c \x01(\x02R\x0ewatermarkDelta\x123\n" +
 	"\x16cuda_graph_batch_sizes\x18& \x03(\rR\x13cudaGraphBatchSizes\x12\x1a\n" +
 	"\bquantize\x18' \x01(\tR\bquantize\x12,\n" +
-	"\x12model_weight_bytes\x18( \x01(\x04R\x10modelWeightBytes\"s\n" +
+	"\x12model_weight_bytes\x18( \x01(\x04R\x10modelWeightBytes\x12\"\n" +
+	"\farchitecture\x18) \x01(\tR\farchitecture\x12&\n" +
+	"\x0eimplementation\x18* \x01(\tR\x0eimplementation\x12+\n" +
+	"\x11disabled_features\x18+ \x03(\tR\x10disabledFeatures\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +

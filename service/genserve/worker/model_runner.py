@@ -30,14 +30,20 @@ import structlog
 import torch
 
 from genserve.model import rope_scaling
-from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
-from genserve.model.config import ModelConfig
+from genserve.model.attention import (
+    AttentionBackend,
+    SeqSpec,
+    TorchPagedAttention,
+    select_backend,
+)
+from genserve.model.config import ModelConfig, UnsupportedModelError
 from genserve.model.huge_pages import zeros_on_huge_pages
 from genserve.model.llama import LlamaForCausalLM
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.quantize_model import QuantizeSummary, model_weight_bytes, quantize_model
 from genserve.model.registry import build_model
+from genserve.model.serving_path import choose_serving_path
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
 from genserve.step import (
@@ -124,6 +130,12 @@ class ModelRunner:
         if device.type == "cpu":
             _keep_freed_memory()
         self.parallel = parallel or ParallelContext.single()
+        # Native when genserve implements the architecture, else transformers' own modeling
+        # code with the paged cache (model/serving_path.py, model/transformers_backend.py).
+        self.serving = choose_serving_path(model.local_dir, trust_remote_code)
+        if not self.serving.is_native:
+            self._init_fallback(model, trust_remote_code)
+            return
         self.config = ModelConfig.from_pretrained(model.local_dir, trust_remote_code)
         if model.rope_scaling is not None or model.rope_factor is not None:
             self.config = dataclasses.replace(
@@ -158,7 +170,35 @@ class ModelRunner:
             with torch.inference_mode():
                 self.model.pack_weights()
         self.model.eval()
-        self.sampler = Sampler(device)
+        self._init_state(model)
+
+    def _init_fallback(self, model: ResolvedModel, trust_remote_code: bool) -> None:
+        """The transformers fallback: what it cannot do was switched off before (the
+        launcher, genserve.fallback_options); here it is refused if asked anyway."""
+        from genserve.model.transformers_backend import load_transformers_model
+
+        if model.rope_scaling is not None or model.rope_factor is not None:
+            raise UnsupportedModelError(
+                "--rope-scaling/--rope-factor apply to natively served models only; "
+                f"{self.serving.architecture} runs through the transformers fallback"
+            )
+        if model.quantize:
+            raise UnsupportedModelError(
+                f"--quantize {model.quantize} applies to natively served models only; "
+                f"{self.serving.architecture} runs through the transformers fallback"
+            )
+        if self.parallel.world_size > 1:
+            raise UnsupportedModelError("the transformers fallback runs on one shard only")
+        with torch.inference_mode():
+            self.model, self.config = load_transformers_model(  # type: ignore[assignment]
+                model.local_dir, self.serving, self.dtype, self.device, trust_remote_code
+            )
+        self.quantization = None
+        self._init_state(model)
+
+    def _init_state(self, model: ResolvedModel) -> None:
+        """Sampler, request and LoRA state (either model path), then the load log line."""
+        self.sampler = Sampler(self.device)
         self._requests: dict[str, _RequestState] = {}
         # LoRA: hooks are attached on the first adapter request, so base-only serving pays
         # nothing; _slot_ids says which adapter each slot holds now.
@@ -179,8 +219,9 @@ class ModelRunner:
             "model_loaded",
             model_id=model.model_id,
             architecture=self.config.architecture,
-            dtype=str(dtype).removeprefix("torch."),
-            device=str(device),
+            implementation=self.serving.implementation,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
             rank=self.parallel.rank,
             world_size=self.parallel.world_size,
         )
@@ -221,6 +262,13 @@ class ModelRunner:
         self.backend = select_backend(
             self.device, block_size, self.dtype, head_dim=self.config.head_dim
         )
+        if not self.serving.is_native and not isinstance(self.backend, TorchPagedAttention):
+            from genserve.kernels import cpu as cpu_kernels
+
+            # The fallback's attention reads TorchAttentionMetadata (and its cache layout).
+            self.backend = TorchPagedAttention(
+                self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
+            )
         shape = self.backend.kv_cache_shape(
             num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
         )
@@ -284,6 +332,9 @@ class ModelRunner:
         """Capture decode steps of ``sizes`` rows as CUDA graphs in :meth:`warmup`; call
         before sizing the KV cache, whose budget then leaves room for the graphs (measured by
         a trial capture).  No-op on CPU or without the Triton decode kernel (logged)."""
+        if not self.serving.is_native:
+            log.info("cuda_graphs_off", reason="the transformers fallback runs eagerly")
+            return
         self._graph_plan = plan_graphs(self, sizes, max_seq_len, block_size)
 
     @property
@@ -339,6 +390,9 @@ class ModelRunner:
             self._lora_step.set_rows(
                 [s for c, s in zip(chunks, slots, strict=True) for _ in c.token_ids], self.device
             )
+        if self.serving.per_request_state:  # the fallback's per-request caches
+            rows = [(c.req_id, len(c.token_ids), c.start_pos) for c in chunks]
+            self.model.bind_step(rows, step.finished_req_ids)  # type: ignore[operator]
         hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         return self._finish_step(step, chunks, hidden)
 
