@@ -28,10 +28,10 @@ from genserve.engine.adapter_manager import start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
+from genserve.fallback_options import disabled_features, restrict_for_fallback
 from genserve.limits import LimitsError, ServingLimits, derive_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
-from genserve.fallback_options import disabled_features, restrict_for_fallback
 from genserve.model.quantization import MethodChoice, choose_method
 from genserve.model.serving_path import choose_serving_path
 from genserve.server.app import GrpcApp
@@ -92,7 +92,9 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         trust_remote_code=config.trust_remote_code,
     )
     # Native or the transformers fallback; the fallback switches off what it cannot do.
-    serving = choose_serving_path(resolved.local_dir, config.trust_remote_code)
+    serving = choose_serving_path(
+        resolved.local_dir, config.trust_remote_code, config.model_impl
+    )
     log.info(
         "serving_path",
         architecture=serving.architecture,
@@ -121,6 +123,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         rope_scaling=config.rope_scaling,
         rope_factor=config.rope_factor,
         quantize=quantize.method,
+        model_impl=config.model_impl,
     )
     num_gpus = torch.cuda.device_count() if on_cuda else 0
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)

@@ -24,6 +24,7 @@ _DENSE: dict[str, Any] = {
     "max_position_embeddings": 2048,
     "initializer_range": 0.2,
     "tie_word_embeddings": False,
+    "pad_token_id": 0,
 }
 _MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 

@@ -128,7 +128,7 @@ def test_randomized_vectors_matter(model_type: str, tokenizer_dir: Path, tmp_pat
     ids = torch.tensor([[1, 200, 3000, 45, 678, 9, 10, 11]])
     with torch.inference_mode():
         reference = model(ids).logits
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.ndim == 1:  # back to transformers' initialisation
                 init = 1.0 if param.mean().item() > 0.5 else 0.0
                 param.fill_(init)

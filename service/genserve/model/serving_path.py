@@ -53,26 +53,32 @@ class ServingPath:
         return self.implementation == TRANSFORMERS_SEQUENTIAL
 
 
-def choose_serving_path(model_dir: Path, trust_remote_code: bool = False) -> ServingPath:
+def choose_serving_path(
+    model_dir: Path, trust_remote_code: bool = False, model_impl: str = "auto"
+) -> ServingPath:
     """The path for ``model_dir/config.json``; raises :class:`UnsupportedModelError` when
-    neither the native models nor transformers' causal-LM classes can serve it."""
+    neither the native models nor transformers' causal-LM classes can serve it.
+    ``model_impl="transformers"`` skips the native models."""
+    if model_impl not in ("auto", "transformers"):
+        raise UnsupportedModelError(f"unknown model implementation {model_impl!r}")
+    native_refusal = "--model-impl transformers"
     try:
-        native = ModelConfig.from_pretrained(model_dir, trust_remote_code)
+        if model_impl == "auto":
+            native = ModelConfig.from_pretrained(model_dir, trust_remote_code)
+            return ServingPath(native.architecture, NATIVE, "implemented natively")
     except UnsupportedModelError as exc:
         native_refusal = str(exc)
-    else:
-        return ServingPath(native.architecture, NATIVE, "implemented natively")
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     cls = causal_lm_class(hf, model_dir, trust_remote_code)
-    archs = list(getattr(hf, "architectures", None) or [])
+    archs: list[str] = list(getattr(hf, "architectures", None) or [])
+    model_type = str(getattr(hf, "model_type", "?"))
     if cls is None:
         raise UnsupportedModelError(
             f"{native_refusal}; and transformers has no causal-LM class for "
-            f"{archs or getattr(hf, 'model_type', '?')!r} (model_type "
-            f"{getattr(hf, 'model_type', '?')!r}), so the transformers fallback cannot serve "
-            "it either"
+            f"{archs or model_type!r} (model_type {model_type!r}), so the transformers "
+            "fallback cannot serve it either"
         )
     architecture = archs[0] if archs else cls.__name__
     recurrent = recurrent_layer_types(hf)
@@ -98,7 +104,10 @@ def causal_lm_class(hf: Any, model_dir: Path, trust_remote_code: bool) -> type |
     if trust_remote_code and "AutoModelForCausalLM" in auto_map:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-        return get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(model_dir))
+        remote: type = get_class_from_dynamic_module(
+            auto_map["AutoModelForCausalLM"], str(model_dir)
+        )
+        return remote
     try:
         cls: type = AutoModelForCausalLM._model_mapping[type(hf)]
     except KeyError:

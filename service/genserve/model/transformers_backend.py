@@ -82,7 +82,7 @@ class TransformersCausalLM(nn.Module):
         self.path = path
         self.geometry = geometry
         self.num_local_kv_heads = geometry.num_kv_heads
-        self._base_name = str(hf.base_model_prefix)
+        self._base_name = _decoder_attribute(hf)
         self._head_lock = threading.Lock()
         self._step_rows = _StepRows()
         self._caches: dict[str, Any] = {}  # sequential path: req_id → transformers cache
@@ -141,13 +141,14 @@ class TransformersCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[rows, hidden]`` → ``[rows, vocab]`` float32 through the model's own head."""
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
         with self._head_lock:
             decoder = self.base
-            setattr(self.hf, self._base_name, _FixedOutput(BaseModelOutputWithPast(hidden[None])))
+            setattr(self.hf, self._base_name, _FixedOutput(_HiddenOnly(hidden[None])))
             try:
-                out = self.hf(input_ids=None, use_cache=False, output_router_logits=False)
+                # inputs_embeds only gives the forward the row count; the stand-in ignores it.
+                out = self.hf(
+                    inputs_embeds=hidden[None], use_cache=False, output_router_logits=False
+                )
             finally:
                 setattr(self.hf, self._base_name, decoder)
         logits: torch.Tensor = out.logits[0]
@@ -162,11 +163,28 @@ class TransformersCausalLM(nn.Module):
 
     def enable_lora(self, step: object) -> dict[str, Any]:
         raise AdapterError(
-            f"LoRA adapters are not supported by the transformers fallback ({self.path.architecture})"
+            "LoRA adapters are not supported by the transformers fallback "
+            f"({self.path.architecture})"
         )
 
     def forget_requests(self) -> None:
         self._caches.clear()
+
+
+class _HiddenOnly:
+    """A decoder output holding only ``last_hidden_state`` (also item 0); every other field
+    (cache, router logits, attentions...) reads as None."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index != 0:
+            raise IndexError(index)
+        return self.last_hidden_state
+
+    def __getattr__(self, name: str) -> None:
+        return None
 
 
 class _FixedOutput(nn.Module):
@@ -178,6 +196,25 @@ class _FixedOutput(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.output
+
+
+def _decoder_attribute(hf: Any) -> str:
+    """The name under which ``hf`` holds its decoder (``model``, ``transformer``,
+    ``gpt_neox``...; ``base_model_prefix`` is not always it: Llama-4 text)."""
+    from transformers import PreTrainedModel
+
+    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
+    children = dict(hf.named_children())
+    for name, child in children.items():
+        if child is decoder:
+            return str(name)
+    for name in (str(hf.base_model_prefix), "model", "transformer"):
+        if isinstance(children.get(name), nn.Module):
+            return name
+    models = [name for name, child in children.items() if isinstance(child, PreTrainedModel)]
+    if len(models) != 1:
+        raise TypeError(f"cannot find the decoder of {type(hf).__name__}")
+    return str(models[0])
 
 
 # ---------------------------------------------------------------------- loading
@@ -265,7 +302,7 @@ def probe_geometry(hf: Any, device: torch.device) -> CacheGeometry:
         hf.set_attn_implementation(_PROBE_NAME)
         with torch.inference_mode():
             ids = torch.tensor([[1, 2]], device=device)
-            getattr(hf, hf.base_model_prefix)(input_ids=ids, use_cache=False)
+            getattr(hf, _decoder_attribute(hf))(input_ids=ids, use_cache=False)
     finally:
         hf.set_attn_implementation(previous)
     if not seen:

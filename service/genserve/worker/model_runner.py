@@ -132,7 +132,7 @@ class ModelRunner:
         self.parallel = parallel or ParallelContext.single()
         # Native when genserve implements the architecture, else transformers' own modeling
         # code with the paged cache (model/serving_path.py, model/transformers_backend.py).
-        self.serving = choose_serving_path(model.local_dir, trust_remote_code)
+        self.serving = choose_serving_path(model.local_dir, trust_remote_code, model.model_impl)
         if not self.serving.is_native:
             self._init_fallback(model, trust_remote_code)
             return
