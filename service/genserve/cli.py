@@ -92,9 +92,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         trust_remote_code=config.trust_remote_code,
     )
     # Native or the transformers fallback; the fallback switches off what it cannot do.
-    serving = choose_serving_path(
-        resolved.local_dir, config.trust_remote_code, config.model_impl
-    )
+    serving = choose_serving_path(resolved.local_dir, config.trust_remote_code, config.model_impl)
     log.info(
         "serving_path",
         architecture=serving.architecture,

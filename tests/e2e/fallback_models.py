@@ -133,6 +133,18 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": 3.0,
     },
     "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
+    "gemma": {"head_dim": 16},
+    "ministral3": {"sliding_window": WINDOW},
+    # Qwen2.5 with YaRN: the native Qwen2 has no YaRN rope, so it takes the fallback.
+    "qwen2": {
+        "attention_bias": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    },
 }
 
 

@@ -65,6 +65,7 @@ def choose_serving_path(
     try:
         if model_impl == "auto":
             native = ModelConfig.from_pretrained(model_dir, trust_remote_code)
+            _check_native_build(native)
             return ServingPath(native.architecture, NATIVE, "implemented natively")
     except UnsupportedModelError as exc:
         native_refusal = str(exc)
@@ -94,6 +95,15 @@ def choose_serving_path(
         reason = "attention temperature tuning is computed from the input index"
         return ServingPath(architecture, TRANSFORMERS_SEQUENTIAL, reason)
     return ServingPath(architecture, TRANSFORMERS, f"not native: {native_refusal}")
+
+
+def _check_native_build(config: ModelConfig) -> None:
+    """Raise :class:`UnsupportedModelError` for what ``ModelConfig`` accepts but building the
+    native model would refuse (a rope scaling kind it lacks, e.g. YaRN), so such a model takes
+    the fallback instead of failing at load."""
+    from genserve.model.layers import rope_inv_freq
+
+    rope_inv_freq(config.rope, config.head_dim)
 
 
 def causal_lm_class(hf: Any, model_dir: Path, trust_remote_code: bool) -> type | None:
