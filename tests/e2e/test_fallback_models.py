@@ -105,6 +105,12 @@ def test_fallback_matches_transformers(
 
             with ThreadPoolExecutor(len(prompts)) as pool:
                 served = list(pool.map(call, prompts))
+            # LoRA is off on the fallback: an adapter is refused, not ignored.
+            lora = pb.GenerateParameters(max_new_tokens=2, adapter_id=str(tmp_path / "adapter"))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(pb.GenerateRequest(inputs=["hello"], parameters=lora))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "transformers fallback" in str(refused.value.details())
         server.wait_all_blocks_free()
     path = "transformers-sequential" if model_type in SEQUENTIAL else "transformers"
     assert info.implementation == path
