@@ -315,7 +315,8 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("max_batch_size", "Most requests in the running batch.", _positive_int),
     _flag(
         "chunked_prefill_size",
-        "Most prompt tokens of one request per step. Default: max_batch_prefill_tokens.",
+        "Most prompt tokens of one request per step. Default: max_batch_prefill_tokens on "
+        "CUDA, at most 256 on CPU.",
         _positive_int,
     ),
     _flag("disable_chunked_prefill", "Prefill whole prompts in one step (TGI's policy).", _SWITCH),
@@ -334,7 +335,8 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag(
         "disable_cpu_kernels",
-        "On CPU in half precision: use torch ops instead of genserve's C++ kernels.",
+        "On CPU: use torch ops instead of genserve's C++ kernels (a .gguf model is then "
+        "dequantized unless --quantize asks otherwise).",
         _SWITCH,
     ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),
