@@ -112,12 +112,17 @@ class TransformersCausalLM(nn.Module):
         hidden: torch.Tensor = out[0][0]
         return hidden
 
-    def bind_step(self, rows: list[tuple[str, int, int]], finished: Sequence[str]) -> None:
+    def bind_step(self, rows: list[tuple[str, int, int]]) -> None:
         """Sequential path: ``(req_id, num_tokens, start_pos)`` of each chunk of the next
-        forward, in flat-batch order; ``finished`` requests' caches are dropped."""
-        for req_id in finished:
-            self._caches.pop(req_id, None)
+        forward, in flat-batch order."""
         self._step_rows.rows = rows
+
+    def end_requests(self, req_ids: Sequence[str] | None = None) -> None:
+        """Sequential path: drop the transformers caches of ``req_ids`` (None: all)."""
+        if req_ids is None:
+            self._caches.clear()
+        for req_id in req_ids or ():
+            self._caches.pop(req_id, None)
 
     def _forward_sequential(self, token_ids: torch.Tensor) -> torch.Tensor:
         outs = []
@@ -166,9 +171,6 @@ class TransformersCausalLM(nn.Module):
             "LoRA adapters are not supported by the transformers fallback "
             f"({self.path.architecture})"
         )
-
-    def forget_requests(self) -> None:
-        self._caches.clear()
 
 
 class _HiddenOnly:

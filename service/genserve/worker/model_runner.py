@@ -320,6 +320,8 @@ class ModelRunner:
         )
         self.execute_model(SchedulerOutput(-1, decode))
         self._requests.clear()
+        if self.serving.per_request_state:
+            self.model.end_requests()  # type: ignore[operator]
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
         self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
@@ -348,6 +350,8 @@ class ModelRunner:
         """Run one step as described by :class:`genserve.step.SchedulerOutput`."""
         for req_id in step.finished_req_ids:
             self._requests.pop(req_id, None)
+        if self.serving.per_request_state and step.finished_req_ids:
+            self.model.end_requests(step.finished_req_ids)  # type: ignore[operator]
         for new in step.new_requests:
             if new.adapter is not None:
                 self._ensure_adapter(new.adapter)
@@ -392,7 +396,7 @@ class ModelRunner:
             )
         if self.serving.per_request_state:  # the fallback's per-request caches
             rows = [(c.req_id, len(c.token_ids), c.start_pos) for c in chunks]
-            self.model.bind_step(rows, step.finished_req_ids)  # type: ignore[operator]
+            self.model.bind_step(rows)  # type: ignore[operator]
         hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         return self._finish_step(step, chunks, hidden)
 
@@ -601,6 +605,8 @@ class ModelRunner:
         """Release the KV cache and request state.  Idempotent."""
         self.kv_caches = []
         self._requests.clear()
+        if self.serving.per_request_state:
+            self.model.end_requests()  # type: ignore[operator]
         self.backend = None
 
 
