@@ -105,6 +105,9 @@ def test_fallback_matches_transformers(
 
             with ThreadPoolExecutor(len(prompts)) as pool:
                 served = list(pool.map(call, prompts))
+            # Again, alone: on the paged path its prompt's blocks now come from the prefix
+            # cache, and only the rest is computed.
+            served[-1] = call(prompts[-1])
             # LoRA is off on the fallback: an adapter is refused, not ignored.
             lora = pb.GenerateParameters(max_new_tokens=2, adapter_id=str(tmp_path / "adapter"))
             with pytest.raises(grpc.RpcError) as refused:
@@ -159,3 +162,31 @@ def test_unservable_config_exits_with_message(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "T5Model" in proc.stdout + proc.stderr
     assert "transformers fallback cannot serve" in proc.stdout + proc.stderr
+
+
+def test_fallback_with_speculation(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """n-gram speculation on the paged fallback (Gemma 2: soft-cap and sliding window): the
+    draft tokens are verified as decode rows, and the output is still generate()'s."""
+    model_dir = make_fallback_model(tmp_path / "gemma2", "gemma2", tokenizer_dir, seed=5)
+    # Repetitive prompts, so the n-gram proposer finds drafts.
+    prompts = [" ".join(["the quick brown fox jumps"] * n) for n in (4, 9, 15)]
+    expected = hf_greedy(model_dir, prompts)
+    params = pb.GenerateParameters(
+        max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, details=True
+    )
+    with (
+        inproc_server(model_dir, *SERVER_ARGS, "--speculate", "2") as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        assert stub.Info(pb.InfoRequest()).speculate == 2
+
+        def call(prompt: str) -> pb.GenerateResult:
+            request = pb.GenerateRequest(inputs=[prompt], parameters=params)
+            return stub.Generate(request).results[0]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            served = list(pool.map(call, prompts))
+    for result, (ids, logprobs) in zip(served, expected, strict=True):
+        assert [t.id for t in result.details.tokens] == ids
+        assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
