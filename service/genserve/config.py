@@ -4,6 +4,10 @@ This is the only module that reads the process environment.  Every option is a f
 environment variable is the flag's name in upper snake case (``--max-total-tokens`` ↔
 ``MAX_TOTAL_TOKENS``), as in ``text-generation-launcher``; a flag on the command line wins over
 the environment.
+
+Longer than ~500 lines on purpose: it is one table (the ``Config`` fields and the flag of
+each, with its help text), and keeping every option in one place is what lets the docs'
+flag reference be generated from it and a reader find any flag with one search.
 """
 
 from __future__ import annotations
