@@ -32,10 +32,10 @@ from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
-from genserve.fallback_options import disabled_features, restrict_for_fallback
 from genserve.limits import LimitsError, ServingLimits, derive_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
+from genserve.model.fallback_options import disabled_features, restrict_for_fallback
 from genserve.model.quantization import MethodChoice, choose_method
 from genserve.model.serving_path import choose_serving_path
 from genserve.server.app import GrpcApp
@@ -69,7 +69,7 @@ class Loaded:
     info: pb.InfoResponse
     chat: ChatRenderer
     grammars: GrammarCompiler | None = None
-    # The launcher's config as the model path allows it (genserve.fallback_options).
+    # The launcher's config as the model path allows it (genserve.model.fallback_options).
     config: Config | None = None
 
 

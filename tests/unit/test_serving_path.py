@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from genserve.config import load_config
-from genserve.fallback_options import disabled_features, restrict_for_fallback
 from genserve.model.config import UnsupportedModelError
+from genserve.model.fallback_options import disabled_features, restrict_for_fallback
 from genserve.model.serving_path import (
     NATIVE,
     TRANSFORMERS,

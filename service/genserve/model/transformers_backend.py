@@ -17,7 +17,7 @@ flat batch and ``model.compute_logits(hidden_rows)`` on the rows it samples or s
   transformers cache (created by the model on the request's first chunk, dropped when it
   ends), one request after another.  The runner tells the model which request each chunk
   is (:meth:`TransformersCausalLM.bind_step`).  Slower; prefix caching and speculation are
-  off (``genserve.fallback_options``), and the paged pool is sized but never touched.
+  off (``genserve.model.fallback_options``), and the paged pool is sized but never touched.
 
 Logits: the ``*ForCausalLM`` forward itself, with its decoder swapped for one that returns
 the given hidden states, so the model's own head and its post-processing (Gemma 2's final

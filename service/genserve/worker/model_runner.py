@@ -174,7 +174,7 @@ class ModelRunner:
 
     def _init_fallback(self, model: ResolvedModel, trust_remote_code: bool) -> None:
         """The transformers fallback: what it cannot do was switched off before (the
-        launcher, genserve.fallback_options); here it is refused if asked anyway."""
+        launcher, genserve.model.fallback_options); here it is refused if asked anyway."""
         from genserve.model.transformers_backend import load_transformers_model
 
         if model.rope_scaling is not None or model.rope_factor is not None:
