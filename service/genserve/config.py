@@ -54,7 +54,7 @@ class Config:
     quantize: str | None = None  # issue #14: int8 | int4 | gguf (eetq: int8), weight-only
     model_impl: str = "auto"  # issue #25: auto | transformers (model/serving_path.py)
     max_stop_sequences: int = 4
-    max_top_n_tokens: int = 5
+    max_top_n_tokens: int = 20  # OpenAI's top_logprobs allows 20
     max_input_tokens: int | None = None
     max_total_tokens: int | None = None
     max_batch_prefill_tokens: int | None = None
@@ -68,9 +68,11 @@ class Config:
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
     disable_grammar_support: bool = False
+    overlap_scheduling: bool = False  # issue #29: stream step n while step n + 1 runs
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
+    deterministic: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
     cuda_graphs: tuple[int, ...] | None = None  # None: default buckets; (): disabled (#12)
@@ -93,6 +95,10 @@ class Config:
     chat_template: str | None = None
     tokenizer_config_path: Path | None = None
     served_model_name: str | None = None
+    # Issue #27: tool-call and reasoning formats of Chat replies (server/tool_calls/,
+    # server/reasoning.py); None: the template's tool format (else Hermes), no reasoning split.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # Deployment: authentication, TLS, transport limits (server/security.py, server/app.py).
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
     api_key_exempt: tuple[str, ...] = DEFAULT_API_KEY_EXEMPT
@@ -151,9 +157,20 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
-    from genserve.worker.cuda_graphs import parse_batch_sizes
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` → ``(1, 2, 4, 8)`` (sorted, unique); ``"0"`` → ``()`` (graphs off)."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"expected comma-separated batch sizes or 0, got {text!r}") from None
+    if values == [0]:
+        return ()
+    if not values or values[0] < 1:
+        raise ValueError(f"batch sizes must be positive (or a single 0 to disable), got {text!r}")
+    return tuple(values)
 
+
+def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
     try:
         return parse_batch_sizes(text)
     except ValueError as exc:
@@ -281,6 +298,13 @@ FLAGS: tuple[_Flag, ...] = (
         "Refuse GenerateParameters.grammar (structured output) with UNIMPLEMENTED.",
         _SWITCH,
     ),
+    _flag(
+        "overlap_scheduling",
+        "Stream a step's tokens (detokenise, check stop strings, send) while the next step "
+        "runs; a stop string then ends its request one step later and the extra token is "
+        "dropped, so outputs are unchanged.",
+        _SWITCH,
+    ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),
     _flag("max_top_n_tokens", "Largest top_n_tokens per request.", int),
     _flag(
@@ -343,6 +367,13 @@ FLAGS: tuple[_Flag, ...] = (
         "dequantized unless --quantize asks otherwise).",
         _SWITCH,
     ),
+    _flag(
+        "deterministic",
+        "Batch-invariant kernels (CPU): greedy and seeded output, tokens and logprobs, "
+        "independent of what else is batched, the prefill chunk size and prefix-cache hits, "
+        "in every dtype. Costs speed (docs/operations/first-start.md).",
+        _SWITCH,
+    ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),
     _flag("cuda_memory_fraction", "Share of GPU memory genserve may use.", _fraction),
     _flag(
@@ -393,6 +424,17 @@ FLAGS: tuple[_Flag, ...] = (
         "tokenizer_config_path",
         "A tokenizer_config.json whose chat_template is used (TGI's flag).",
         Path,
+    ),
+    _flag(
+        "tool_call_parser",
+        "Format tool calls are parsed from in Chat replies (SGLang/vLLM names). Default: the "
+        "chat template's, else hermes (the server then writes the tools in the prompt).",
+        choices=("hermes", "llama3", "llama3_json", "mistral", "qwen", "qwen25", "qwen3"),
+    ),
+    _flag(
+        "reasoning_parser",
+        "Split <think>...</think> out of Chat replies into reasoning_content (SGLang/vLLM).",
+        choices=("deepseek-r1", "deepseek_r1", "qwen3"),
     ),
     _flag(
         "served_model_name",

@@ -185,6 +185,7 @@ class ShardSettings:
     trust_remote_code: bool
     kernel_cache_dir: Path  # where the CPU kernels are built (shared by the ranks)
     cpu_kernels: bool  # False: --disable-cpu-kernels
+    deterministic: bool = False  # --deterministic: batch-invariant kernels on every rank
 
 
 def launch_sharded_runner(
@@ -217,6 +218,7 @@ def launch_sharded_runner(
         trust_remote_code=settings.trust_remote_code,
         kernel_cache_dir=str(settings.kernel_cache_dir),
         cpu_kernels=settings.cpu_kernels,
+        deterministic=settings.deterministic,
         rope_scaling=model.rope_scaling,
         rope_factor=model.rope_factor,
         quantize=model.quantize,
