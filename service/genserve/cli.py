@@ -35,7 +35,9 @@ from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
 from genserve.limits import LimitsError, ServingLimits, derive_limits, token_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
-from genserve.model.quantization import choose_method
+from genserve.model.fallback_options import disabled_features, restrict_for_fallback
+from genserve.model.quantization import MethodChoice, choose_method
+from genserve.model.serving_path import choose_serving_path
 from genserve.server.app import GrpcApp
 from genserve.server.chat_reply import ChatFeatures, system_fingerprint
 from genserve.server.conversion.limits import Limits
@@ -72,6 +74,8 @@ class Loaded:
     chat: ChatRenderer
     grammars: GrammarCompiler | None = None
     chat_features: ChatFeatures | None = None
+    # The launcher's config as the model path allows it (genserve.model.fallback_options).
+    config: Config | None = None
 
 
 def chat_features(config: Config, template: str | None, info: pb.InfoResponse) -> ChatFeatures:
@@ -110,6 +114,15 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
+    # Native or the transformers fallback; the fallback switches off what it cannot do.
+    serving = choose_serving_path(resolved.local_dir, config.trust_remote_code, config.model_impl)
+    log.info(
+        "serving_path",
+        architecture=serving.architecture,
+        implementation=serving.implementation,
+        reason=serving.reason,
+    )
+    config = restrict_for_fallback(config, serving)
     # Before any weight is read: a directory without a tokenizer fails in a second.
     tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
     cpu_kernels.configure(
@@ -129,6 +142,8 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         from_gguf=resolved.gguf_file is not None,
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
+    if not serving.is_native and quantize.method is not None:
+        quantize = MethodChoice(None, "the transformers fallback serves the model's own weights")
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
     int_dot.configure(config.cpu_int_dot)
     if quantize.method is not None and not on_cuda:
@@ -146,6 +161,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         rope_scaling=config.rope_scaling,
         rope_factor=config.rope_factor,
         quantize=quantize.method,
+        model_impl=config.model_impl,
     )
     num_gpus = torch.cuda.device_count() if on_cuda else 0
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
@@ -279,6 +295,9 @@ def _size_and_warm_up(
         max_active_adapters=config.max_active_adapters,
         max_loras_per_batch=config.max_loras_per_batch or config.max_active_adapters,
         default_adapter_id=config.adapter_id or "",
+        architecture=runner.serving.architecture,
+        implementation=runner.serving.implementation,
+        disabled_features=list(disabled_features(runner.serving)),
         fill_in_middle=tokenizer.fim_tokens is not None,
     )
     features = chat_features(config, chat.template, info)
@@ -298,6 +317,7 @@ def _size_and_warm_up(
         info=info,
         chat=chat,
         grammars=grammars,
+        config=config,
         chat_features=features,
     )
 
@@ -425,7 +445,7 @@ class Service:
         """Raises what loading raised (LimitsError, FileNotFoundError, ...)."""
         assert self._loading is not None, "start() first"
         loaded = await self._loading
-        config = self.config
+        config = loaded.config if loaded.config is not None else self.config
         engine = AsyncEngine(
             _scheduler(config, loaded.limits),
             loaded.runner,

@@ -53,6 +53,7 @@ class Config:
     rope_scaling: str | None = None  # issue #15: linear | dynamic (TGI's --rope-scaling)
     rope_factor: float | None = None
     quantize: str | None = None  # issue #14: int8 | int4 | gguf (eetq: int8), weight-only
+    model_impl: str = "auto"  # issue #25: auto | transformers (model/serving_path.py)
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 20  # OpenAI's top_logprobs allows 20
     max_input_tokens: int | None = None
@@ -286,6 +287,13 @@ FLAGS: tuple[_Flag, ...] = (
         "(keep a .gguf model's Q8_0/Q4_0/Q4_1 blocks), or none (all in --dtype). Activations "
         "stay in --dtype. Default: gguf for a .gguf model on CPU, none otherwise.",
         choices=("int8", "int4", "gguf", "eetq", "none"),
+    ),
+    _flag(
+        "model_impl",
+        "auto: genserve's native model where the architecture has one, else transformers' "
+        "modeling code with genserve's paged KV cache (docs/models/fallback.md); "
+        "transformers: that fallback for every architecture (vLLM's --model-impl).",
+        choices=("auto", "transformers"),
     ),
     _flag(
         "disable_grammar_support",

@@ -84,3 +84,9 @@ def test_prompt_logprobs_match_transformers(
     assert not prefill[0].HasField("logprob")
     expected = [logprobs[i - 1, ids[0, i]].item() for i in range(1, ids.shape[1])]
     assert [t.logprob for t in prefill[1:]] == pytest.approx(expected, abs=1e-3)
+
+
+def test_info_names_the_native_path(stub: pb_grpc.TextGenerationServiceStub) -> None:
+    info = stub.Info(pb.InfoRequest())
+    assert (info.architecture, info.implementation) == ("LlamaForCausalLM", "native")
+    assert list(info.disabled_features) == []

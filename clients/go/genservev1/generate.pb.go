@@ -1230,9 +1230,18 @@ type InfoResponse struct {
 	// Issue #27: the reasoning format split into reasoning_content (--reasoning-parser).
 	ReasoningParser string `protobuf:"bytes,42,opt,name=reasoning_parser,json=reasoningParser,proto3" json:"reasoning_parser,omitempty"`
 	// Issue #27: whether the tokenizer has fill-in-the-middle tokens (`suffix` is served).
-	FillInMiddle  bool `protobuf:"varint,43,opt,name=fill_in_middle,json=fillInMiddle,proto3" json:"fill_in_middle,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	FillInMiddle bool `protobuf:"varint,43,opt,name=fill_in_middle,json=fillInMiddle,proto3" json:"fill_in_middle,omitempty"`
+	// The architecture served (config.json `architectures`, e.g. "Gemma2ForCausalLM").
+	Architecture string `protobuf:"bytes,44,opt,name=architecture,proto3" json:"architecture,omitempty"`
+	// How it runs: "native" (genserve's own layers), "transformers" (transformers' modeling
+	// code with genserve's paged KV cache and continuous batching) or "transformers-sequential"
+	// (recurrent/hybrid layers: one sequence at a time with transformers' own cache).
+	Implementation string `protobuf:"bytes,45,opt,name=implementation,proto3" json:"implementation,omitempty"`
+	// Features the implementation cannot serve, switched off at start-up, as
+	// "feature: reason" (e.g. "lora: adapters attach to genserve's native layers").
+	DisabledFeatures []string `protobuf:"bytes,46,rep,name=disabled_features,json=disabledFeatures,proto3" json:"disabled_features,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1501,6 +1510,27 @@ func (x *InfoResponse) GetFillInMiddle() bool {
 		return x.FillInMiddle
 	}
 	return false
+}
+
+func (x *InfoResponse) GetArchitecture() string {
+	if x != nil {
+		return x.Architecture
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetImplementation() string {
+	if x != nil {
+		return x.Implementation
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetDisabledFeatures() []string {
+	if x != nil {
+		return x.DisabledFeatures
+	}
+	return nil
 }
 
 type TokenizeRequest struct {
@@ -3357,8 +3387,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xf1\n" +
-	"\n" +
+	"\vInfoRequest\"\xea\v\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -3397,7 +3426,10 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x12model_weight_bytes\x18( \x01(\x04R\x10modelWeightBytes\x12(\n" +
 	"\x10tool_call_parser\x18) \x01(\tR\x0etoolCallParser\x12)\n" +
 	"\x10reasoning_parser\x18* \x01(\tR\x0freasoningParser\x12$\n" +
-	"\x0efill_in_middle\x18+ \x01(\bR\ffillInMiddle\"s\n" +
+	"\x0efill_in_middle\x18+ \x01(\bR\ffillInMiddle\x12\"\n" +
+	"\farchitecture\x18, \x01(\tR\farchitecture\x12&\n" +
+	"\x0eimplementation\x18- \x01(\tR\x0eimplementation\x12+\n" +
+	"\x11disabled_features\x18. \x03(\tR\x10disabledFeatures\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +

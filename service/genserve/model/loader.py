@@ -63,6 +63,9 @@ class ResolvedModel:
     # quantized blocks), and the --quantize method (None: the model dtype).
     gguf_file: Path | None = None
     quantize: str | None = None
+    # "auto": native where implemented, else the transformers fallback; "transformers":
+    # the fallback even for a native architecture (comparisons, a native bug's workaround).
+    model_impl: str = "auto"
 
 
 def default_gguf_path() -> Path:

@@ -24,12 +24,13 @@ import structlog
 import torch
 
 from genserve.model import rope_scaling
-from genserve.model.attention import AttentionBackend, select_backend
-from genserve.model.config import ModelConfig
+from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
+from genserve.model.config import ModelConfig, UnsupportedModelError
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.quantize_model import model_weight_bytes
 from genserve.model.registry import build_model
+from genserve.model.serving_path import choose_serving_path
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
 from genserve.step import (
@@ -97,6 +98,13 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()
         self.parallel = parallel or ParallelContext.single()
+        self.io = DeviceIO(device, explicit=explicit_transfers)
+        # Native when genserve implements the architecture, else transformers' own modeling
+        # code with the paged cache (model/serving_path.py, model/transformers_backend.py).
+        self.serving = choose_serving_path(model.local_dir, trust_remote_code, model.model_impl)
+        if not self.serving.is_native:
+            self._init_fallback(model, trust_remote_code)
+            return
         self.config = ModelConfig.from_pretrained(model.local_dir, trust_remote_code)
         if model.rope_scaling is not None or model.rope_factor is not None:
             self.config = dataclasses.replace(
@@ -131,10 +139,37 @@ class ModelRunner:
             with torch.inference_mode():
                 self.model.pack_weights()
         self.model.eval()
-        self.io = DeviceIO(device, explicit=explicit_transfers)
-        self.sampler = Sampler(device, self.io)
+        self._init_state(model)
+
+    def _init_fallback(self, model: ResolvedModel, trust_remote_code: bool) -> None:
+        """The transformers fallback: what it cannot do was switched off before (the
+        launcher, genserve.model.fallback_options); here it is refused if asked anyway."""
+        from genserve.model.transformers_backend import load_transformers_model
+
+        if model.rope_scaling is not None or model.rope_factor is not None:
+            raise UnsupportedModelError(
+                "--rope-scaling/--rope-factor apply to natively served models only; "
+                f"{self.serving.architecture} runs through the transformers fallback"
+            )
+        if model.quantize:
+            raise UnsupportedModelError(
+                f"--quantize {model.quantize} applies to natively served models only; "
+                f"{self.serving.architecture} runs through the transformers fallback"
+            )
+        if self.parallel.world_size > 1:
+            raise UnsupportedModelError("the transformers fallback runs on one shard only")
+        with torch.inference_mode():
+            self.model, self.config = load_transformers_model(  # type: ignore[assignment]
+                model.local_dir, self.serving, self.dtype, self.device, trust_remote_code
+            )
+        self.quantization = None
+        self._init_state(model)
+
+    def _init_state(self, model: ResolvedModel) -> None:
+        """Sampler, request and LoRA state (either model path), then the load log line."""
+        self.sampler = Sampler(self.device, self.io)
         self._requests: dict[str, RequestState] = {}
-        self._penalties = PenaltyCounts(self.config.vocab_size, device, self.io)
+        self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
         # LoRA: hooks are attached on the first adapter request, so base-only serving pays
         # nothing; _slot_ids says which adapter each slot holds now.
         self._lora_step = StepAdapters()
@@ -154,8 +189,9 @@ class ModelRunner:
             "model_loaded",
             model_id=model.model_id,
             architecture=self.config.architecture,
-            dtype=str(dtype).removeprefix("torch."),
-            device=str(device),
+            implementation=self.serving.implementation,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
             rank=self.parallel.rank,
             world_size=self.parallel.world_size,
         )
@@ -196,6 +232,13 @@ class ModelRunner:
         self.backend = select_backend(
             self.device, block_size, self.dtype, head_dim=self.config.head_dim
         )
+        if not self.serving.is_native and not isinstance(self.backend, TorchPagedAttention):
+            from genserve.kernels import cpu as cpu_kernels
+
+            # The fallback's attention reads TorchAttentionMetadata (and its cache layout).
+            self.backend = TorchPagedAttention(
+                self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
+            )
         shape = self.backend.kv_cache_shape(
             num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
         )
@@ -247,6 +290,8 @@ class ModelRunner:
         )
         self.execute_model(SchedulerOutput(-1, decode))
         self._requests.clear()
+        if self.serving.per_request_state:
+            self.model.end_requests()  # type: ignore[operator]
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
@@ -262,6 +307,9 @@ class ModelRunner:
         """Capture decode steps of ``sizes`` rows as CUDA graphs in :meth:`warmup`; call
         before sizing the KV cache, whose budget then leaves room for the graphs (measured by
         a trial capture).  No-op on CPU or without the Triton decode kernel (logged)."""
+        if not self.serving.is_native:
+            log.info("cuda_graphs_off", reason="the transformers fallback runs eagerly")
+            return
         target = GraphTarget(
             self.model,
             self.device,
@@ -285,6 +333,8 @@ class ModelRunner:
         for req_id in step.finished_req_ids:
             self._requests.pop(req_id, None)
             self._penalties.remove(req_id)
+        if self.serving.per_request_state and step.finished_req_ids:
+            self.model.end_requests(step.finished_req_ids)  # type: ignore[operator]
         for new in step.new_requests:
             if new.adapter is not None:
                 self._ensure_adapter(new.adapter)
@@ -312,6 +362,9 @@ class ModelRunner:
                     [s for c, s in zip(plan.chunks, slots, strict=True) for _ in c.token_ids],
                     self.device,
                 )
+            if self.serving.per_request_state:  # the fallback's per-request caches
+                rows = [(c.req_id, len(c.token_ids), c.start_pos) for c in plan.chunks]
+                self.model.bind_step(rows)  # type: ignore[operator]
             hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [tokens, hidden]
         return self._finish_step(step, plan, hidden)
 
@@ -430,6 +483,8 @@ class ModelRunner:
         self._graph_plan = None
         self.kv_caches = []
         self._requests.clear()
+        if self.serving.per_request_state:
+            self.model.end_requests()  # type: ignore[operator]
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
         self.backend = None
         if self.device.type == "cuda":
