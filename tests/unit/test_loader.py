@@ -15,6 +15,7 @@ from genserve.config import load_config
 from genserve.model import conversion
 from genserve.model.config import ModelConfig, UnsupportedModelError
 from genserve.model.loader import DEFAULT_GGUF_NAME, ModelNotFoundError, resolve_model
+from genserve.model.weight_files import has_weights, weight_files
 from genserve.model.weights import MissingWeightError, SafetensorsWeights
 from tests.conftest import TinyModelFactory
 
@@ -168,3 +169,21 @@ def test_config_parsing(tmp_path: Path, tiny_model_factory: TinyModelFactory) ->
     (tmp_path / "config.json").write_text(__import__("json").dumps(legacy))
     with pytest.raises(UnsupportedModelError, match="not supported"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_only_the_models_own_safetensors_are_weights(
+    tiny_model_factory: TinyModelFactory, tmp_path: Path
+) -> None:
+    # Caches and foreign files beside the weights are never read as the model's tensors.
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_factory("llama"), model_dir)
+    (model_dir / "gguf-blocks-0123456789abcdef.safetensors").write_bytes(b'{},"__metadata__":{}}')
+    (model_dir / "adapter.safetensors").write_bytes(b"junk")
+    assert weight_files(model_dir) == ["model.safetensors"]
+    with SafetensorsWeights(model_dir) as weights:
+        assert weights.has("model.embed_tokens.weight")
+    # Without model*.safetensors or an index, a directory holds no weights.
+    (model_dir / "model.safetensors").unlink()
+    assert not has_weights(model_dir)
+    with pytest.raises(ModelNotFoundError, match="no model weights"):
+        resolve_model(str(model_dir), cache_dir=tmp_path / "cache")

@@ -21,6 +21,7 @@ from pathlib import Path
 import structlog
 
 from genserve.model.conversion import convert_gguf, convert_pytorch_bin, file_digest
+from genserve.model.weight_files import has_weights
 
 log = structlog.get_logger("genserve.model")
 
@@ -125,7 +126,7 @@ def _gguf_source(model_dir: Path, usable: Path) -> Path | None:
 
 def _usable_dir(model_dir: Path, cache: Path, trust_remote_code: bool) -> Path:
     """``model_dir`` itself when it has safetensors; otherwise its converted copy."""
-    if any(model_dir.glob("*.safetensors")):
+    if has_weights(model_dir):
         if not (model_dir / "config.json").is_file():
             raise ModelNotFoundError(f"{model_dir} has safetensors but no config.json")
         return model_dir

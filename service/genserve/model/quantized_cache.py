@@ -40,8 +40,11 @@ def load_or_build(
         except Exception as exc:  # any damage (safetensors raises its own type): rebuild it
             log.warning("gguf_block_cache_unreadable", path=str(path), error=str(exc))
     tensors = build()
-    with contextlib.suppress(OSError):  # a read-only cache only costs the next start time
-        _write(path, tensors)
+    # Nothing to keep (a file with no Q8_0/Q4 matrix): no file.  safetensors writes an empty
+    # dict as a file its own reader refuses, and there is nothing to gain from one.
+    if tensors:
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next start time
+            _write(path, tensors)
     return tensors
 
 
