@@ -489,7 +489,12 @@ async def _exit_after_shard_failure(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = load_config(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["cache"]:  # genserve cache list|prune: no server, no torch
+        from genserve.cache_cli import main as cache_main
+
+        sys.exit(cache_main(args[1:]))
+    config = load_config(args)
     configure_logging(config.json_output)
     if config.env:
         log.info("runtime_environment", **runtime_environment())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from genserve.config import load_config
-from genserve.model import conversion
+from genserve.model import model_cache
 from genserve.model.config import ModelConfig, UnsupportedModelError
 from genserve.model.loader import DEFAULT_GGUF_NAME, ModelNotFoundError, resolve_model
 from genserve.model.weight_files import has_weights, weight_files
@@ -33,6 +33,7 @@ def test_embedded_default_is_converted_once_and_cached() -> None:
     assert resolved.model_id == DEFAULT_GGUF_NAME
     assert resolved.revision is not None and resolved.revision.startswith("sha256:")
     assert resolved.local_dir.parent == cache
+    assert resolved.local_dir.name.startswith("gguf-")  # keyed by content, not file name
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (resolved.local_dir / name).is_file()
     config = ModelConfig.from_pretrained(resolved.local_dir)
@@ -106,7 +107,7 @@ def test_concurrent_conversions_convert_once(tmp_path: Path) -> None:
     results: list[Path] = []
     threads = [
         threading.Thread(
-            target=lambda: results.append(conversion._convert_once(target, slow_convert, "src"))
+            target=lambda: results.append(model_cache.build_once(target, slow_convert, "src"))
         )
         for _ in range(3)
     ]
@@ -115,8 +116,8 @@ def test_concurrent_conversions_convert_once(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert results == [target] * 3 and len(calls) == 1
-    # Only the finished directory and the lock file remain: no temporary leftovers.
-    assert sorted(p.name for p in target.parent.iterdir()) == [".model-abc.lock", "model-abc"]
+    # Only the finished directory remains: no temporary directory, no lock file.
+    assert _leftovers(target.parent) == ["model-abc"]
 
 
 def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
@@ -126,9 +127,18 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
 
     target = tmp_path / "model-x"
     with pytest.raises(RuntimeError, match="disk full"):
-        conversion._convert_once(target, broken, "src")
+        model_cache.build_once(target, broken, "src")
     assert not target.exists()
-    assert [p.name for p in tmp_path.iterdir()] == [".model-x.lock"]
+    assert _leftovers(tmp_path) == []
+
+
+def _leftovers(cache: Path) -> list[str]:
+    """Every file or directory in ``cache`` but the (empty) bookkeeping directories."""
+    return sorted(
+        str(p.relative_to(cache))
+        for p in cache.rglob("*")
+        if (p.parent == cache and not p.name.startswith(".")) or p.parent.name in (".tmp", ".locks")
+    )
 
 
 def test_weight_slices(tiny_model_factory: TinyModelFactory) -> None:

@@ -2,27 +2,23 @@
 into a cached safetensors directory.
 
 Transformers does the reading (and for GGUF the dequantization); the result is saved with
-``save_pretrained`` as float32 safetensors plus the tokenizer, under
-``cache_dir/<name>-<digest>/``.  Two processes may convert the same file at once: each works
-in a private temporary directory, a file lock makes the second wait for the first, and the
-finished directory appears with one atomic rename, so a directory under its final name is
-always complete.
+``save_pretrained`` as float32 safetensors plus the tokenizer, as an entry of genserve's model
+cache keyed by the source's content (``model_cache``: one entry per GGUF digest, built once
+even by concurrent starts, interrupted builds cleaned up).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
 from tqdm import tqdm
+
+from genserve.model import model_cache
 
 log = structlog.get_logger("genserve.model")
 
@@ -34,7 +30,7 @@ def file_digest(path: Path, cache_dir: Path) -> str:
     that later starts do not re-read a multi-gigabyte file."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    memo = cache_dir / ".digests" / f"{key.hexdigest()[:32]}.txt"
+    memo = model_cache.digest_memo_dir(cache_dir) / f"{key.hexdigest()[:32]}.txt"
     with contextlib.suppress(OSError):
         return memo.read_text().strip()
     digest = hashlib.sha256()
@@ -58,57 +54,26 @@ def dir_fingerprint(model_dir: Path) -> str:
     return hashlib.sha256(json.dumps([str(model_dir.resolve()), entries]).encode()).hexdigest()
 
 
-def converted_dir(cache_dir: Path, name: str, digest: str) -> Path:
-    return cache_dir / f"{name}-{digest[:16]}"
-
-
 def convert_gguf(gguf_file: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:
-    """Dequantize ``gguf_file`` into a safetensors directory (once); return its path."""
-    target = converted_dir(cache_dir, gguf_file.stem, file_digest(gguf_file, cache_dir))
-    return _convert_once(
-        target,
+    """The cache entry of ``gguf_file``'s content (built once, whatever the file is called)."""
+    entry = model_cache.gguf_entry(cache_dir, file_digest(gguf_file, cache_dir))
+    return model_cache.build_once(
+        entry,
         lambda out: _save_converted(
             gguf_file.parent, out, trust_remote_code, gguf_file=gguf_file.name
         ),
-        source=str(gguf_file),
+        source=str(gguf_file.resolve()),
     )
 
 
 def convert_pytorch_bin(model_dir: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:
     """Re-save a ``pytorch_model*.bin`` checkpoint directory as safetensors (once)."""
-    target = converted_dir(cache_dir, model_dir.name or "model", dir_fingerprint(model_dir))
-    return _convert_once(
-        target,
+    entry = model_cache.bin_entry(cache_dir, dir_fingerprint(model_dir))
+    return model_cache.build_once(
+        entry,
         lambda out: _save_converted(model_dir, out, trust_remote_code, gguf_file=None),
-        source=str(model_dir),
+        source=str(model_dir.resolve()),
     )
-
-
-def _convert_once(target: Path, convert: Callable[[Path], None], source: str) -> Path:
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # another process finished while we waited
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
-            log.info("model_conversion_started", source=source, target=str(target))
-            convert(tmp)
-            # mkdtemp creates the directory private; the cache is as shared as its parent.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                # Someone not sharing our lock (another host on a network filesystem) won.
-                if not (target / "config.json").is_file():
-                    raise
-            log.info("model_conversion_done", target=str(target))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _save_converted(
@@ -138,13 +103,3 @@ def _save_converted(
         model.save_pretrained(str(out_dir), safe_serialization=True)
         tokenizer.save_pretrained(str(out_dir))
         bar.update()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

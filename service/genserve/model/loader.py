@@ -14,6 +14,7 @@ Accepted model ids, in the order they are tried:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import structlog
 
 from genserve.model.conversion import convert_gguf, convert_pytorch_bin, file_digest
+from genserve.model.model_cache import clean_interrupted
 from genserve.model.weight_files import has_weights
 
 log = structlog.get_logger("genserve.model")
@@ -93,6 +95,9 @@ def resolve_model(
     Raises :class:`ModelNotFoundError` with an actionable message when nothing is found.
     """
     cache = cache_dir if cache_dir is not None else Path.home() / ".cache" / "genserve" / "models"
+    if cache.is_dir():
+        with contextlib.suppress(OSError):  # best effort: leftovers never stop a start
+            clean_interrupted(cache)
     if model_id is None:
         gguf = default_gguf_path()
         return _from_gguf(gguf, DEFAULT_GGUF_NAME, cache, trust_remote_code)

@@ -575,15 +575,10 @@ def _quantize(model: LlamaForCausalLM, resolved: ResolvedModel) -> QuantizeSumma
                 "--quantize gguf keeps a GGUF file's quantization, but the model was not "
                 "loaded from a .gguf file (use --quantize int8 or int4 for other checkpoints)"
             )
-        from genserve.model.conversion import file_digest
-        from genserve.model.quantized_cache import cache_path, load_or_build
-
-        gguf, config = resolved.gguf_file, model.config
-        digest = file_digest(gguf, resolved.local_dir.parent)
-        tensors = load_or_build(
-            cache_path(resolved.local_dir, digest),
-            lambda: read_gguf_quantized(gguf, config.num_heads, config.num_kv_heads),
-        )
+        # Read from the file itself at every start: a cached copy of the blocks would
+        # duplicate them in the model cache.
+        config = model.config
+        tensors = read_gguf_quantized(resolved.gguf_file, config.num_heads, config.num_kv_heads)
     return quantize_model(model, method, tensors)
 
 
