@@ -3,6 +3,11 @@ one left (converted config/tokenizer, caches), and nothing it left can stop a st
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import grpc
@@ -64,3 +69,40 @@ def test_damaged_cache_file_beside_the_weights_is_not_read(tmp_path: Path) -> No
             (entry / "gguf-blocks-0000000000000000.safetensors").write_bytes(b"\x08\x00garbage")
             (entry / "other.safetensors").write_bytes(b"not safetensors")
     assert _greedy(model, cache) == first
+
+
+_CONVERT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from genserve.logging import configure_logging
+    from genserve.model.loader import resolve_model
+
+    configure_logging(json_output=True)  # what genserve --json-output does first
+    resolve_model(sys.argv[1], cache_dir=Path(sys.argv[2]) / "models")
+    """
+)
+
+
+def test_json_output_is_all_json_during_a_gguf_conversion(tmp_path: Path) -> None:
+    # The start-up step that converts a GGUF genserve has never seen, as genserve runs it
+    # with --json-output (logging configured first), in a process of its own.
+    model = make_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0", seed=6)
+    cache = fresh_cache(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", _CONVERT, str(model), str(cache)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=600,
+    )
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"not a JSON line: {line!r}")
+    names = [e.get("event") for e in events]
+    # The conversion happened in this start, and its progress came as events.
+    assert "model_conversion_started" in names and "model_conversion_done" in names

@@ -1,8 +1,12 @@
-"""One-time conversion of checkpoints the native loader cannot read (GGUF, PyTorch ``.bin``)
-into a cached safetensors directory.
+"""One-time preparation of checkpoints the native loader cannot read as they are, as entries
+of genserve's model cache.
 
-Transformers does the reading (and for GGUF the dequantization); the result is saved with
-``save_pretrained`` as float32 safetensors plus the tokenizer, as an entry of genserve's model
+* GGUF: only its config and tokenizer, read from the file's metadata by transformers, are
+  kept (a few MB); the weights are read from the GGUF file itself at every start.
+* PyTorch ``.bin``: transformers reads it and ``save_pretrained`` writes float32
+  safetensors plus the tokenizer.
+
+Either is kept as an entry of genserve's model
 cache keyed by the source's content (``model_cache``: one entry per GGUF digest, built once
 even by concurrent starts, interrupted builds cleaned up).
 """
@@ -13,11 +17,13 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import structlog
 from tqdm import tqdm
 
+from genserve.logging import progress_bars
 from genserve.model import model_cache
 
 log = structlog.get_logger("genserve.model")
@@ -59,9 +65,7 @@ def convert_gguf(gguf_file: Path, cache_dir: Path, trust_remote_code: bool = Fal
     entry = model_cache.gguf_entry(cache_dir, file_digest(gguf_file, cache_dir))
     return model_cache.build_once(
         entry,
-        lambda out: _save_converted(
-            gguf_file.parent, out, trust_remote_code, gguf_file=gguf_file.name
-        ),
+        lambda out: _save_gguf_metadata(gguf_file, out, trust_remote_code),
         source=str(gguf_file.resolve()),
     )
 
@@ -76,6 +80,76 @@ def convert_pytorch_bin(model_dir: Path, cache_dir: Path, trust_remote_code: boo
     )
 
 
+class _Progress:
+    """Stages of a conversion: a bar on a terminal, otherwise (``--json-output``, a log
+    file) one log event per stage, so every line of output stays a log line."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self._what, self._total, self._done = what, total, 0
+        self._bar = (
+            tqdm(total=total, desc=f"Converting {what}", unit="stage") if progress_bars() else None
+        )
+        self._started = time.monotonic()
+        if self._bar is None:
+            # transformers' own bars (reading GGUF tensors, writing shards) go too.
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+
+    def stage(self, name: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(name)
+        else:
+            log.info(
+                "model_conversion_progress",
+                source=self._what,
+                stage=name,
+                step=self._done + 1,
+                steps=self._total,
+                elapsed_s=round(time.monotonic() - self._started, 2),
+            )
+
+    def advance(self) -> None:
+        self._done += 1
+        if self._bar is not None:
+            self._bar.update()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _save_gguf_metadata(gguf_file: Path, out_dir: Path, trust_remote_code: bool) -> None:
+    """``config.json`` and the tokenizer of ``gguf_file``, from its metadata (transformers
+    reads them without touching a tensor).  No weights: they are read from the GGUF file
+    itself at every start (model/gguf_weights.py), quantized matrices as they are stored."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    src, name = str(gguf_file.parent), gguf_file.name
+    progress = _Progress(2, name)
+    try:
+        progress.stage("reading config")
+        config = AutoConfig.from_pretrained(
+            src, gguf_file=name, trust_remote_code=trust_remote_code
+        )
+        if not getattr(config, "architectures", None):
+            arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+            config.architectures = [arch] if arch else None
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(str(out_dir))
+        progress.advance()
+        progress.stage("reading tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(
+            src, gguf_file=name, trust_remote_code=trust_remote_code
+        )
+        tokenizer.save_pretrained(str(out_dir))
+        progress.advance()
+    finally:
+        progress.close()
+
+
 def _save_converted(
     src_dir: Path, out_dir: Path, trust_remote_code: bool, gguf_file: str | None
 ) -> None:
@@ -83,18 +157,19 @@ def _save_converted(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    with tqdm(total=3, desc=f"Converting {gguf_file or src_dir.name}", unit="stage") as bar:
-        bar.set_postfix_str("reading weights")
+    progress = _Progress(3, gguf_file or src_dir.name)
+    try:
+        progress.stage("reading weights")
         model = AutoModelForCausalLM.from_pretrained(
             str(src_dir), dtype=torch.float32, trust_remote_code=trust_remote_code, **extra
         )
-        bar.update()
-        bar.set_postfix_str("reading tokenizer")
+        progress.advance()
+        progress.stage("reading tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(
             str(src_dir), trust_remote_code=trust_remote_code, **extra
         )
-        bar.update()
-        bar.set_postfix_str("writing safetensors")
+        progress.advance()
+        progress.stage("writing safetensors")
         # A GGUF-loaded model carries a quantizer that refuses serialization although its
         # weights are already plain dequantized tensors; dropping it makes them saveable.
         model.hf_quantizer = None
@@ -102,4 +177,6 @@ def _save_converted(
             del model.config.quantization_config
         model.save_pretrained(str(out_dir), safe_serialization=True)
         tokenizer.save_pretrained(str(out_dir))
-        bar.update()
+        progress.advance()
+    finally:
+        progress.close()

@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from genserve.model.conversion import convert_gguf, convert_pytorch_bin, file_digest
-from genserve.model.model_cache import clean_interrupted
+from genserve.model.model_cache import clean_interrupted, read_record, record_sources
 from genserve.model.weight_files import has_weights
 
 log = structlog.get_logger("genserve.model")
@@ -66,6 +66,20 @@ class ResolvedModel:
     # quantized blocks), and the --quantize method (None: the model dtype).
     gguf_file: Path | None = None
     quantize: str | None = None
+
+
+def transformers_weights_kwargs(model_dir: Path) -> dict[str, str]:
+    """What transformers' ``from_pretrained(model_dir, **kwargs)`` needs to find the weights
+    of a resolved model directory: nothing for a checkpoint directory; for a GGUF cache
+    entry (config and tokenizer only), ``gguf_file=`` the GGUF it was made from (the first of
+    its recorded sources that still exists).  For references (tests, benchmarks):
+    transformers then dequantizes the file itself, as it always did."""
+    if has_weights(model_dir):
+        return {}
+    for source in record_sources(read_record(model_dir)):
+        if source.endswith(".gguf") and Path(source).is_file():
+            return {"gguf_file": source}
+    return {}
 
 
 def default_gguf_path() -> Path:

@@ -155,6 +155,90 @@ def make_tiny_gguf(path: Path, preset: str = "F32", seed: int = 0, **overrides: 
     return write_gguf(path, tensors, config, PRESETS[preset], default_gguf_path())
 
 
+def write_random_q8_0_gguf(path: Path, **config: Any) -> Path:
+    """A Llama-shaped GGUF of random valid Q8_0 blocks (norms F32), written without
+    quantizing anything: for measuring loading at sizes a random float model would take
+    long to make.  ``config`` overrides a small 1B-like shape (4 layers, hidden 1024); the
+    tokenizer is the embedded default model's."""
+    from gguf import GGMLQuantizationType
+
+    from genserve.model.loader import default_gguf_path
+
+    cfg: dict[str, Any] = {
+        "num_hidden_layers": 4,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        **config,
+    }
+    rng = np.random.default_rng(0)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * hidden // cfg["num_attention_heads"]
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], hidden)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.self_attn.q_proj.weight": (hidden, hidden),
+            f"{p}.self_attn.k_proj.weight": (kv, hidden),
+            f"{p}.self_attn.v_proj.weight": (kv, hidden),
+            f"{p}.self_attn.o_proj.weight": (hidden, hidden),
+            f"{p}.mlp.gate_proj.weight": (inter, hidden),
+            f"{p}.mlp.up_proj.weight": (inter, hidden),
+            f"{p}.mlp.down_proj.weight": (hidden, inter),
+        }
+
+    writer_tensors: dict[str, tuple[np.ndarray, Any]] = {}
+    for name, (n, k) in shapes.items():
+        blocks = rng.integers(-127, 128, (n, k // 32, 34), dtype=np.int8).view(np.uint8)
+        scales = rng.uniform(5e-4, 2e-3, (n, k // 32)).astype(np.float16)
+        blocks[..., :2] = scales[..., None].view(np.uint8)
+        writer_tensors[name] = (blocks.reshape(n, -1), GGMLQuantizationType.Q8_0)
+    norms = [
+        f"model.layers.{i}.{n}.weight"
+        for i in range(cfg["num_hidden_layers"])
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ] + ["model.norm.weight"]
+    for name in norms:
+        writer_tensors[name] = (np.ones(hidden, np.float32), GGMLQuantizationType.F32)
+    return _write_raw(path, writer_tensors, cfg, default_gguf_path())
+
+
+def _write_raw(
+    path: Path, tensors: Mapping[str, tuple[np.ndarray, Any]], config: Mapping[str, Any], tok: Path
+) -> Path:
+    """Write already-encoded ``tensors`` (HF names; Q/K blocks taken as already in
+    llama.cpp's row order) with ``config``'s Llama metadata."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    heads = config["num_attention_heads"]
+    head_dim = config["hidden_size"] // heads
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_vocab_size(config["vocab_size"])
+    _copy_tokenizer(writer, tok)
+    for hf, (array, qtype) in tensors.items():
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(hf), array)
+        else:
+            writer.add_tensor(gguf_name(hf), array, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)

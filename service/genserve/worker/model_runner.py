@@ -38,6 +38,7 @@ from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.quantize_model import QuantizeSummary, model_weight_bytes, quantize_model
 from genserve.model.registry import build_model
+from genserve.model.weight_files import has_weights
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
 from genserve.step import (
@@ -137,9 +138,7 @@ class ModelRunner:
             )
         with torch.inference_mode():
             self.model = build_model(self.config, self.parallel, dtype, device)
-            with SafetensorsWeights(model.local_dir) as weights:
-                self.model.load_weights(weights)
-        self.quantization = _quantize(self.model, model) if model.quantize else None
+        self.quantization = _load(self.model, model)
         if self.quantization is not None and device.type != "cpu":
             log.warning(
                 "quantized_weights_without_kernel",
@@ -561,22 +560,43 @@ def _positions(chunks: list[ScheduledChunk], num_single: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def _quantize(model: LlamaForCausalLM, resolved: ResolvedModel) -> QuantizeSummary:
-    """``--quantize``: the model's matrices in the quantized format (model/quantize_model)."""
+def _load(model: LlamaForCausalLM, resolved: ResolvedModel) -> QuantizeSummary | None:
+    """Load ``model``'s weights and apply ``--quantize``; the summary when quantized.
+
+    A GGUF model is read from the file itself (model/gguf_weights.py): with ``--quantize
+    gguf`` its Q8_0/Q4 matrices are handed to the layers first, one module at a time, so
+    those layers never hold (or read) a float copy; everything else is dequantized tensor by
+    tensor.  Other checkpoints load their safetensors, then quantize (int8 / int4)."""
     from genserve.model.quantization import QuantizationError
 
-    method = str(resolved.quantize)
+    method = resolved.quantize
+    if method == "gguf" and resolved.gguf_file is None:
+        raise QuantizationError(
+            "--quantize gguf keeps a GGUF file's quantization, but the model was not "
+            "loaded from a .gguf file (use --quantize int8 or int4 for other checkpoints)"
+        )
+    if resolved.gguf_file is not None and not has_weights(resolved.local_dir):
+        from genserve.model.gguf_weights import GGUFWeights
+
+        config = model.config
+        with GGUFWeights(resolved.gguf_file, config.num_heads, config.num_kv_heads) as gguf:
+            summary = None
+            if method == "gguf":
+                summary = quantize_model(model, method, gguf.quantized_view())
+            with torch.inference_mode():
+                model.load_weights(gguf)
+        if method is not None and method != "gguf":
+            summary = quantize_model(model, method)
+        return summary
+    with torch.inference_mode(), SafetensorsWeights(resolved.local_dir) as weights:
+        model.load_weights(weights)
+    if method is None:
+        return None
     tensors = None
     if method == "gguf":
         from genserve.model.gguf_weights import read_gguf_quantized
 
-        if resolved.gguf_file is None:
-            raise QuantizationError(
-                "--quantize gguf keeps a GGUF file's quantization, but the model was not "
-                "loaded from a .gguf file (use --quantize int8 or int4 for other checkpoints)"
-            )
-        # Read from the file itself at every start: a cached copy of the blocks would
-        # duplicate them in the model cache.
+        assert resolved.gguf_file is not None
         config = model.config
         tensors = read_gguf_quantized(resolved.gguf_file, config.num_heads, config.num_kv_heads)
     return quantize_model(model, method, tensors)
