@@ -1,7 +1,11 @@
 """The ``genserve`` launcher: flags → config → model runner, engine and gRPC server, wired.
 
 The gRPC port opens first, with health NOT_SERVING, so that probes see "loading" rather
-than "connection refused" while the model loads and warms up."""
+than "connection refused" while the model loads and warms up.
+
+Over ~500 lines because it is the wiring: every object the server runs is built here from
+the config (the layers below never read it), so each new capability adds its few lines of
+construction to this one module."""
 
 from __future__ import annotations
 
@@ -24,21 +28,22 @@ from genserve.adapter_metrics import AdapterCollector
 from genserve.chat_template import ChatRenderer, load_template_override
 from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
-from genserve.engine.adapter_manager import start_adapters
+from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
-from genserve.limits import LimitsError, ServingLimits, derive_limits
+from genserve.limits import LimitsError, ServingLimits, derive_limits, token_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.model.quantization import choose_method
 from genserve.server.app import GrpcApp
+from genserve.server.conversion.limits import Limits
 from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
 from genserve.server.observe import RequestObserver
 from genserve.server.security import security_interceptors, server_credentials, server_options
 from genserve.server.servicer import Serving, TextGenerationServicer
-from genserve.server.validation import Limits
+from genserve.stray_output import capture as capture_stray_output
 from genserve.tokenizer import Tokenizer
 from genserve.tracing import configure_tracing, set_propagators
 from genserve.v1 import generate_pb2 as pb
@@ -87,7 +92,13 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
-    cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
+    # Before any weight is read: a directory without a tokenizer fails in a second.
+    tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
+    cpu_kernels.configure(
+        config.genserve_cache / "kernels",
+        not config.disable_cpu_kernels,
+        batch_invariant=config.deterministic,
+    )
     if config.disable_cpu_kernels:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
     on_cuda = torch.cuda.is_available()
@@ -101,6 +112,8 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
+    if config.deterministic:
+        _check_deterministic(device, cpu_kernels.batch_invariant())
     resolved = dataclasses.replace(
         resolved,
         rope_scaling=config.rope_scaling,
@@ -111,9 +124,20 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
     runner: ModelRunner
     if num_shard > 1:
-        from genserve.worker.sharded_runner import launch_sharded_runner
+        from genserve.worker.sharded_runner import ShardSettings, launch_sharded_runner
 
-        runner = launch_sharded_runner(resolved, config, num_shard, dtype_name, on_shard_failure)
+        settings = ShardSettings(
+            master_addr=config.master_addr,
+            master_port=config.master_port,
+            cuda_memory_fraction=config.cuda_memory_fraction,
+            cpu_memory_fraction=config.cpu_memory_fraction,
+            json_output=config.json_output,
+            trust_remote_code=config.trust_remote_code,
+            kernel_cache_dir=config.genserve_cache / "kernels",
+            cpu_kernels=not config.disable_cpu_kernels,
+            deterministic=config.deterministic,
+        )
+        runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:
         runner = ModelRunner(
             resolved,
@@ -123,11 +147,27 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         )
     try:
         return _size_and_warm_up(
-            config, resolved, runner, dtype_name, device, num_shard, chat_template
+            config, resolved, runner, tokenizer, dtype_name, device, num_shard, chat_template
         )
     except BaseException:
         runner.shutdown()  # a sharded runner stops its workers
         raise
+
+
+def _check_deterministic(device: Any, batch_invariant: bool) -> None:
+    """--deterministic is a promise: refuse to start where the batch-invariant kernels do not
+    run, rather than serve output that moves with load."""
+    if device.type != "cpu":
+        raise ValueError(
+            "--deterministic has batch-invariant kernels on CPU only; this server would run "
+            f"on {device.type}, whose matmul and attention kernels change with the batch"
+        )
+    if not batch_invariant:
+        raise ValueError(
+            "--deterministic needs genserve's CPU kernels (drop --disable-cpu-kernels, or see "
+            "the cpu_kernels_unavailable log line for why they did not build)"
+        )
+    log.info("deterministic", detail="batch-invariant kernels: output independent of batching")
 
 
 def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int | None) -> None:
@@ -136,7 +176,10 @@ def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int 
     sizes = config.cuda_graphs
     if sizes is None:
         sizes = default_batch_sizes(config.max_batch_size or config.max_concurrent_requests)
-    max_seq_len = config.max_total_tokens or max_positions or 4096
+    # The block table's width: the longest context a request may reach, i.e. the derived
+    # total-token limit (TGI's min(max_pos, 4096) by default), not max_position_embeddings
+    # (131,072 for Llama-3.1 would mean 8,192 columns and a 16 GiB trial cache).
+    max_seq_len = token_limits(config, _scaled_max_pos(max_positions, config))[1]
     runner.enable_cuda_graphs(sizes, max_seq_len, config.block_size)
 
 
@@ -144,13 +187,13 @@ def _size_and_warm_up(
     config: Config,
     resolved: ResolvedModel,
     runner: ModelRunner,  # rank 0's (a ShardedModelRunner keeps the workers in step)
+    tokenizer: Tokenizer,
     dtype_name: str,
     device: torch.device,
     num_shard: int,
     chat_template: str | None = None,
 ) -> Loaded:
     on_cuda = device.type == "cuda"
-    tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
     chat = ChatRenderer(tokenizer.hf, resolved.model_id, chat_template)
     log.info("chat_template", loaded=chat.has_template, source=_template_source(config, chat))
     hf_config = json.loads((resolved.local_dir / "config.json").read_text())
@@ -219,6 +262,15 @@ def _size_and_warm_up(
     return Loaded(
         runner=runner, tokenizer=tokenizer, limits=limits, info=info, chat=chat, grammars=grammars
     )
+
+
+def _limit_sources(limits: ServingLimits) -> dict[str, str]:
+    """What refused requests cite for the per-request limits: their flags, or the cause that
+    lowered them (limits.derive_limits)."""
+    if limits.lowered_by is None:
+        return {}
+    cause = f"lowered to fit the KV cache by {limits.lowered_by}"
+    return {"input_limit_source": cause, "total_limit_source": cause}
 
 
 def _template_source(config: Config, chat: ChatRenderer) -> str | None:
@@ -336,9 +388,20 @@ class Service:
         assert self._loading is not None, "start() first"
         loaded = await self._loading
         config = self.config
-        engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
+        engine = AsyncEngine(
+            _scheduler(config, loaded.limits),
+            loaded.runner,
+            loaded.tokenizer,
+            overlap=config.overlap_scheduling,
+        )
         engine.step_observers.append(self.servicer.observer.on_step)
-        engine.adapters = await start_adapters(config, loaded.runner.config, loaded.info)
+        adapter_settings = AdapterSettings(
+            lora_adapters=config.lora_adapters,
+            default_id=config.adapter_id,
+            source=config.adapter_source,
+            max_active=config.max_active_adapters,
+        )
+        engine.adapters = await start_adapters(adapter_settings, loaded.runner.config, loaded.info)
         if self.metrics is not None:
             self.metrics.registry.register(AdapterCollector(engine.adapters))
         if self.metrics is not None:
@@ -364,6 +427,7 @@ class Service:
                     max_total_tokens=loaded.limits.max_total_tokens,
                     max_client_batch_size=config.max_client_batch_size,
                     vocab_size=loaded.info.vocab_size,
+                    **_limit_sources(loaded.limits),
                 ),
                 info=loaded.info,
                 max_concurrent_requests=config.max_concurrent_requests,
@@ -408,6 +472,15 @@ class Service:
             await self.app.set_serving(False)
             log.error("health_not_serving", reason=engine.dead_reason)
 
+    def end_drain(self, signal_name: str) -> None:
+        """Abort the in-flight requests instead of waiting for them (a second signal)."""
+        log.warning("shutdown_drain_ended", signal=signal_name, in_flight=self._in_flight())
+        if self.engine is not None:
+            self.engine.end_drain()
+
+    def _in_flight(self) -> int:
+        return self.engine.num_in_flight if self.engine is not None else 0
+
     async def stop(self) -> None:
         """Health NOT_SERVING, refuse new calls, give in-flight ones the shutdown timeout,
         abort the rest, stop the runner and the port."""
@@ -432,9 +505,17 @@ async def serve(config: Config) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     service = Service(config)
+
+    def on_signal(sig: signal.Signals) -> None:
+        # The first signal drains (--shutdown-timeout); a second one, as an operator's
+        # repeated Ctrl-C means, ends the drain at once.
+        if stop.is_set():
+            service.end_drain(sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await service.start()
     except OSError as exc:  # a port is taken: say which, no traceback
@@ -495,6 +576,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(cache_main(args[1:]))
     config = load_config(args)
+    # --json-output: stdout/stderr lines that bypass the logger (progress bars, libraries'
+    # prints, C++ warnings, worker processes) are wrapped into JSON objects too.
+    stray = capture_stray_output() if config.json_output else None
     configure_logging(config.json_output)
     if config.env:
         log.info("runtime_environment", **runtime_environment())
@@ -508,6 +592,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if stray is not None:
+        stray.close()
     os._exit(code)
 
 

@@ -4,6 +4,10 @@ This is the only module that reads the process environment.  Every option is a f
 environment variable is the flag's name in upper snake case (``--max-total-tokens`` ↔
 ``MAX_TOTAL_TOKENS``), as in ``text-generation-launcher``; a flag on the command line wins over
 the environment.
+
+Longer than ~500 lines on purpose: it is one table (the ``Config`` fields and the flag of
+each, with its help text), and keeping every option in one place is what lets the docs'
+flag reference be generated from it and a reader find any flag with one search.
 """
 
 from __future__ import annotations
@@ -63,9 +67,11 @@ class Config:
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
     disable_grammar_support: bool = False
+    overlap_scheduling: bool = False  # issue #29: stream step n while step n + 1 runs
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
+    deterministic: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
     cuda_graphs: tuple[int, ...] | None = None  # None: default buckets; (): disabled (#12)
@@ -146,9 +152,20 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
-    from genserve.worker.cuda_graphs import parse_batch_sizes
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` → ``(1, 2, 4, 8)`` (sorted, unique); ``"0"`` → ``()`` (graphs off)."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"expected comma-separated batch sizes or 0, got {text!r}") from None
+    if values == [0]:
+        return ()
+    if not values or values[0] < 1:
+        raise ValueError(f"batch sizes must be positive (or a single 0 to disable), got {text!r}")
+    return tuple(values)
 
+
+def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
     try:
         return parse_batch_sizes(text)
     except ValueError as exc:
@@ -269,6 +286,13 @@ FLAGS: tuple[_Flag, ...] = (
         "Refuse GenerateParameters.grammar (structured output) with UNIMPLEMENTED.",
         _SWITCH,
     ),
+    _flag(
+        "overlap_scheduling",
+        "Stream a step's tokens (detokenise, check stop strings, send) while the next step "
+        "runs; a stop string then ends its request one step later and the extra token is "
+        "dropped, so outputs are unchanged.",
+        _SWITCH,
+    ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),
     _flag("max_top_n_tokens", "Largest top_n_tokens per request.", int),
     _flag(
@@ -307,7 +331,8 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("max_batch_size", "Most requests in the running batch.", _positive_int),
     _flag(
         "chunked_prefill_size",
-        "Most prompt tokens of one request per step. Default: max_batch_prefill_tokens.",
+        "Most prompt tokens of one request per step. Default: max_batch_prefill_tokens on "
+        "CUDA, at most 256 on CPU.",
         _positive_int,
     ),
     _flag("disable_chunked_prefill", "Prefill whole prompts in one step (TGI's policy).", _SWITCH),
@@ -326,7 +351,15 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag(
         "disable_cpu_kernels",
-        "On CPU in half precision: use torch ops instead of genserve's C++ kernels.",
+        "On CPU: use torch ops instead of genserve's C++ kernels (a .gguf model is then "
+        "dequantized unless --quantize asks otherwise).",
+        _SWITCH,
+    ),
+    _flag(
+        "deterministic",
+        "Batch-invariant kernels (CPU): greedy and seeded output, tokens and logprobs, "
+        "independent of what else is batched, the prefill chunk size and prefix-cache hits, "
+        "in every dtype. Costs speed (docs/operations/first-start.md).",
         _SWITCH,
     ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),

@@ -92,3 +92,18 @@ def configure_logging(json_output: bool, level: int = logging.INFO) -> None:
     root.setLevel(level)
     for noisy in ("urllib3", "filelock", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # warnings.warn (torch's, transformers') becomes a "py.warnings" log record, so it is
+    # rendered like every other line instead of printed raw to stderr.
+    logging.captureWarnings(True)
+    _route_transformers_logging()
+
+
+def _route_transformers_logging() -> None:
+    """transformers logs through a handler of its own that writes plain text to stderr and
+    does not propagate: hand its records to the root handler above instead."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the client-only install has no transformers
+        return
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()

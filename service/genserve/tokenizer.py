@@ -24,12 +24,36 @@ class TokenSpan:
     stop: int
 
 
+# Files any of which a tokenizer can be built from (a fast tokenizers file, a SentencePiece or
+# WordPiece vocabulary, a byte-level BPE pair, a tiktoken file).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.txt")
+_TOKENIZER_PAIRS = (("vocab.json", "merges.txt"),)
+
+
+def require_tokenizer_files(model_dir: Path) -> None:
+    """FileNotFoundError naming what is missing when ``model_dir`` holds no tokenizer: checked
+    before any weight is read, so a directory without one fails in a second, not after the
+    model has loaded (transformers' own message then blames a missing sentencepiece)."""
+    if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return
+    if any(all((model_dir / n).is_file() for n in pair) for pair in _TOKENIZER_PAIRS):
+        return
+    if any(model_dir.glob("*.tiktoken")):
+        return
+    wanted = ", ".join([*_TOKENIZER_FILES, *(" + ".join(p) for p in _TOKENIZER_PAIRS)])
+    raise FileNotFoundError(
+        f"{model_dir} has no tokenizer: none of {wanted} (or a *.tiktoken file) is there. "
+        "Copy the model's tokenizer files next to its weights (tokenizer.save_pretrained)."
+    )
+
+
 class Tokenizer:
     """The model's fast tokenizer plus what generation needs from it (EOS ids, special ids)."""
 
     def __init__(self, model_dir: Path, trust_remote_code: bool = False) -> None:
         from transformers import AutoTokenizer
 
+        require_tokenizer_files(model_dir)
         hf = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         backend = getattr(hf, "backend_tokenizer", None)
         if not isinstance(backend, FastTokenizer):

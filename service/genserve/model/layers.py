@@ -11,6 +11,10 @@ padded.  Linear layers follow the Megatron split:
 Each layer loads its own shard from a :class:`~genserve.model.weights.WeightSource`, reading
 only its rows or columns.  At world size 1 the shards are the whole tensors and the
 collectives are no-ops.
+
+A little over ~500 lines: it holds the norm, the rotary embedding and the parallel linear
+layers; moving them into separate parts is the "models as parts" work (DESIGN.md, wave 3),
+left to it so that the module is not rewritten twice.
 """
 
 from __future__ import annotations
@@ -269,14 +273,15 @@ class RotaryEmbedding(nn.Module):
         self.rope, self.head_dim = rope, head_dim
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, num_decodes: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and *signed* ``sin`` of shape ``[num_tokens, 1, head_dim]``, computed once
         per step and shared by every layer.  The first half of ``sin`` is negated so that
-        :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``."""
+        :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``.
+        ``num_decodes``: the leading decode rows, one sequence each (dynamic NTK reads it)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
         if self.rope.rope_type == "dynamic":  # issue #15 --rope-scaling dynamic
-            freqs = rope_scaling.dynamic_freqs(positions, self.rope, self.head_dim)
+            freqs = rope_scaling.dynamic_freqs(positions, self.rope, self.head_dim, num_decodes)
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
         sin = emb.sin()
         sin[:, : freqs.shape[1]].neg_()
@@ -501,12 +506,57 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its vocabulary slice and the
     slices are gathered, so every rank returns full ``[num_rows, vocab_size]`` logits."""
 
+    # Half-precision weights on CPU without genserve's kernels: a float32 copy (set by
+    # ``pack``), so the head's products come out in float32 without a conversion per step.
+    float_weight: torch.Tensor | None = None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_rows, hidden] -> [num_rows, vocab_size]
-        local = _linear(self, hidden, None)
+        """float32 ``[num_rows, vocab_size]`` logits of ``hidden`` ``[num_rows, hidden]``,
+        whatever the model's dtype: the products are summed in float32 and handed on
+        unrounded, so the sampler and logprobs never see logits rounded to bfloat16
+        (whose steps near 20 are 0.125 wide and tie candidates that differ)."""
+        local = self._float32_logits(hidden)
         if self.ctx.world_size == 1:
             return local
         return self.ctx.all_gather(local, dim=-1)[:, : self.vocab_size]
+
+    def _float32_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.float()  # [num_rows, hidden]: the final norm's output, widened exactly
+        if self.qpanels is not None:
+            return self.qpanels.linear(x, None)  # float32 x: float32 out
+        if self.quant is not None:
+            return F.linear(x, self.quant.dequantize(torch.float32))
+        if self.panels is not None:
+            out: torch.Tensor = torch.ops.genserve.panel_linear(
+                x, self.panels, self.panel_outputs, None
+            )
+            return out
+        if self.float_weight is not None:
+            return F.linear(x, self.float_weight)
+        weight = self.weight
+        if weight.dtype == torch.float32:
+            return _linear(self, x, None)
+        if self.matvec_rows and weight.numel():  # CPU kernels: float32 x, float32 sums out
+            streamed: torch.Tensor = torch.ops.genserve.matvec(x, weight, None)
+            return streamed
+        if weight.is_cuda:  # cuBLAS sums in float32; out_dtype skips the rounding
+            try:
+                return torch.mm(hidden.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # a torch without mm(out_dtype=)
+                pass
+        return F.linear(x, weight.float())
+
+    def pack(self, release: bool = True) -> None:
+        """The head keeps its products in float32: where ``_Packable.pack`` would prepack a
+        half-precision weight for oneDNN (whose output is rounded to bfloat16), a float32
+        copy is kept instead."""
+        if self.quant is not None:
+            return
+        weight = self.weight
+        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+            self.float_weight = weight.detach().float()
+            if release:
+                self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding matrix (tied word embeddings)."""

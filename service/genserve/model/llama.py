@@ -36,6 +36,9 @@ from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
 
+# A matvec row limit no step reaches (decode_layer takes it as an int64).
+_EVERY_ROW = 1 << 40
+
 
 class LlamaAttention(nn.Module):
     fused = False  # genserve's CPU rotary op (see LlamaForCausalLM.use_fused_cpu_ops)
@@ -292,7 +295,8 @@ class LlamaForCausalLM(nn.Module):
         *before* the final norm (which ``compute_logits`` applies to the rows it needs).
         Writes every token's K/V into ``kv_caches`` (one tensor per layer)."""
         x = self.embed_tokens.forward(token_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        # Decode rows are one sequence each (dynamic RoPE must not merge adjacent ones).
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, getattr(meta, "num_decodes", 0))
         if (
             self._decode_layers_fused
             and isinstance(meta, TorchAttentionMetadata)
@@ -333,6 +337,13 @@ class LlamaForCausalLM(nn.Module):
         order of float32 sums).  float32 projections run on column panels
         (``kernels/panel_gemm_cpu.cpp``); half-precision steps of at most ``matvec_rows`` rows
         through the weight-streaming matvec kernel.  Call once the kernels are loaded."""
+        from genserve.kernels import cpu as cpu_kernels
+
+        if self.lm_head.weight.dtype == torch.float16 or cpu_kernels.batch_invariant():
+            # float16: torch's CPU GEMM has no fast float16 path to hand larger steps to.
+            # --deterministic: one kernel for every row count, so a row's sums never
+            # depend on how many rows share its step.
+            matvec_rows = _EVERY_ROW
         for layer in self._layers:
             layer.input_layernorm.fused = True
             layer.post_attention_layernorm.fused = True
@@ -341,7 +352,8 @@ class LlamaForCausalLM(nn.Module):
             for linear in self._linears(layer):
                 linear.matvec_rows = matvec_rows
         self.norm.fused = True
-        self.lm_head.matvec_rows = matvec_rows
+        # The head's logits are float32 from the matvec at any row count (layers.py).
+        self.lm_head.matvec_rows = _EVERY_ROW
         # float32 and quantized weights move to the column-panel layout every step size runs
         # on (the kernel's one copy replaces the plain one; half precision keeps matvec).
         with torch.inference_mode():

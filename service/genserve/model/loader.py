@@ -154,6 +154,12 @@ def _usable_dir(model_dir: Path, cache: Path, trust_remote_code: bool) -> Path:
     ggufs = sorted(model_dir.glob("*.gguf"))
     if len(ggufs) == 1:
         return convert_gguf(ggufs[0], cache, trust_remote_code)
+    if len(ggufs) > 1:
+        names = ", ".join(g.name for g in ggufs)
+        raise ModelNotFoundError(
+            f"{model_dir} holds {len(ggufs)} .gguf files ({names}): which one? Pass it as "
+            f"--model-id {model_dir / ggufs[0].name}"
+        )
     raise ModelNotFoundError(
         f"{model_dir} holds no model weights this server can read "
         "(*.safetensors, pytorch_model*.bin, or exactly one *.gguf)"

@@ -136,11 +136,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--disable-cpu-kernels", action="store_true", help="torch ops only (A/B the kernels)"
     )
+    parser.add_argument(
+        "--deterministic", action="store_true", help="batch-invariant kernels (A/B their cost)"
+    )
     args = parser.parse_args(argv)
-    if args.disable_cpu_kernels:
+    if args.disable_cpu_kernels or args.deterministic:
         from genserve.kernels import cpu as cpu_kernels
 
-        cpu_kernels.configure(enabled=False)
+        cpu_kernels.configure(
+            enabled=not args.disable_cpu_kernels, batch_invariant=args.deterministic
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
