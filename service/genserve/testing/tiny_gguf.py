@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,30 @@ def _copy_tokenizer(writer: Any, source: Path) -> None:
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
 
 
+# Where a K-quant block keeps its float16 super-block scales, and a value for them that keeps
+# random blocks' weights near the scale of a trained model's (|w| of order 0.1).
+_K_SCALES: dict[str, tuple[tuple[int, float], ...]] = {
+    "Q4_K": ((0, 2e-4), (2, 2e-4)),  # d, dmin
+    "Q5_K": ((0, 1e-4), (2, 1e-4)),
+    "Q6_K": ((208, 2e-5),),  # d after ql, qh and the int8 scales
+}
+
+
+def random_blocks(qtype: Any, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """``[rows, cols]`` weights as random but valid blocks of ``qtype`` (uint8 ``[rows,
+    bytes]``), for types gguf-py cannot quantize to: every bit pattern of the quants and
+    sub-block scales is a valid block; only the float16 scales are set, to small values."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed + rows * 7919 + cols)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset, scale in _K_SCALES.get(qtype.name, ()):
+        d = rng.uniform(0.5, 1.0, (rows, cols // block)).astype(np.float16) * np.float16(scale)
+        raw[..., offset : offset + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
 def write_gguf(
     path: Path,
     tensors: Mapping[str, np.ndarray],
@@ -124,7 +149,11 @@ def write_gguf(
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(name, w.astype(np.float16))
         else:
-            writer.add_tensor(name, quantize(w, qtype), raw_dtype=qtype)
+            try:
+                blocks = quantize(w, qtype)
+            except NotImplementedError:  # gguf-py 0.19 has no K-quant quantizer
+                blocks = random_blocks(qtype, *w.shape, seed=zlib.crc32(name.encode()))
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
