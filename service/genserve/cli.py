@@ -37,12 +37,15 @@ from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.model.quantization import choose_method
 from genserve.server.app import GrpcApp
+from genserve.server.chat_reply import ChatFeatures, system_fingerprint
 from genserve.server.conversion.limits import Limits
 from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
 from genserve.server.observe import RequestObserver
+from genserve.server.reasoning import reasoning_parser_named
 from genserve.server.security import security_interceptors, server_credentials, server_options
 from genserve.server.servicer import Serving, TextGenerationServicer
+from genserve.server.tool_calls import choose_parser
 from genserve.stray_output import capture as capture_stray_output
 from genserve.tokenizer import Tokenizer
 from genserve.tracing import configure_tracing, set_propagators
@@ -68,6 +71,20 @@ class Loaded:
     info: pb.InfoResponse
     chat: ChatRenderer
     grammars: GrammarCompiler | None = None
+    chat_features: ChatFeatures | None = None
+
+
+def chat_features(config: Config, template: str | None, info: pb.InfoResponse) -> ChatFeatures:
+    """--tool-call-parser / --reasoning-parser, and the fingerprint replies carry (#27)."""
+    return ChatFeatures(
+        tool_parser=choose_parser(config.tool_call_parser, template),
+        reasoning=reasoning_parser_named(config.reasoning_parser)
+        if config.reasoning_parser
+        else None,
+        system_fingerprint=system_fingerprint(
+            VERSION, info.model_id, info.model_sha, info.model_dtype
+        ),
+    )
 
 
 def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
@@ -78,6 +95,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     import torch
 
     from genserve.kernels import cpu as cpu_kernels
+    from genserve.kernels import int_dot
     from genserve.model.loader import resolve_model
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
@@ -112,6 +130,15 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
+    int_dot.configure(config.cpu_int_dot)
+    if quantize.method is not None and not on_cuda:
+        int_dot_choice = int_dot.choose()  # --cpu-int-dot on where impossible: refused here
+        log.info(
+            "cpu_int_dot",
+            enabled=int_dot_choice.enabled,
+            isa=int_dot_choice.isa.name if int_dot_choice.isa is not None else None,
+            reason=int_dot_choice.reason,
+        )
     if config.deterministic:
         _check_deterministic(device, cpu_kernels.batch_invariant())
     resolved = dataclasses.replace(
@@ -136,6 +163,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             kernel_cache_dir=config.genserve_cache / "kernels",
             cpu_kernels=not config.disable_cpu_kernels,
             deterministic=config.deterministic,
+            cpu_int_dot=config.cpu_int_dot,
         )
         runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:
@@ -251,7 +279,11 @@ def _size_and_warm_up(
         max_active_adapters=config.max_active_adapters,
         max_loras_per_batch=config.max_loras_per_batch or config.max_active_adapters,
         default_adapter_id=config.adapter_id or "",
+        fill_in_middle=tokenizer.fim_tokens is not None,
     )
+    features = chat_features(config, chat.template, info)
+    info.tool_call_parser = features.tool_parser.name
+    info.reasoning_parser = features.reasoning.name if features.reasoning else ""
     grammars = None
     if not config.disable_grammar_support:
         from genserve.engine.grammar import GrammarCompiler
@@ -260,7 +292,13 @@ def _size_and_warm_up(
         vocab = int(hf_config.get("vocab_size") or tokenizer.vocab_size)
         grammars = GrammarCompiler(tokenizer.hf, vocab, sorted(tokenizer.eos_token_ids))
     return Loaded(
-        runner=runner, tokenizer=tokenizer, limits=limits, info=info, chat=chat, grammars=grammars
+        runner=runner,
+        tokenizer=tokenizer,
+        limits=limits,
+        info=info,
+        chat=chat,
+        grammars=grammars,
+        chat_features=features,
     )
 
 
@@ -433,6 +471,7 @@ class Service:
                 max_concurrent_requests=config.max_concurrent_requests,
                 chat=loaded.chat,
                 grammars=loaded.grammars,
+                chat_features=loaded.chat_features,
             )
         )
         self.engine, self.loaded = engine, loaded
@@ -569,6 +608,15 @@ async def _exit_after_shard_failure(
     return EXIT_SHARD_FAILED
 
 
+def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
+    """--rope-scaling/--rope-factor stretch the context the default limits derive from."""
+    from genserve.model.rope_scaling import scaled_max_positions
+
+    if max_pos is None:
+        return None
+    return scaled_max_positions(int(max_pos), config.rope_scaling, config.rope_factor)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["cache"]:  # genserve cache list|prune: no server, no torch
@@ -599,12 +647,3 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
-    """--rope-scaling/--rope-factor stretch the context the default limits derive from."""
-    from genserve.model.rope_scaling import scaled_max_positions
-
-    if max_pos is None:
-        return None
-    return scaled_max_positions(int(max_pos), config.rope_scaling, config.rope_factor)

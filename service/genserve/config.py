@@ -23,6 +23,7 @@ from typing import Any, Literal
 # "auto" (or unset): genserve.dtype_choice picks for the machine at start-up.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
+CpuIntDot = Literal["auto", "on", "off"]
 AdapterSource = Literal["local", "hub"]
 
 DEFAULT_PORT = 50051
@@ -53,7 +54,7 @@ class Config:
     rope_factor: float | None = None
     quantize: str | None = None  # issue #14: int8 | int4 | gguf (eetq: int8), weight-only
     max_stop_sequences: int = 4
-    max_top_n_tokens: int = 5
+    max_top_n_tokens: int = 20  # OpenAI's top_logprobs allows 20
     max_input_tokens: int | None = None
     max_total_tokens: int | None = None
     max_batch_prefill_tokens: int | None = None
@@ -71,6 +72,7 @@ class Config:
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
+    cpu_int_dot: CpuIntDot = "off"  # issue #28: auto | on | off (kernels/int_dot.py)
     deterministic: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
@@ -94,6 +96,10 @@ class Config:
     chat_template: str | None = None
     tokenizer_config_path: Path | None = None
     served_model_name: str | None = None
+    # Issue #27: tool-call and reasoning formats of Chat replies (server/tool_calls/,
+    # server/reasoning.py); None: the template's tool format (else Hermes), no reasoning split.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # Deployment: authentication, TLS, transport limits (server/security.py, server/app.py).
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
     api_key_exempt: tuple[str, ...] = DEFAULT_API_KEY_EXEMPT
@@ -356,6 +362,15 @@ FLAGS: tuple[_Flag, ...] = (
         _SWITCH,
     ),
     _flag(
+        "cpu_int_dot",
+        "On CPU, quantized weights (Q8_0/Q4_0/Q4_1, --quantize int8/int4): multiply by "
+        "activations rounded to int8 per block of 32 with integer dot products (VNNI or "
+        "AVX2) instead of dequantizing to float32. Faster; changes the numerics slightly "
+        "(docs/cpu/integer-kernels.md). off: the float path; on: integer on any AVX2 CPU "
+        "(refused where none); auto: integer wherever the CPU has a path.",
+        choices=("auto", "on", "off"),
+    ),
+    _flag(
         "deterministic",
         "Batch-invariant kernels (CPU): greedy and seeded output, tokens and logprobs, "
         "independent of what else is batched, the prefill chunk size and prefix-cache hits, "
@@ -412,6 +427,17 @@ FLAGS: tuple[_Flag, ...] = (
         "tokenizer_config_path",
         "A tokenizer_config.json whose chat_template is used (TGI's flag).",
         Path,
+    ),
+    _flag(
+        "tool_call_parser",
+        "Format tool calls are parsed from in Chat replies (SGLang/vLLM names). Default: the "
+        "chat template's, else hermes (the server then writes the tools in the prompt).",
+        choices=("hermes", "llama3", "llama3_json", "mistral", "qwen", "qwen25", "qwen3"),
+    ),
+    _flag(
+        "reasoning_parser",
+        "Split <think>...</think> out of Chat replies into reasoning_content (SGLang/vLLM).",
+        choices=("deepseek-r1", "deepseek_r1", "qwen3"),
     ),
     _flag(
         "served_model_name",

@@ -65,6 +65,17 @@ class Tokenizer:
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     @property
+    def fim_tokens(self) -> tuple[str, str, str] | None:
+        """The (prefix, suffix, middle) fill-in-the-middle tokens, when the vocabulary has a
+        set: StarCoder's / SmolLM's ``<fim_prefix>`` or Qwen-Coder's ``<|fim_prefix|>``."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        for left, right in (("<", ">"), ("<|", "|>")):
+            names = tuple(f"{left}fim_{part}{right}" for part in ("prefix", "suffix", "middle"))
+            if all(n in vocab for n in names):
+                return (names[0], names[1], names[2])
+        return None
+
+    @property
     def hf(self) -> Any:
         """The transformers tokenizer: its chat-template machinery renders conversations and
         xgrammar reads the vocabulary from it."""

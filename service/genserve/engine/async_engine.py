@@ -25,7 +25,14 @@ from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, Tok
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import EngineCoreOutput, Scheduler
 from genserve.model.adapter_files import AdapterNotFoundError
-from genserve.step import AdapterRef, PromptLogprobs, Runner, RunnerOutput, SchedulerOutput
+from genserve.step import (
+    AdapterRef,
+    PromptLogprobs,
+    Runner,
+    RunnerOutput,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from genserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -49,6 +56,7 @@ class _Stream:
     texts: list[str] = field(default_factory=list)
     num_generated: int = 0
     prompt_logprobs: dict[int, float] = field(default_factory=dict)
+    prompt_top: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # #27
     finished: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -435,6 +443,7 @@ class AsyncEngine:
     ) -> FinalInfo:
         req = stream.request
         prefill: tuple[TokenInfo, ...] = ()
+        prefill_top: tuple[tuple[TokenInfo, ...], ...] = ()
         if req.sampling.prompt_logprobs:
             tok = self._tokenizer
             prefill = tuple(
@@ -446,6 +455,19 @@ class AsyncEngine:
                 )
                 for pos, tid in enumerate(req.prompt_token_ids)
             )
+            if stream.prompt_top:
+                prefill_top = tuple(
+                    tuple(
+                        TokenInfo(
+                            token_id=t.token_id,
+                            text=tok.token_text(t.token_id),
+                            logprob=t.logprob,
+                            special=t.token_id in tok.special_ids,
+                        )
+                        for t in stream.prompt_top.get(pos, ())
+                    )
+                    for pos in range(len(req.prompt_token_ids))
+                )
         return FinalInfo(
             finish_reason=reason,
             generated_text="".join(stream.texts),
@@ -454,6 +476,7 @@ class AsyncEngine:
             num_cached_tokens=num_cached_tokens,
             num_preemptions=num_preemptions,
             prefill=prefill,
+            prefill_top=prefill_top,
             error=error,
         )
 
@@ -462,3 +485,5 @@ class AsyncEngine:
         # Recomputed chunks (after preemption) send positions again: same values, keep one.
         for offset, entry in enumerate(chunk.logprobs):
             stream.prompt_logprobs[chunk.first_pos + offset] = entry.logprob
+        for offset, top in enumerate(chunk.top):
+            stream.prompt_top[chunk.first_pos + offset] = top

@@ -43,7 +43,12 @@ _SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (mo
 # float32 and --quantize weights in column panels (model/weight_panels.py)
 _SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("decode_layer_cpu.cpp"))  # one op per decode layer
+# --cpu-int-dot: integer dot products on 8-/4-bit blocks (kernels/int_dot.py)
+_SOURCES.append(Path(__file__).with_name("int_dot_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
+_HEADERS += [
+    Path(__file__).with_name(n) for n in ("int_dot.h", "int_dot_tile.inc", "int_dot_ymm_vnni.inc")
+]
 _OPS = (
     "paged_decode_attention",
     "rms_norm",
@@ -56,6 +61,7 @@ _OPS = (
     "qpanel_linear",
     "decode_layer",
     "greedy_stats",
+    "int_dot_linear",
     "set_batch_invariant",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)

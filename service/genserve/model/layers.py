@@ -27,9 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.kernels import int_dot
 from genserve.model import rope_scaling
 from genserve.model.config import RopeConfig, UnsupportedModelError
 from genserve.model.huge_pages import HugePageRegion
+from genserve.model.int_dot_panels import IntDotPanels
 from genserve.model.lora import LoraHook
 from genserve.model.quantization import QuantizedWeight
 from genserve.model.weight_panels import QuantizedPanels, float_panel_rows, pack_float
@@ -113,8 +115,9 @@ class _Packable(nn.Module):
     # (``weight_panels.pack_float``), which every step uses instead of ``weight``.
     panels: torch.Tensor | None = None
     panel_outputs: int = 0  # the weight's rows (the last panel is zero-padded)
-    # A quantized weight in the same panels (replaces ``quant``; same kernel file).
-    qpanels: QuantizedPanels | None = None
+    # A quantized weight in the same panels (replaces ``quant``; same kernel file), or, with
+    # --cpu-int-dot, in the integer dot-product kernel's panels (kernels/int_dot_cpu.cpp).
+    qpanels: QuantizedPanels | IntDotPanels | None = None
 
     def pack(self, release: bool = True) -> None:
         """Switch to the prepacked weight (if it applies); ``release`` frees the plain copy
@@ -130,7 +133,11 @@ class _Packable(nn.Module):
         with genserve's kernels loaded); ``release`` frees the plain copy.  Call after
         loading (and quantizing)."""
         if self.quant is not None:
-            if QuantizedPanels.supports(self.quant):
+            if IntDotPanels.supports(self.quant) and int_dot.active():
+                self.qpanels = IntDotPanels.pack(self.quant)
+                if release:
+                    self.quant = None
+            elif QuantizedPanels.supports(self.quant):
                 self.qpanels = QuantizedPanels.pack(self.quant)
                 if release:
                     self.quant = None

@@ -337,7 +337,12 @@ class ModelRunner:
         prompt: tuple[PromptLogprobs, ...] = ()
         if parts:
             prompt = prompt_logprobs(
-                self.model.compute_logits, hidden, parts, self.io, self.parallel.is_driver
+                self.model.compute_logits,
+                hidden,
+                parts,
+                self.io,
+                self.parallel.is_driver,
+                [self._requests[p[0]].sampling.num_top_tokens for p in parts],
             )
         return RunnerOutput(step.step_id, sampled, prompt)
 

@@ -237,6 +237,16 @@ class Sampler:
                 ]
             )
             scores = scores - (present > 0).to(scores.dtype) * presence[:, None]
+        out_freq = [r.params.output_frequency_penalty for r in rows]
+        if any(f != 0.0 for f in out_freq):
+            # OpenAI/vLLM frequency_penalty: penalty x times generated so far (issue #27).
+            generated = torch.stack(
+                [
+                    _output_counts(r) if f != 0.0 else torch.zeros_like(c)
+                    for r, c, f in zip(rows, counts, out_freq, strict=True)
+                ]
+            )
+            scores = scores - generated * upload(out_freq, torch.float32)[:, None]
         return scores
 
     def _sample(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -322,7 +332,7 @@ def _counts(row: SamplingRow) -> torch.Tensor:
 
 def _output_counts(row: SamplingRow) -> torch.Tensor:
     if row.output_counts is None:
-        raise ValueError("a row with a presence penalty needs output_counts")
+        raise ValueError("a row with an output penalty needs output_counts")
     return row.output_counts
 
 

@@ -10,7 +10,7 @@ so seeded sampling draws the same tokens with or without speculation.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch
 from genserve.step import (
     PromptLogprobs,
     SampledToken,
+    SamplingParams,
     ScheduledChunk,
     SchedulerOutput,
     TokenLogprob,
@@ -48,7 +49,7 @@ def sampling_rows(
                 s.num_output_tokens + j,
                 s.num_tokens + j,
                 counts,
-                output if s.sampling.presence_penalty != 0.0 else None,
+                output if _uses_output_counts(s.sampling) else None,
                 c.token_ids[len(c.token_ids) - c.num_draft_tokens - 1 + j],
             )
             for j in range(c.num_draft_tokens + 1)
@@ -136,12 +137,18 @@ def prompt_logprob_parts(
     return parts
 
 
+def _uses_output_counts(p: SamplingParams) -> bool:
+    """Penalties over the output only: presence, and OpenAI's frequency penalty (#27)."""
+    return p.presence_penalty != 0.0 or p.output_frequency_penalty != 0.0
+
+
 def prompt_logprobs(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     parts: list[PromptPart],
     io: DeviceIO,
     is_driver: bool,
+    num_tops: Sequence[int] = (),
 ) -> tuple[PromptLogprobs, ...]:
     """Logprobs of prompt tokens, computed ``PROMPT_LOGPROB_ROWS`` rows at a time so that a
     long prompt chunk never materialises ``[chunk, vocab]`` float32 logits at once.  Every
@@ -149,25 +156,38 @@ def prompt_logprobs(
     (Prefill steps only: their one extra readback is not on the decode path.)"""
     rows = list(itertools.chain.from_iterable(range(p[2], p[2] + p[3]) for p in parts))
     targets = list(itertools.chain.from_iterable(p[4] for p in parts))
+    # Issue #27: each part's top alternatives at its prompt positions (OpenAI echo's
+    # top_logprobs); ``num_tops[i]`` for ``parts[i]``, none when empty.
+    tops_wanted = list(num_tops) or [0] * len(parts)
+    max_top = max(tops_wanted, default=0)
     values: list[float] = []
+    tops: list[list[TokenLogprob]] = []
     for start in range(0, len(rows), PROMPT_LOGPROB_ROWS):
         index = io.upload(rows[start : start + PROMPT_LOGPROB_ROWS], torch.int64)
         target = io.upload(targets[start : start + PROMPT_LOGPROB_ROWS], torch.int64)
         logits = compute_logits(hidden.index_select(0, index))  # [rows, vocab]
-        chosen = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
-        values.extend(chosen.tolist())
+        logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+        values.extend(logprobs.gather(1, target[:, None])[:, 0].tolist())
+        if max_top:
+            top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [rows, max_top]
+            tops.extend(
+                [TokenLogprob(t, lp) for t, lp in zip(ids, lps, strict=True)]
+                for ids, lps in zip(top_ids.tolist(), top_values.tolist(), strict=True)
+            )
     if not is_driver:
         return ()
     result = []
     start = 0
-    for req_id, first_pos, _, count, target_ids in parts:
+    for (req_id, first_pos, _, count, target_ids), num_top in zip(parts, tops_wanted, strict=True):
         lps = values[start : start + count]
+        top = tuple(tuple(t[:num_top]) for t in tops[start : start + count]) if num_top else ()
         start += count
         result.append(
             PromptLogprobs(
                 req_id,
                 first_pos,
                 tuple(TokenLogprob(t, lp) for t, lp in zip(target_ids, lps, strict=True)),
+                top,
             )
         )
     return tuple(result)

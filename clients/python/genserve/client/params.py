@@ -39,6 +39,8 @@ class GenerateParams(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None  # token id -> bias added to its logit
     skip_special_tokens: bool | None
     include_stop_str_in_output: bool | None
+    # OpenAI's frequency_penalty: penalty x count over the output (issue #27)
+    output_frequency_penalty: float | None
     # Results per input (vLLM / OpenAI n; not for streams).  In chat() it is the
     # ChatRequest's n (replies), with the same meaning.
     n: int | None
