@@ -152,7 +152,8 @@ def write_gguf(
             try:
                 blocks = quantize(w, qtype)
             except NotImplementedError:  # gguf-py 0.19 has no K-quant quantizer
-                blocks = random_blocks(qtype, *w.shape, seed=zlib.crc32(name.encode()))
+                rows, cols = w.shape
+                blocks = random_blocks(qtype, rows, cols, seed=zlib.crc32(name.encode()))
             writer.add_tensor(name, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
