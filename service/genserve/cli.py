@@ -638,7 +638,12 @@ def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = load_config(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["cache"]:  # genserve cache list|prune: no server, no torch
+        from genserve.cache_cli import main as cache_main
+
+        sys.exit(cache_main(args[1:]))
+    config = load_config(args)
     # --json-output: stdout/stderr lines that bypass the logger (progress bars, libraries'
     # prints, C++ warnings, worker processes) are wrapped into JSON objects too.
     stray = capture_stray_output() if config.json_output else None

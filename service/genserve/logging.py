@@ -11,6 +11,7 @@ when the operator asked for it (``--log-requests``); that decision lives with th
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import MutableMapping
 from typing import Any
@@ -42,7 +43,24 @@ def bind_request_id(req_id: str) -> None:
     structlog.contextvars.bind_contextvars(req_id=req_id)
 
 
+_json_output = False
+
+
+def progress_bars() -> bool:
+    """Whether progress may be drawn as bars: only on a terminal, and never with
+    ``--json-output`` (where every line on stdout/stderr must be one JSON object, so progress
+    is logged as events instead)."""
+    return not _json_output and sys.stderr.isatty()
+
+
 def configure_logging(json_output: bool, level: int = logging.INFO) -> None:
+    global _json_output
+    _json_output = json_output
+    if json_output:
+        # Libraries draw their own bars (huggingface_hub downloads, transformers' GGUF
+        # reader): off, before they are imported.  Python warnings become log records.
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        logging.captureWarnings(True)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         add_trace_context,

@@ -344,7 +344,8 @@ class ColumnParallelLinear(_Packable):
         self, weights: WeightSource, parts: Sequence[tuple[str, Sequence[tuple[int, int]]]]
     ) -> None:
         for suffix, param in (("weight", self.weight), ("bias", self.bias)):
-            if param is None:
+            # A weight already given in a quantized format (GGUF blocks) is not read again.
+            if param is None or (suffix == "weight" and self.quant is not None):
                 continue
             pieces = [
                 weights.get_slice(f"{prefix}.{suffix}", 0, start, stop)
@@ -457,8 +458,9 @@ class RowParallelLinear(_Packable):
 
     def load(self, weights: WeightSource, prefix: str) -> None:
         start, stop = self.in_range
-        w = weights.get_slice(f"{prefix}.weight", 1, start, stop)
-        _copy_in(self.weight, w, f"{prefix}.weight")
+        if self.quant is None:  # else already given quantized (GGUF blocks)
+            w = weights.get_slice(f"{prefix}.weight", 1, start, stop)
+            _copy_in(self.weight, w, f"{prefix}.weight")
         if self.bias is not None:
             _copy_in(self.bias, weights.get(f"{prefix}.bias"), f"{prefix}.bias")
 
@@ -499,6 +501,8 @@ class VocabParallelEmbedding(_Packable):
         return self.ctx.all_reduce(out)
 
     def load(self, weights: WeightSource, name: str) -> None:
+        if self.quant is not None:  # already given quantized (GGUF blocks)
+            return
         rows = weights.get_slice(name, 0, self.start, self.stop)
         with torch.no_grad():
             self.weight.zero_()

@@ -41,6 +41,7 @@ from torch import nn
 
 from genserve.model.attention import TorchAttentionMetadata
 from genserve.model.config import ModelConfig, RopeConfig
+from genserve.model.loader import transformers_weights_kwargs
 from genserve.model.lora import AdapterError
 from genserve.model.serving_path import ServingPath
 from genserve.model.transformers_attention import (
@@ -233,8 +234,13 @@ def load_transformers_model(
     from transformers import AutoModelForCausalLM
 
     register()
+    # A GGUF cache entry holds config and tokenizer only: transformers reads (and
+    # dequantizes) the recorded GGUF file itself for families genserve has no native parts for.
     hf = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code
+        str(model_dir),
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        **transformers_weights_kwargs(model_dir),
     )
     hf.to(device).eval()
     geometry = probe_geometry(hf, device)

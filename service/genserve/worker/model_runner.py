@@ -31,7 +31,6 @@ from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.quantize_model import model_weight_bytes
 from genserve.model.registry import build_model
 from genserve.model.serving_path import choose_serving_path
-from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
 from genserve.step import (
     AdapterRef,
@@ -51,7 +50,7 @@ from genserve.worker.request_state import PenaltyCounts, RequestState
 from genserve.worker.runner_setup import (
     available_ram_bytes,
     keep_freed_memory,
-    quantize_weights,
+    load_weights,
     zeros,
 )
 from genserve.worker.sampler import Sampler
@@ -118,9 +117,7 @@ class ModelRunner:
             )
         with torch.inference_mode():
             self.model = build_model(self.config, self.parallel, dtype, device)
-            with SafetensorsWeights(model.local_dir) as weights:
-                self.model.load_weights(weights)
-        self.quantization = quantize_weights(self.model, model) if model.quantize else None
+        self.quantization = load_weights(self.model, model)
         if self.quantization is not None and device.type != "cpu":
             log.warning(
                 "quantized_weights_without_kernel",

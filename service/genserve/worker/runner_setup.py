@@ -1,4 +1,4 @@
-"""What the model runner needs before its first step: quantizing the loaded weights, and
+"""What the model runner needs before its first step: loading (and quantizing) the weights, and
 memory — zeroed tensors that cost nothing until touched, the RAM the OS can give, glibc's
 habit of returning freed blocks to the OS.  Functions only; no runner state.
 """
@@ -15,31 +15,49 @@ from genserve.model.huge_pages import zeros_on_huge_pages
 from genserve.model.llama import LlamaForCausalLM
 from genserve.model.loader import ResolvedModel
 from genserve.model.quantize_model import QuantizeSummary, quantize_model
+from genserve.model.weight_files import has_weights
+from genserve.model.weights import SafetensorsWeights
 
 
-def quantize_weights(model: LlamaForCausalLM, resolved: ResolvedModel) -> QuantizeSummary:
-    """``--quantize``: the model's matrices in the quantized format (model/quantize_model)."""
+def load_weights(model: LlamaForCausalLM, resolved: ResolvedModel) -> QuantizeSummary | None:
+    """Load ``model``'s weights and apply ``--quantize``; the summary when quantized.
+
+    A GGUF model is read from the file itself (model/gguf_weights.py): with ``--quantize
+    gguf`` its Q8_0/Q4 matrices are handed to the layers first, one module at a time, so
+    those layers never hold (or read) a float copy; everything else is dequantized tensor by
+    tensor.  Other checkpoints load their safetensors, then quantize (int8 / int4)."""
     from genserve.model.quantization import QuantizationError
 
-    method = str(resolved.quantize)
+    method = resolved.quantize
+    if method == "gguf" and resolved.gguf_file is None:
+        raise QuantizationError(
+            "--quantize gguf keeps a GGUF file's quantization, but the model was not "
+            "loaded from a .gguf file (use --quantize int8 or int4 for other checkpoints)"
+        )
+    if resolved.gguf_file is not None and not has_weights(resolved.local_dir):
+        from genserve.model.gguf_weights import GGUFWeights
+
+        config = model.config
+        with GGUFWeights(resolved.gguf_file, config.num_heads, config.num_kv_heads) as gguf:
+            summary = None
+            if method == "gguf":
+                summary = quantize_model(model, method, gguf.quantized_view())
+            with torch.inference_mode():
+                model.load_weights(gguf)
+        if method is not None and method != "gguf":
+            summary = quantize_model(model, method)
+        return summary
+    with torch.inference_mode(), SafetensorsWeights(resolved.local_dir) as weights:
+        model.load_weights(weights)
+    if method is None:
+        return None
     tensors = None
     if method == "gguf":
         from genserve.model.gguf_weights import read_gguf_quantized
 
-        if resolved.gguf_file is None:
-            raise QuantizationError(
-                "--quantize gguf keeps a GGUF file's quantization, but the model was not "
-                "loaded from a .gguf file (use --quantize int8 or int4 for other checkpoints)"
-            )
-        from genserve.model.conversion import file_digest
-        from genserve.model.quantized_cache import cache_path, load_or_build
-
-        gguf, config = resolved.gguf_file, model.config
-        digest = file_digest(gguf, resolved.local_dir.parent)
-        tensors = load_or_build(
-            cache_path(resolved.local_dir, digest),
-            lambda: read_gguf_quantized(gguf, config.num_heads, config.num_kv_heads),
-        )
+        assert resolved.gguf_file is not None
+        config = model.config
+        tensors = read_gguf_quantized(resolved.gguf_file, config.num_heads, config.num_kv_heads)
     return quantize_model(model, method, tensors)
 
 
