@@ -89,3 +89,53 @@ def test_chat_response_format_json_schema_constrains_every_choice(server: LiveSe
     assert len(reply.choices) == 2
     for choice in reply.choices:
         assert json.loads(choice.message.content) in schema["enum"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            # An enum keeps the random tiny model's call short enough to finish.
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_chat_tools_in_openai_shapes(server: LiveServer) -> None:
+    """tools / tool_choice / tool_calls in OpenAI's dict shapes reach the server: a named
+    choice is constrained to a call of that function, and the call goes back as a message."""
+    with Client(server.address, timeout=60) as client:
+        reply = client.chat(
+            MESSAGES,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_new_tokens=40,
+        )
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        assistant = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        }
+        result = {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}
+        follow_up = client.chat(
+            [*MESSAGES, assistant, result],
+            tools=[WEATHER],
+            tool_choice="none",
+            parallel_tool_calls=False,
+            max_new_tokens=4,
+        )
+        assert not follow_up.choices[0].message.tool_calls

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,19 +42,25 @@ def generate_request(
     parameters: Any | None,
     params: Mapping[str, Any],
     input_ids: TokenIds | None = None,
+    suffix: str | None = None,
 ) -> Any:
     """A ``pb.GenerateRequest``; a single string (or one list of ids) becomes a batch of one.
-    ``input_ids`` replaces ``inputs``: prompts as token ids, used as they are."""
+    ``input_ids`` replaces ``inputs``: prompts as token ids, used as they are.  ``suffix``:
+    fill in the middle (the text after the gap; refused by models without FIM tokens)."""
     built = build_parameters(parameters, params)
     if input_ids is not None:
         if inputs:
             raise TypeError("give inputs or input_ids, not both")
         batch_ids = [pb.TokenIds(ids=ids) for ids in token_ids_batch(input_ids)]
-        return pb.GenerateRequest(input_ids=batch_ids, parameters=built)
-    if inputs is None:
-        raise TypeError("generate needs inputs (text) or input_ids (token ids)")
-    batch = [inputs] if isinstance(inputs, str) else list(inputs)
-    return pb.GenerateRequest(inputs=batch, parameters=built)
+        request = pb.GenerateRequest(input_ids=batch_ids, parameters=built)
+    else:
+        if inputs is None:
+            raise TypeError("generate needs inputs (text) or input_ids (token ids)")
+        batch = [inputs] if isinstance(inputs, str) else list(inputs)
+        request = pb.GenerateRequest(inputs=batch, parameters=built)
+    if suffix is not None:
+        request.suffix = suffix
+    return request
 
 
 def single_input(inputs: str | Sequence[str] | None, input_ids: TokenIds | None) -> bool:
@@ -68,19 +75,72 @@ def stream_request(
     parameters: Any | None,
     params: Mapping[str, Any],
     input_ids: Sequence[int] | None = None,
+    suffix: str | None = None,
 ) -> Any:
-    """A ``pb.GenerateStreamRequest`` for one prompt, as text or as token ids."""
+    """A ``pb.GenerateStreamRequest`` for one prompt, as text or as token ids (``suffix`` as
+    in :func:`generate_request`)."""
     built = build_parameters(parameters, params)
     if input_ids is not None:
         if inputs:
             raise TypeError("give inputs or input_ids, not both")
-        return pb.GenerateStreamRequest(input_ids=[int(i) for i in input_ids], parameters=built)
-    if not isinstance(inputs, str):
-        raise TypeError("generate_stream takes one prompt (a str, or input_ids)")
-    return pb.GenerateStreamRequest(inputs=inputs, parameters=built)
+        request = pb.GenerateStreamRequest(input_ids=[int(i) for i in input_ids], parameters=built)
+    else:
+        if not isinstance(inputs, str):
+            raise TypeError("generate_stream takes one prompt (a str, or input_ids)")
+        request = pb.GenerateStreamRequest(inputs=inputs, parameters=built)
+    if suffix is not None:
+        request.suffix = suffix
+    return request
 
 
-ChatMessageLike = Mapping[str, str] | Any  # {"role", "content"[, "name", "tool_call_id"]} or pb
+# {"role", "content"[, "name", "tool_call_id", "tool_calls", "reasoning_content"]} or pb
+ChatMessageLike = Mapping[str, Any] | Any
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content"}
+
+
+def tool_call(call: Mapping[str, Any] | Any) -> Any:
+    """A ``pb.ToolCall`` from OpenAI's shape (``{"id", "type", "function": {"name",
+    "arguments"}}``, arguments as JSON text or a dict) or one already built."""
+    if not isinstance(call, Mapping):
+        return call
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments", "")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return pb.ToolCall(
+        id=str(call.get("id", "")),
+        type=str(call.get("type", "function")),
+        function=pb.FunctionCall(name=str(function.get("name", "")), arguments=arguments),
+    )
+
+
+def tool(definition: Mapping[str, Any] | Any) -> Any:
+    """A ``pb.Tool`` from OpenAI's shape (``{"type": "function", "function": {"name",
+    "description", "parameters", "strict"}}``, parameters as a dict or JSON text)."""
+    if not isinstance(definition, Mapping):
+        return definition
+    function = dict(definition.get("function") or {})
+    schema = function.get("parameters")
+    return pb.Tool(
+        type=str(definition.get("type", "function")),
+        function=pb.FunctionDefinition(
+            name=str(function.get("name", "")),
+            description=str(function.get("description") or ""),
+            parameters=schema if isinstance(schema, str) else json.dumps(schema or {}),
+            strict=bool(function.get("strict", False)),
+        ),
+    )
+
+
+def tool_choice(choice: str | Mapping[str, Any] | Any) -> Any:
+    """A ``pb.ToolChoice`` from "auto" / "none" / "required", OpenAI's named choice
+    (``{"type": "function", "function": {"name": ...}}``) or one already built."""
+    if isinstance(choice, str):
+        return pb.ToolChoice(mode=choice)
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name", "")
+        return pb.ToolChoice(mode="function", function_name=str(name))
+    return choice
 
 
 def chat_messages(messages: Sequence[ChatMessageLike]) -> list[Any]:
@@ -92,10 +152,12 @@ def chat_messages(messages: Sequence[ChatMessageLike]) -> list[Any]:
         if isinstance(m, pb.ChatMessage):
             out.append(m)
         elif isinstance(m, Mapping):
-            unknown = set(m) - {"role", "content", "name", "tool_call_id"}
+            unknown = set(m) - _MESSAGE_FIELDS
             if unknown:
                 raise TypeError(f"unknown chat message field(s): {', '.join(sorted(unknown))}")
-            out.append(pb.ChatMessage(**m))
+            fields = {k: v for k, v in m.items() if v is not None}
+            calls = [tool_call(c) for c in fields.pop("tool_calls", None) or []]
+            out.append(pb.ChatMessage(tool_calls=calls, **fields))
         else:
             raise TypeError(f"a chat message is a dict or pb.ChatMessage, not {type(m).__name__}")
     return out
@@ -119,6 +181,10 @@ def chat_request(
         if name == "response_format":
             fmt = pb.ResponseFormat(type=value) if isinstance(value, str) else value
             req.response_format.CopyFrom(fmt)
+        elif name == "tools":
+            req.tools.extend(tool(t) for t in value)
+        elif name == "tool_choice":
+            req.tool_choice.CopyFrom(tool_choice(value))
         else:
             setattr(req, name, value)
     return req

@@ -83,6 +83,7 @@ class AsyncClient:
         inputs: str,
         *,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Any: ...
@@ -93,6 +94,7 @@ class AsyncClient:
         inputs: Sequence[str],
         *,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> list[Any]: ...
@@ -104,6 +106,7 @@ class AsyncClient:
         *,
         input_ids: TokenIds,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Any: ...
@@ -114,11 +117,12 @@ class AsyncClient:
         *,
         input_ids: TokenIds | None = None,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Any:
         """See :meth:`genserve.client.Client.generate`."""
-        request = generate_request(inputs, parameters, params, input_ids)
+        request = generate_request(inputs, parameters, params, input_ids, suffix)
         response = await self._unary(self._stub.Generate, request, timeout)
         results = list(response.results)
         # n > 1: a prompt's n results, as a list.
@@ -130,6 +134,7 @@ class AsyncClient:
         *,
         input_ids: Sequence[int] | None = None,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> AsyncGenerator[Any, None]:
@@ -137,7 +142,7 @@ class AsyncClient:
         :meth:`genserve.client.Client.generate_stream`).  Leaving the loop early cancels the
         call when the iterator is closed (at once with ``contextlib.aclosing``, otherwise when
         asyncio finalizes it)."""
-        request = stream_request(inputs, parameters, params, input_ids)
+        request = stream_request(inputs, parameters, params, input_ids, suffix)
         return self._stream(request, timeout)
 
     async def chat(

@@ -55,7 +55,7 @@ _FIELDS = frozenset(GenerateParams.__annotations__)
 class ChatParams(GenerateParams, total=False):
     """The keyword arguments of chat()/chat_stream(): every generation parameter plus
     OpenAI's chat fields.  ``response_format`` is "text", "json_object" or a
-    ``pb.ResponseFormat``."""
+    ``pb.ResponseFormat``; ``tools`` / ``tool_choice`` take OpenAI's shapes too."""
 
     logprobs: bool | None
     top_logprobs: int | None
@@ -63,6 +63,11 @@ class ChatParams(GenerateParams, total=False):
     model: str | None
     add_generation_prompt: bool | None
     continue_final_message: bool | None
+    # Tool calling (issue #27): OpenAI-shaped dicts or pb.Tool; "auto" / "none" / "required",
+    # {"type": "function", "function": {"name": ...}} or a pb.ToolChoice.
+    tools: Sequence[Any] | None
+    tool_choice: Any | None
+    parallel_tool_calls: bool | None
 
 
 # Chat's own request fields; n is the ChatRequest's (the number of replies).

@@ -81,6 +81,7 @@ class Client:
         inputs: str,
         *,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Any: ...
@@ -91,6 +92,7 @@ class Client:
         inputs: Sequence[str],
         *,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> list[Any]: ...
@@ -102,6 +104,7 @@ class Client:
         *,
         input_ids: TokenIds,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Any: ...
@@ -112,6 +115,7 @@ class Client:
         *,
         input_ids: TokenIds | None = None,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Any:
@@ -122,7 +126,7 @@ class Client:
         ``input_ids`` instead of ``inputs``: prompts as token ids (one list, or a list of
         them), used as they are (no BOS added).  With ``n > 1`` a prompt has ``n`` results,
         returned as a list (prompt by prompt)."""
-        request = generate_request(inputs, parameters, params, input_ids)
+        request = generate_request(inputs, parameters, params, input_ids, suffix)
         response = self._unary(self._stub.Generate, request, timeout)
         results = list(response.results)
         # n > 1: a prompt's n results, as a list.
@@ -134,13 +138,14 @@ class Client:
         *,
         input_ids: Sequence[int] | None = None,
         parameters: Any | None = None,
+        suffix: str | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Iterator[Any]:
         """Complete one prompt, yielding one ``pb.GenerateStreamResponse`` per token; the last
         also has ``generated_text`` and ``details``.  Closing the iterator early (``break``)
         cancels the call.  Retried on UNAVAILABLE only until the first message arrives."""
-        request = stream_request(inputs, parameters, params, input_ids)
+        request = stream_request(inputs, parameters, params, input_ids, suffix)
         return self._stream(request, timeout)
 
     def chat(
