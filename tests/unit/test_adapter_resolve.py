@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from genserve.engine.adapter_manager import AdapterManager
-from genserve.model.config import ModelConfig
+from genserve.model.config import load_model_config
 from genserve.model.lora import AdapterError
 from genserve.worker.adapters import AdapterNotFoundError, resolve_adapter_dir
 from tests.conftest import TinyModelFactory
@@ -83,7 +83,7 @@ def test_manager_loads_a_cached_hub_adapter_on_demand(
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
 
     async def scenario() -> None:
-        m = AdapterManager(ModelConfig.from_pretrained(base), source="hub", max_active=2)
+        m = AdapterManager(load_model_config(base), source="hub", max_active=2)
         ref = await m.acquire("org/tiny-lora")
         assert ref.path == str(snapshot.resolve())
         m.release(ref)

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from genserve.model.config import RopeConfig
+from genserve.model.spec import RopeConfig
 
 
 def override(

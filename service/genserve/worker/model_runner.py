@@ -31,9 +31,9 @@ import torch
 
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
-from genserve.model.config import ModelConfig
+from genserve.model.causal_lm import DecoderForCausalLM
+from genserve.model.config import load_model_config
 from genserve.model.huge_pages import zeros_on_huge_pages
-from genserve.model.llama import LlamaForCausalLM
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.quantize_model import QuantizeSummary, model_weight_bytes, quantize_model
@@ -124,7 +124,7 @@ class ModelRunner:
         if device.type == "cpu":
             _keep_freed_memory()
         self.parallel = parallel or ParallelContext.single()
-        self.config = ModelConfig.from_pretrained(model.local_dir, trust_remote_code)
+        self.config = load_model_config(model.local_dir, trust_remote_code)
         if model.rope_scaling is not None or model.rope_factor is not None:
             self.config = dataclasses.replace(
                 self.config,
@@ -561,7 +561,7 @@ def _positions(chunks: list[ScheduledChunk], num_single: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def _quantize(model: LlamaForCausalLM, resolved: ResolvedModel) -> QuantizeSummary:
+def _quantize(model: DecoderForCausalLM, resolved: ResolvedModel) -> QuantizeSummary:
     """``--quantize``: the model's matrices in the quantized format (model/quantize_model)."""
     from genserve.model.quantization import QuantizationError
 
