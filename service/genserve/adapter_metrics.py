@@ -1,19 +1,45 @@
 """Per-adapter Prometheus families (LoRA), read from the adapter manager at scrape time.
 
 The manager's counters live on the event loop and only grow; a scrape reads a snapshot (a
-copy of plain ints and floats), so no lock is needed for a consistent-enough view."""
+copy of plain ints and floats), so no lock is needed for a consistent-enough view.  The
+counters' record (:class:`AdapterStats`) and what a collector reads
+(:class:`AdapterStatsSource`) are defined here, so this module needs nothing from the
+engine's adapter manager, which fills them in."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from genserve.engine.adapter_manager import AdapterManager, AdapterStats
+
+@dataclass(slots=True)
+class AdapterStats:
+    """Per adapter id, for metrics and Info."""
+
+    requests: int = 0
+    generated_tokens: int = 0
+    loads: int = 0
+    load_seconds: float = 0.0
+    evictions: int = 0
+
+
+class AdapterStatsSource(Protocol):
+    """The adapter manager as the collector sees it."""
+
+    @property
+    def stats(self) -> Mapping[str, AdapterStats]: ...
+
+    @property
+    def loaded(self) -> Sequence[str]:
+        """Resident adapter ids."""
+        ...
 
 
 class AdapterCollector:
-    def __init__(self, manager: AdapterManager) -> None:
+    def __init__(self, manager: AdapterStatsSource) -> None:
         self._manager = manager
 
     def collect(self) -> Iterator[Metric]:

@@ -1,7 +1,11 @@
 """The ``genserve`` launcher: flags → config → model runner, engine and gRPC server, wired.
 
 The gRPC port opens first, with health NOT_SERVING, so that probes see "loading" rather
-than "connection refused" while the model loads and warms up."""
+than "connection refused" while the model loads and warms up.
+
+Over ~500 lines because it is the wiring: every object the server runs is built here from
+the config (the layers below never read it), so each new capability adds its few lines of
+construction to this one module."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from genserve.adapter_metrics import AdapterCollector
 from genserve.chat_template import ChatRenderer, load_template_override
 from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
-from genserve.engine.adapter_manager import start_adapters
+from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
@@ -33,12 +37,12 @@ from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.model.quantization import choose_method
 from genserve.server.app import GrpcApp
+from genserve.server.conversion.limits import Limits
 from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
 from genserve.server.observe import RequestObserver
 from genserve.server.security import security_interceptors, server_credentials, server_options
 from genserve.server.servicer import Serving, TextGenerationServicer
-from genserve.server.validation import Limits
 from genserve.tokenizer import Tokenizer
 from genserve.tracing import configure_tracing, set_propagators
 from genserve.v1 import generate_pb2 as pb
@@ -111,9 +115,19 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
     runner: ModelRunner
     if num_shard > 1:
-        from genserve.worker.sharded_runner import launch_sharded_runner
+        from genserve.worker.sharded_runner import ShardSettings, launch_sharded_runner
 
-        runner = launch_sharded_runner(resolved, config, num_shard, dtype_name, on_shard_failure)
+        settings = ShardSettings(
+            master_addr=config.master_addr,
+            master_port=config.master_port,
+            cuda_memory_fraction=config.cuda_memory_fraction,
+            cpu_memory_fraction=config.cpu_memory_fraction,
+            json_output=config.json_output,
+            trust_remote_code=config.trust_remote_code,
+            kernel_cache_dir=config.genserve_cache / "kernels",
+            cpu_kernels=not config.disable_cpu_kernels,
+        )
+        runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:
         runner = ModelRunner(
             resolved,
@@ -338,7 +352,13 @@ class Service:
         config = self.config
         engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
         engine.step_observers.append(self.servicer.observer.on_step)
-        engine.adapters = await start_adapters(config, loaded.runner.config, loaded.info)
+        adapter_settings = AdapterSettings(
+            lora_adapters=config.lora_adapters,
+            default_id=config.adapter_id,
+            source=config.adapter_source,
+            max_active=config.max_active_adapters,
+        )
+        engine.adapters = await start_adapters(adapter_settings, loaded.runner.config, loaded.info)
         if self.metrics is not None:
             self.metrics.registry.register(AdapterCollector(engine.adapters))
         if self.metrics is not None:

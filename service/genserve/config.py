@@ -4,6 +4,10 @@ This is the only module that reads the process environment.  Every option is a f
 environment variable is the flag's name in upper snake case (``--max-total-tokens`` ↔
 ``MAX_TOTAL_TOKENS``), as in ``text-generation-launcher``; a flag on the command line wins over
 the environment.
+
+Longer than ~500 lines on purpose: it is one table (the ``Config`` fields and the flag of
+each, with its help text), and keeping every option in one place is what lets the docs'
+flag reference be generated from it and a reader find any flag with one search.
 """
 
 from __future__ import annotations
@@ -307,7 +311,8 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("max_batch_size", "Most requests in the running batch.", _positive_int),
     _flag(
         "chunked_prefill_size",
-        "Most prompt tokens of one request per step. Default: max_batch_prefill_tokens.",
+        "Most prompt tokens of one request per step. Default: max_batch_prefill_tokens on "
+        "CUDA, at most 256 on CPU.",
         _positive_int,
     ),
     _flag("disable_chunked_prefill", "Prefill whole prompts in one step (TGI's policy).", _SWITCH),
@@ -326,7 +331,8 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag(
         "disable_cpu_kernels",
-        "On CPU in half precision: use torch ops instead of genserve's C++ kernels.",
+        "On CPU: use torch ops instead of genserve's C++ kernels (a .gguf model is then "
+        "dequantized unless --quantize asks otherwise).",
         _SWITCH,
     ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from genserve.model.adapter_files import read_adapter
 from genserve.model.lora import AdapterError
 from genserve.step import AdapterRef, RunnerOutput, SchedulerOutput
 from genserve.testing.tiny_lora import make_lora_adapter
-from genserve.worker.adapters import read_adapter
 from genserve.worker.model_runner import ModelRunner
 from tests.conftest import TinyModelFactory
 from tests.unit.test_model_runner import Driver, make_runner, random_prompts

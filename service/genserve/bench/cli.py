@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from genserve.bench.bench_config import BenchConfig
 from genserve.bench.launch import split_server_args
 
 
@@ -60,42 +60,6 @@ def _hf_modes(text: str) -> tuple[str, ...]:
     if bad or not modes:
         raise argparse.ArgumentTypeError(f"bad mode(s) {bad or text!r}; choose from {HF_MODES}")
     return modes
-
-
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    """Every option of one benchmark invocation (see ``--help``)."""
-
-    address: str
-    concurrency: tuple[str, ...]
-    num_prompts: int
-    prompt_len_mean: float
-    prompt_len_std: float | None
-    max_new_tokens: int
-    temperature: float
-    seed: int
-    out: Path
-    max_duration_s: float
-    request_timeout_s: float
-    warmup_requests: int
-    stagger: bool
-    scenario: str
-    prefix_requests: int
-    prefix_tokens: int
-    prefix_max_new_tokens: int
-    hf_baseline: bool
-    model_id: str | None
-    dtype: str
-    hf_batch_sizes: tuple[int, ...]
-    hf_min_prompts: int
-    hf_generate_batch: bool
-    hf_modes: tuple[str, ...]
-    hf_device: str
-    threads: int
-    progress: bool
-    launch: bool
-    launch_timeout_s: float
-    server_args: tuple[str, ...]
 
 
 def build_parser() -> argparse.ArgumentParser:

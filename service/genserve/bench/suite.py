@@ -13,12 +13,13 @@ import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from tqdm import tqdm
 
 from genserve.bench import report
+from genserve.bench.bench_config import BenchConfig
 from genserve.bench.grpc_load import (
     check_loopback,
     fetch_info,
@@ -30,9 +31,6 @@ from genserve.bench.launch import LaunchedServer
 from genserve.bench.prompts import Prompt, TokenCounter, make_prefix_scenario, make_prompts
 from genserve.bench.records import RunResult
 from genserve.bench.stats import summarise
-
-if TYPE_CHECKING:
-    from genserve.bench.cli import BenchConfig
 
 # Streams per HTTP/2 connection: servers commonly cap concurrent streams at 100.
 _STREAMS_PER_CHANNEL = 64

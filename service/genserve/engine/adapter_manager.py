@@ -20,11 +20,11 @@ from pathlib import Path
 
 import structlog
 
-from genserve.config import Config
+from genserve.adapter_metrics import AdapterStats
+from genserve.model.adapter_files import read_adapter, resolve_adapter_dir
 from genserve.model.config import ModelConfig
 from genserve.step import AdapterRef
 from genserve.v1 import generate_pb2 as pb
-from genserve.worker.adapters import read_adapter, resolve_adapter_dir
 
 log = structlog.get_logger(__name__)
 
@@ -34,17 +34,6 @@ class _Resident:
     slot: int
     path: str
     in_flight: int = 0
-
-
-@dataclass(slots=True)
-class AdapterStats:
-    """Per adapter id, for metrics and Info."""
-
-    requests: int = 0
-    generated_tokens: int = 0
-    loads: int = 0
-    load_seconds: float = 0.0
-    evictions: int = 0
 
 
 def parse_lora_adapters(text: str | None) -> dict[str, str]:
@@ -99,7 +88,7 @@ class AdapterManager:
 
     async def acquire(self, adapter_id: str) -> AdapterRef:
         """Resolve, validate and pin ``adapter_id`` into a slot.  Raises
-        :class:`~genserve.worker.adapters.AdapterNotFoundError` or
+        :class:`~genserve.model.adapter_files.AdapterNotFoundError` or
         :class:`~genserve.model.lora.AdapterError`; waits while every slot is pinned."""
         path = await self._validate(adapter_id)
         self.stats.setdefault(adapter_id, AdapterStats()).requests += 1
@@ -175,18 +164,27 @@ class AdapterManager:
         return str(Path(directory).resolve())
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterSettings:
+    """The launcher's adapter flags, as the manager needs them (built by cli.py)."""
+
+    lora_adapters: str | None = None  # --lora-adapters, see parse_lora_adapters
+    default_id: str | None = None  # --adapter-id
+    source: str = "local"  # --adapter-source
+    max_active: int = 8  # --max-active-adapters
+
+
 async def start_adapters(
-    config: Config, model_config: ModelConfig, info: pb.InfoResponse
+    settings: AdapterSettings, model_config: ModelConfig, info: pb.InfoResponse
 ) -> AdapterManager:
     """The launcher's adapter manager, with ``--lora-adapters`` and ``--adapter-id``
     validated now: a bad preloaded adapter stops start-up instead of failing requests."""
-    known = parse_lora_adapters(config.lora_adapters)
     manager = AdapterManager(
         model_config,
-        known=known,
-        default_id=config.adapter_id,
-        source=config.adapter_source,
-        max_active=config.max_active_adapters,
+        known=parse_lora_adapters(settings.lora_adapters),
+        default_id=settings.default_id,
+        source=settings.source,
+        max_active=settings.max_active,
         base_model_id=info.model_id or None,
     )
     await manager.preload()

@@ -22,9 +22,9 @@ from genserve.engine.adapter_manager import AdapterManager
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import EngineCoreOutput, Scheduler
+from genserve.model.adapter_files import AdapterNotFoundError
 from genserve.step import AdapterRef, PromptLogprobs, Runner, RunnerOutput, SchedulerOutput
 from genserve.tokenizer import IncrementalDetokenizer, Tokenizer
-from genserve.worker.adapters import AdapterNotFoundError
 
 log = structlog.get_logger(__name__)
 

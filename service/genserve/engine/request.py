@@ -87,3 +87,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def stop_reason(req: Request, token_id: int) -> FinishReason | None:
+    """Why ``req`` ends with ``token_id`` just appended, or None: length first (as TGI),
+    then EOS (unless ignored), then a user-given stop token id."""
+    stopping = req.stopping
+    if req.num_output_tokens >= stopping.max_new_tokens:
+        return FinishReason.LENGTH
+    if not stopping.ignore_eos and token_id in stopping.eos_token_ids:
+        return FinishReason.EOS_TOKEN
+    if token_id in stopping.stop_token_ids:  # vLLM's stop_token_ids: a user-given stop
+        return FinishReason.STOP_SEQUENCE
+    return None

@@ -30,6 +30,14 @@ token, and ``num_computed_tokens`` advances past the accepted ones only.  Slots 
 rejected drafts lie beyond ``num_computed_tokens`` and are overwritten later.  Drafts never
 cause a preemption: without free blocks for them the request decodes one token.
 
+Parts: this module owns the queues, request states and step assembly; which waiting
+requests join a step is :mod:`~genserve.engine.admission`'s decision (with
+:mod:`~genserve.engine.adapter_cycling` for LoRAX's adapter turns, and
+:mod:`~genserve.engine.scheduler_policy` for ordering and growth estimates); what a request
+runs in a step is cut by :mod:`~genserve.engine.step_chunks`.  At ~520 lines it is the
+state machine and the step it builds, kept in one place on purpose: every change of a
+request's state happens here.
+
 Threading: one owner.  ``finish_requests`` may be called while the runner executes a step
 (the engine serialises calls onto its loop); ``schedule`` must not be called again before
 that step's ``update_from_output``.
@@ -37,21 +45,21 @@ that step's ``update_from_output``.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 
-from genserve.engine.prompt_fork import Wait, computed_prefix
-from genserve.engine.request import FinishReason, Request, RequestStatus
+from genserve.engine.adapter_cycling import AdapterCycler
+from genserve.engine.admission import Admission, choose_admissions
+from genserve.engine.request import FinishReason, Request, RequestStatus, stop_reason
 from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.engine.scheduler_output import EngineCoreOutput, SchedulerStats
 from genserve.engine.scheduler_policy import AdmissionPolicy
 from genserve.engine.speculative import DraftLengthController, NgramProposer
+from genserve.engine.step_chunks import plain_chunk, speculative_chunk
 from genserve.kv_cache.manager import KVCacheManager
 from genserve.step import (
     NewRequestData,
@@ -68,13 +76,6 @@ if TYPE_CHECKING:
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class _Admission:
-    req: Request
-    num_new_tokens: int
-    num_cached_tokens: int
 
 
 class Scheduler:
@@ -105,9 +106,7 @@ class Scheduler:
         self._draft_lengths = DraftLengthController(config.num_speculative_tokens)
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
-        # LoRA adapter cycling: when each running adapter joined the running set.
-        self._adapter_active_since: dict[str, float] = {}
-        self._yielding_adapters: set[str] = set()
+        self._cycler = AdapterCycler(config)  # LoRA adapter cycling
         self.clock: Callable[[], float] = time.monotonic  # tests substitute their own
         self._mask_filler: BitmaskFiller | None = None  # made on the first constrained step
 
@@ -287,7 +286,9 @@ class Scheduler:
             if speculate and num_new == 1:
                 # Blocks for the drafts must leave one free for every request after this
                 # one, or drafts could force a preemption later in this loop.
-                spec_chunk = self._speculative_chunk(req, len(self._running) - i - 1)
+                spec_chunk = speculative_chunk(
+                    req, self.kv, self._proposer, self._draft_lengths, len(self._running) - i - 1
+                )
                 if spec_chunk is not None:
                     chunks.append(spec_chunk)
                     i += 1
@@ -302,7 +303,7 @@ class Scheduler:
                 break  # it preempted itself: it was the newest, nothing follows
             if num_new > 1:
                 budget -= num_new
-            chunks.append(self._chunk(req, num_new))
+            chunks.append(plain_chunk(req, num_new, self.kv))
             i += 1
 
         admitted = False
@@ -360,54 +361,13 @@ class Scheduler:
             return remaining if remaining <= budget else 0
         return min(remaining, self.config.max_chunk_tokens, budget)
 
-    def _speculative_chunk(self, req: Request, num_reserved_blocks: int) -> ScheduledChunk | None:
-        """The decode chunk of ``req`` with draft tokens, its slots allocated; None when it
-        gets no drafts (penalties, nothing matched, or fewer than ``num_reserved_blocks``
-        blocks would stay free)."""
-        p = req.sampling
-        if p.uses_penalties:
-            return None  # penalties change with every accepted token: verify rows would differ
-        if req.grammar is not None:
-            return None  # structured output: the mask depends on each accepted token
-        # The token sampled after the last accepted draft counts against max_new_tokens too.
-        room = req.stopping.max_new_tokens - req.num_output_tokens - 1
-        max_drafts = min(self._draft_lengths.allowed(req.req_id), room)
-        if max_drafts <= 0:
-            return None
-        drafts = self._proposer.propose(
-            req.req_id, req.prompt_token_ids, req.output_token_ids, max_drafts
-        )
-        if not drafts:
-            return None
-        if self.kv.allocate_slots(req, 1 + len(drafts), (), num_reserved_blocks) is None:
-            return None
-        start = req.num_computed_tokens
-        return ScheduledChunk(
-            req_id=req.req_id,
-            token_ids=_token_slice(req, start, start + 1) + drafts,
-            start_pos=start,
-            block_ids=self.kv.block_ids(req.req_id),
-            sample=True,
-            num_draft_tokens=len(drafts),
-        )
-
-    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
-        start = req.num_computed_tokens
-        end = start + num_new
-        return ScheduledChunk(
-            req_id=req.req_id,
-            token_ids=_token_slice(req, start, end),
-            start_pos=start,
-            block_ids=self.kv.block_ids(req.req_id),
-            sample=end == req.num_tokens,
-        )
-
     # ---- admission ------------------------------------------------------------------------
 
     def _admit(
         self, budget: int, chunks: list[ScheduledChunk], new_requests: list[NewRequestData]
     ) -> int:
-        """Admit waiting requests into this step; returns the tokens scheduled for them."""
+        """Admit waiting requests into this step (admission.py); returns the tokens scheduled
+        for them."""
         cfg = self.config
         min_batch = self._policy.min_new_batch(len(self._running))
         if min_batch is not None and len(self._waiting) < min_batch:
@@ -416,96 +376,25 @@ class Scheduler:
         slots = len(self._waiting)
         if cfg.max_num_running is not None:
             slots = min(slots, cfg.max_num_running - len(self._running))
-        # KV headroom for the growth of the running (and just admitted) requests.
-        reserve_tokens = sum(self._policy.growth_estimate(r) for r in self._running)
-        admissions: list[_Admission] = []
         adapters = {r.adapter.adapter_id for r in self._running if r.adapter is not None}
-        cycled_out = self._cycled_out_adapters(adapters)
-        for req in self._waiting:
-            if len(admissions) >= slots or budget <= 0:
-                break
-            if req.adapter is not None and req.adapter.adapter_id in cycled_out:
-                continue  # its turn is over while another adapter waits: let it drain
-            if req.adapter is not None and req.adapter.adapter_id not in adapters:
-                if cfg.max_loras_per_batch is not None and (
-                    len(adapters) >= cfg.max_loras_per_batch
-                ):
-                    # Head-of-line, not skip-ahead: later requests of running adapters
-                    # would otherwise keep this adapter waiting forever.
-                    break
-                adapters.add(req.adapter.adapter_id)
-            prefix = computed_prefix(req, self._requests, self.kv)  # best_of / n forks
-            if isinstance(prefix, Wait):
-                break  # head of line: its leader's prompt is not computed yet
-            computed_blocks, num_cached = prefix
-            remaining = req.num_tokens - num_cached
-            if cfg.chunked_prefill_enabled:
-                num_new = min(remaining, cfg.max_chunk_tokens, budget)
-            else:
-                # Whole prompts.  One oversized prompt may still go alone in a step, or a
-                # recomputation longer than the budget could never be readmitted.
-                num_new = remaining
-                if num_new > budget and budget < cfg.max_batch_prefill_tokens:
-                    break
-            busy = bool(self._running) or bool(admissions)
-            reserve = self.kv.num_blocks_for(math.ceil(reserve_tokens)) if busy else 0
-            if self.kv.allocate_slots(req, num_new, computed_blocks, reserve) is None:
-                break
-            admissions.append(_Admission(req, num_new, num_cached))
-            budget -= num_new
-            reserve_tokens += self._policy.growth_estimate(req)
-        if min_batch is not None and len(admissions) < min_batch:
-            for adm in admissions:  # TGI: too small a batch is not worth pausing the others
-                self.kv.free(adm.req, keep_block_hashes=True)
-            return 0
+        admissions = choose_admissions(
+            self._waiting,
+            self._running,
+            self._requests,
+            self.kv,
+            self._policy,
+            cfg,
+            budget=budget,
+            num_slots=slots,
+            cycled_out=self._cycler.cycled_out(adapters, self._waiting, self.clock()),
+            min_batch=min_batch,
+        )
         for adm in admissions:
             self._start_running(adm, chunks, new_requests)
         return sum(adm.num_new_tokens for adm in admissions)
 
-    def _cycled_out_adapters(self, running: set[str]) -> set[str]:
-        """LoRAX's ``--adapter-cycle-time-s``: adapters whose waiting requests are skipped.
-
-        When ``max_loras_per_batch`` is reached and requests of another adapter are kept
-        out by it, each adapter that has been running for longer than the cycle time
-        (oldest first, at most one per adapter kept out) *yields*: it takes no new
-        requests, its running ones finish, and its place goes to a waiting adapter.  It
-        keeps yielding until no adapter is kept out any more (every one that waited got in),
-        then queues again like any other; its clock restarts when it runs again."""
-        now = self.clock()
-        since = self._adapter_active_since
-        for adapter_id in list(since):
-            if adapter_id not in running:
-                del since[adapter_id]
-        for adapter_id in running:
-            since.setdefault(adapter_id, now)
-        yielding = self._yielding_adapters
-        cap = self.config.max_loras_per_batch
-        kept_out = {
-            r.adapter.adapter_id
-            for r in self._waiting
-            if r.adapter is not None
-            and r.adapter.adapter_id not in running
-            and r.adapter.adapter_id not in yielding
-        }
-        if cap is None or not kept_out:
-            yielding.clear()
-            return yielding
-        if len(running) >= cap:
-            budget = len(kept_out) - len(yielding & running)
-            expired = sorted(
-                (t, adapter_id)
-                for adapter_id, t in since.items()
-                if adapter_id not in yielding and now - t >= self.config.adapter_cycle_time_s
-            )
-            for _, adapter_id in expired[: max(0, budget)]:
-                log.info(
-                    "adapter_cycled_out", adapter_id=adapter_id, active_s=now - since[adapter_id]
-                )
-                yielding.add(adapter_id)
-        return yielding
-
     def _start_running(
-        self, adm: _Admission, chunks: list[ScheduledChunk], new_requests: list[NewRequestData]
+        self, adm: Admission, chunks: list[ScheduledChunk], new_requests: list[NewRequestData]
     ) -> None:
         req = adm.req
         self._waiting.remove(req)
@@ -531,7 +420,7 @@ class Scheduler:
             )
         )
         self._runner_known.add(req.req_id)
-        chunks.append(self._chunk(req, adm.num_new_tokens))
+        chunks.append(plain_chunk(req, adm.num_new_tokens, self.kv))
 
     # ---- results --------------------------------------------------------------------------
 
@@ -575,7 +464,7 @@ class Scheduler:
                 kept += 1
                 if req.grammar is not None and not req.grammar.accept(token.token_id):
                     log.warning("grammar_rejected_token", req_id=req.req_id, token=token.token_id)
-                reason = _stop_reason(req, token.token_id)
+                reason = stop_reason(req, token.token_id)
                 if reason is not None:
                     break  # tokens after a stop are dropped
             if chunk.num_draft_tokens:
@@ -635,24 +524,3 @@ class Scheduler:
             return logprobs
         skip = first_new - logprobs.first_pos
         return PromptLogprobs(req.req_id, first_new, logprobs.logprobs[skip:])
-
-
-def _stop_reason(req: Request, token_id: int) -> FinishReason | None:
-    stopping = req.stopping
-    if req.num_output_tokens >= stopping.max_new_tokens:
-        return FinishReason.LENGTH
-    if not stopping.ignore_eos and token_id in stopping.eos_token_ids:
-        return FinishReason.EOS_TOKEN
-    if token_id in stopping.stop_token_ids:  # vLLM's stop_token_ids: a user-given stop
-        return FinishReason.STOP_SEQUENCE
-    return None
-
-
-def _token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
-    """``req.all_token_ids[start:end]`` without concatenating the whole sequence."""
-    num_prompt = req.num_prompt_tokens
-    if start >= num_prompt:
-        return tuple(req.output_token_ids[start - num_prompt : end - num_prompt])
-    if end <= num_prompt:
-        return tuple(req.prompt_token_ids[start:end])
-    return tuple(req.prompt_token_ids[start:]) + tuple(req.output_token_ids[: end - num_prompt])

@@ -9,6 +9,9 @@ or after its ``num_computed_tokens``, which never lies inside a reused block; so
 is never written.  That is also why a cache hit always leaves the last token of the sequence
 to compute: its logits are needed, and its position may sit in the last full block.
 
+The manager never sees the engine's request type: it reads a sequence through
+:class:`KVSequence`, the few fields it needs (the engine's ``Request`` has them).
+
 Pure Python; no torch.
 """
 
@@ -16,9 +19,44 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from genserve.engine.request import Request
 from genserve.kv_cache.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+
+
+class _PromptLogprobs(Protocol):
+    @property
+    def prompt_logprobs(self) -> bool:
+        """True: every prompt position's logits are wanted, so no prefix may be reused."""
+        ...
+
+
+class KVSequence(Protocol):
+    """What the manager reads of a sequence it holds blocks for."""
+
+    @property
+    def req_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens, in order: what the block hashes cover."""
+        ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Leading tokens whose KV is written (blocks up to there may be cached)."""
+        ...
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Mixed into every block hash: sequences with different salts never share KV."""
+        ...
+
+    @property
+    def sampling(self) -> _PromptLogprobs: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +131,7 @@ class KVCacheManager:
 
     # ---- prefix cache ---------------------------------------------------------------------
 
-    def _block_hashes(self, req: Request, num_blocks: int) -> list[BlockHash]:
+    def _block_hashes(self, req: KVSequence, num_blocks: int) -> list[BlockHash]:
         """The request's block hashes, computed up to ``num_blocks`` full blocks."""
         hashes = self._req_hashes.setdefault(req.req_id, [])
         if len(hashes) < num_blocks:
@@ -107,7 +145,7 @@ class KVCacheManager:
                 )
         return hashes
 
-    def _lookup(self, req: Request) -> list[KVBlock]:
+    def _lookup(self, req: KVSequence) -> list[KVBlock]:
         if not self.enable_prefix_caching or req.sampling.prompt_logprobs:
             return []
         # num_tokens - 1: the last token is always computed, for its logits.
@@ -120,7 +158,7 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, req: KVSequence) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of ``req``'s sequence: ``(blocks, num_computed_tokens)``.
 
         For a request that owns no blocks yet.  Leaves at least the last token to compute;
@@ -136,12 +174,12 @@ class KVCacheManager:
         self._pending_lookup = (req.req_id, req.num_tokens, num_computed)
         return hits, num_computed
 
-    def peek_num_cached_tokens(self, req: Request) -> int:
+    def peek_num_cached_tokens(self, req: KVSequence) -> int:
         """Like :meth:`get_computed_blocks` but only the token count and without statistics
         (for ordering the waiting queue)."""
         return len(self._lookup(req)) * self.block_size
 
-    def cache_blocks(self, req: Request) -> None:
+    def cache_blocks(self, req: KVSequence) -> None:
         """Register the request's full blocks whose KV is computed (below
         ``req.num_computed_tokens``) in the prefix cache.  Call after each step's results."""
         if not self.enable_prefix_caching:
@@ -170,7 +208,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        req: Request,
+        req: KVSequence,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
         num_reserved_blocks: int = 0,
@@ -207,7 +245,7 @@ class KVCacheManager:
         self._req_blocks.setdefault(req.req_id, []).extend(new_blocks)
         return new_blocks
 
-    def free(self, req: Request, *, keep_block_hashes: bool = False) -> None:
+    def free(self, req: KVSequence, *, keep_block_hashes: bool = False) -> None:
         """Return all of ``req``'s blocks.  Full computed blocks stay hashed on the LRU free
         list (tail blocks are evicted first).  ``keep_block_hashes`` keeps the request's
         token hashes for a later lookup (preemption); otherwise everything about the request

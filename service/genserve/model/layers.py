@@ -12,6 +12,10 @@ padded.  Linear layers follow the Megatron split:
 Each layer loads its own shard from a :class:`~genserve.model.weights.WeightSource`, reading
 only its rows or columns.  At world size 1 the shards are the whole tensors and the
 collectives are no-ops.
+
+A little over ~500 lines: it holds the norm, the rotary embedding and the parallel linear
+layers; moving them into separate parts is the "models as parts" work (DESIGN.md, wave 3),
+left to it so that the module is not rewritten twice.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""genserve.v1.TextGenerationService: protobuf ↔ engine, streaming, cancellation, status codes.
+"""genserve.v1.TextGenerationService: the RPCs, admission, streaming, cancellation, status codes.
 
-Thin by design: validation lives in ``validation``, generation in the engine.  Every way a
-call can end maps to one gRPC status with a message a person can act on."""
+Thin by design: each RPC converts its request in one call (server/conversion/), admits the
+sequences, awaits the engine and hands the outputs to a renderer (server/generate_render.py,
+server/chat_render.py).  Every way a call can end maps to one gRPC status with a message a
+person can act on."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -17,36 +18,24 @@ import structlog
 
 from genserve.chat_template import ChatRenderer
 from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
-from genserve.engine.grammar_spec import GrammarError
-from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
+from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason
+from genserve.model.adapter_files import AdapterNotFoundError
 from genserve.model.lora import AdapterError
-from genserve.server import best_of, chat
-from genserve.server.grammar_params import GrammarUnsupportedError, attach_grammar
+from genserve.server.chat_render import ChatStreamAssembler, chat_response
+from genserve.server.conversion.convert import Conversion, RequestConverter
+from genserve.server.conversion.errors import RequestError
+from genserve.server.conversion.limits import Limits
+from genserve.server.generate_render import Collected, generate_response, stream_message
 from genserve.server.observe import RequestObserver, bind_call
-from genserve.server.param_validation import prompt_inputs, stop_token_id
-from genserve.server.validation import (
-    Limits,
-    UnsupportedError,
-    ValidationError,
-    validate,
-    validate_batch_size,
-)
 from genserve.tokenizer import Tokenizer
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
-from genserve.worker.adapters import AdapterNotFoundError
 
 if TYPE_CHECKING:
     from genserve.engine.grammar import GrammarCompiler
 
 log = structlog.get_logger(__name__)
-
-_FINISH_REASONS = {
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
-    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
-}
 
 
 class _CallFailed(Exception):
@@ -54,22 +43,6 @@ class _CallFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-@dataclass(slots=True)
-class _Collected:
-    """A unary result assembled from the token stream."""
-
-    tokens: list[TokenInfo] = field(default_factory=list)
-    top_tokens: list[tuple[TokenInfo, ...]] = field(default_factory=list)
-    final: FinalInfo | None = None
-
-
-def _token_pb(t: TokenInfo) -> pb.Token:
-    msg = pb.Token(id=t.token_id, text=t.text, special=t.special)
-    if t.logprob is not None:
-        msg.logprob = t.logprob
-    return msg
 
 
 def _request_id(context: grpc.aio.ServicerContext) -> str:
@@ -101,10 +74,20 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
 
     def __init__(self, observer: RequestObserver | None = None) -> None:
         self._serving: Serving | None = None
+        self._converter: RequestConverter | None = None
         self._in_flight = 0
         self.observer = observer or RequestObserver()  # metrics, spans, request log lines
 
     def attach(self, serving: Serving) -> None:
+        self._converter = RequestConverter(
+            tokenizer=serving.tokenizer,
+            limits=serving.limits,
+            observer=self.observer,
+            grammars=serving.grammars,
+            chat_renderer=serving.chat,
+            served_model_name=serving.info.served_model_name,
+            model_id=serving.info.model_id,
+        )
         self._serving = serving
 
     @property
@@ -117,6 +100,20 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         return self._serving
 
     # ------------------------------------------------------------------ helpers
+    async def _convert(
+        self, convert: Callable[[RequestConverter], Awaitable[Conversion]]
+    ) -> Conversion:
+        """Convert the request (server/conversion/) and admit its sequences; raises
+        _CallFailed with the status the refusal names."""
+        self._require()
+        assert self._converter is not None
+        try:
+            conv = await convert(self._converter)
+        except RequestError as exc:
+            raise _CallFailed(exc.status, str(exc)) from None
+        self._admit(len(conv.sequences))
+        return conv
+
     def _admit(self, num_sequences: int) -> None:
         serving = self._require()
         if not serving.engine.is_ready:
@@ -131,49 +128,6 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 f"Model is overloaded: {self._in_flight} sequences in flight, limit "
                 f"{limit} (--max-concurrent-requests); retry later",
             )
-
-    def _validate(
-        self,
-        req_id: str,
-        text: str,
-        params: pb.GenerateParameters,
-        prompt_ids: tuple[int, ...] | None = None,
-    ) -> GenerationRequest:
-        serving = self._require()
-        try:
-            return self.observer.validate(
-                req_id,
-                text,
-                lambda: validate(
-                    req_id, text, params, serving.tokenizer, serving.limits, prompt_ids=prompt_ids
-                ),
-            )
-        except ValidationError as exc:
-            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except UnsupportedError as exc:
-            raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
-
-    def _prompts(
-        self, texts: Sequence[str], id_lists: Sequence[Sequence[int]]
-    ) -> list[tuple[str, tuple[int, ...] | None]]:
-        """``inputs`` or ``input_ids`` (never both) as ``(text, ids or None)`` per prompt."""
-        serving = self._require()
-        vocab = serving.limits.vocab_size or serving.tokenizer.vocab_size
-        try:
-            return prompt_inputs(texts, id_lists, serving.tokenizer, vocab)
-        except ValidationError as exc:
-            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-
-    async def _with_grammar(
-        self, req: GenerationRequest, params: pb.GenerateParameters
-    ) -> GenerationRequest:
-        """Compile the request's grammar (off the event loop, cached) before it is queued."""
-        try:
-            return await attach_grammar(req, params, self._require().grammars)
-        except GrammarError as exc:
-            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except GrammarUnsupportedError as exc:
-            raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
 
     def _failure_for(self, final: FinalInfo) -> _CallFailed | None:
         if final.finish_reason is FinishReason.ERROR:
@@ -201,7 +155,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         except AdapterError as exc:
             raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
-    async def _collect_all(self, reqs: list[GenerationRequest]) -> list[_Collected]:
+    async def _collect_all(self, reqs: tuple[GenerationRequest, ...]) -> list[Collected]:
         """Generate admitted sequences concurrently (counted in flight meanwhile); raises the
         first _CallFailed.  A TaskGroup cancels the sibling sequences when one fails or the
         call is cancelled, so none keeps generating for a caller that is gone."""
@@ -218,8 +172,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             raise failure
         return [t.result() for t in tasks]
 
-    async def _collect(self, req: GenerationRequest) -> _Collected:
-        collected = _Collected()
+    async def _collect(self, req: GenerationRequest) -> Collected:
+        collected = Collected()
         async for out in self._stream(req):
             if out.token is not None:
                 collected.tokens.append(out.token)
@@ -228,193 +182,32 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 collected.final = out.final
         return collected
 
-    def _details(
-        self, req: GenerationRequest, collected: _Collected, params: pb.GenerateParameters
-    ) -> pb.Details:
-        final = collected.final
-        assert final is not None
-        details = pb.Details(
-            finish_reason=_FINISH_REASONS.get(final.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-            generated_tokens=final.num_generated_tokens,
-            input_length=final.num_prompt_tokens,
-            cached_tokens=final.num_cached_tokens,
-            prefill=[_token_pb(t) for t in final.prefill],
-            tokens=[_token_pb(t) for t in collected.tokens],
-        )
-        if req.seed is not None:
-            details.seed = req.seed
-        last = collected.tokens[-1].token_id if collected.tokens else None
-        if (stop_id := stop_token_id(req, final, last)) is not None:
-            details.stop_token_id = stop_id
-        if params.HasField("top_n_tokens") and params.top_n_tokens > 0:
-            details.top_tokens.extend(
-                pb.TopTokens(tokens=[_token_pb(t) for t in top]) for top in collected.top_tokens
-            )
-        return details
-
     # ------------------------------------------------------------------ RPCs
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
         try:
-            limits = self._require().limits
-            validate_batch_size(len(request.inputs) or len(request.input_ids), limits)
-            prompts = self._prompts(request.inputs, [t.ids for t in request.input_ids])
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            conv = await self._convert(lambda c: c.generate(request, _request_id(context)))
+            results = await self._collect_all(conv.sequences)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
-        base_id = _request_id(context)
-        params = request.parameters
-        num = len(prompts)
-        try:
-            reqs = [
-                self._validate(base_id if num == 1 else f"{base_id}-{i}", text, params, ids)
-                for i, (text, ids) in enumerate(prompts)
-            ]
-            reqs = [await self._with_grammar(r, params) for r in reqs]
-            count = best_of.num_sequences(params, limits, not reqs[0].sampling.greedy)
-            seqs = [s for r in reqs for s in best_of.fork(r, count)]
-            self._admit(len(seqs))
-        except _CallFailed as exc:
-            await context.abort(exc.code, exc.message)
-        try:
-            results = await self._collect_all(seqs)
-        except _CallFailed as exc:
-            await context.abort(exc.code, exc.message)
-        if count > 1:
-            return self._parallel_response(prompts, seqs, results, params, count)
-        response = pb.GenerateResponse()
-        for (text, _), req, collected in zip(prompts, reqs, results, strict=True):
-            assert collected.final is not None
-            generated = collected.final.generated_text
-            result = pb.GenerateResult(
-                generated_text=text + generated if params.return_full_text else generated
-            )
-            if params.details or params.decoder_input_details:
-                result.details.CopyFrom(self._details(req, collected, params))
-            response.results.append(result)
-        return response
-
-    def _parallel_response(
-        self,
-        prompts: list[tuple[str, tuple[int, ...] | None]],
-        seqs: list[GenerationRequest],
-        results: list[_Collected],
-        params: pb.GenerateParameters,
-        count: int,
-    ) -> pb.GenerateResponse:
-        """best_of / n (server/best_of.py): per input, ``n`` results (the best first with
-        best_of, else in sequence order); the rest go to ``details.best_of_sequences``."""
-        n = params.n if params.HasField("n") else 1
-        want_details = params.details or params.decoder_input_details
-        response = pb.GenerateResponse()
-        for p, (text, _) in enumerate(prompts):
-            group = range(p * count, (p + 1) * count)
-            leader = results[p * count].final
-            assert leader is not None
-            details = []
-            for i in group:
-                d = self._details(seqs[i], results[i], params)
-                if i != p * count and not d.prefill:  # followers skip prompt logprobs
-                    d.prefill.extend(_token_pb(t) for t in leader.prefill)
-                details.append(d)
-            sums = [best_of.cumulative_logprob(results[i].tokens) for i in group]
-            order = best_of.ranked(sums) if params.HasField("best_of") else list(range(count))
-            for rank, j in enumerate(order[:n]):
-                final = results[p * count + j].final
-                assert final is not None
-                generated = final.generated_text
-                result = pb.GenerateResult(
-                    generated_text=text + generated if params.return_full_text else generated
-                )
-                if want_details:
-                    result.details.CopyFrom(details[j])
-                    if rank == 0:
-                        result.details.best_of_sequences.extend(
-                            self._best_of_sequence(details[k], results[p * count + k], text, params)
-                            for k in order[n:]
-                        )
-                response.results.append(result)
-        return response
-
-    @staticmethod
-    def _best_of_sequence(
-        d: pb.Details, collected: _Collected, text: str, params: pb.GenerateParameters
-    ) -> pb.BestOfSequence:
-        final = collected.final
-        assert final is not None
-        generated = final.generated_text
-        seq = pb.BestOfSequence(
-            generated_text=text + generated if params.return_full_text else generated,
-            finish_reason=d.finish_reason,
-            generated_tokens=d.generated_tokens,
-            prefill=d.prefill,
-            tokens=d.tokens,
-            top_tokens=d.top_tokens,
-            cached_tokens=d.cached_tokens,
-        )
-        if d.HasField("seed"):
-            seq.seed = d.seed
-        return seq
+        return generate_response(conv, results)
 
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        params = request.parameters
         try:
-            try:
-                best_of.check_stream(params)
-            except ValidationError as exc:
-                raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            ((text, ids),) = self._prompts(
-                [request.inputs] if request.inputs or not request.input_ids else [],
-                [request.input_ids] if request.input_ids else [],
-            )
-            req = self._validate(_request_id(context), text, params, ids)
-            req = await self._with_grammar(req, params)
-            self._admit(1)
+            conv = await self._convert(lambda c: c.generate_stream(request, _request_id(context)))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
         self._in_flight += 1
         try:
-            async for out in self._stream(req):
-                yield self._stream_message(request, req, out, text)
+            async for out in self._stream(conv.sequences[0]):
+                yield stream_message(conv, out)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
         finally:
             self._in_flight -= 1
-
-    def _stream_message(
-        self,
-        request: pb.GenerateStreamRequest,
-        req: GenerationRequest,
-        out: TokenOutput,
-        prompt_text: str,
-    ) -> pb.GenerateStreamResponse:
-        msg = pb.GenerateStreamResponse(index=out.index)
-        if out.token is not None:
-            msg.token.CopyFrom(_token_pb(out.token))
-        msg.top_tokens.extend(_token_pb(t) for t in out.top_tokens)
-        final = out.final
-        if final is not None:
-            text = final.generated_text
-            msg.generated_text = prompt_text + text if request.parameters.return_full_text else text
-            details = pb.StreamDetails(
-                finish_reason=_FINISH_REASONS.get(
-                    final.finish_reason, pb.FINISH_REASON_UNSPECIFIED
-                ),
-                generated_tokens=final.num_generated_tokens,
-                input_length=final.num_prompt_tokens,
-                cached_tokens=final.num_cached_tokens,
-            )
-            if req.seed is not None:
-                details.seed = req.seed
-            last = out.token.token_id if out.token is not None else None
-            if (stop_id := stop_token_id(req, final, last)) is not None:
-                details.stop_token_id = stop_id
-            msg.details.CopyFrom(details)
-        return msg
 
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
@@ -462,95 +255,30 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
         )
 
     # ------------------------------------------------------------------ chat
-    def _plan_chat(
-        self, request: chat.ChatRequestPb, base_id: str
-    ) -> tuple[chat.ChatPlan, list[GenerationRequest]]:
-        """Render the conversation once; one engine request per choice (``base_id-i``)."""
-        serving = self._require()
-        try:
-            plan = chat.plan_chat(
-                request,
-                serving.chat,
-                serving.limits,
-                serving.info.served_model_name or serving.info.model_id,
-                serving.info.model_id,
-            )
-        except ValidationError as exc:
-            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except UnsupportedError as exc:
-            raise _CallFailed(grpc.StatusCode.UNIMPLEMENTED, str(exc)) from None
-        except chat.ModelNotFoundError as exc:
-            raise _CallFailed(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except chat.NoTemplateError as exc:
-            raise _CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-        num = len(plan.choice_params)
-        reqs = [
-            self._validate(
-                base_id if num == 1 else f"{base_id}-{i}",
-                plan.prompt_text,
-                params,
-                prompt_ids=plan.prompt_ids,
-            )
-            for i, params in enumerate(plan.choice_params)
-        ]
-        # Choices share the rendered prompt's KV: prefilled once (engine/prompt_fork.py).
-        reqs[1:] = [dataclasses.replace(r, fork_of=reqs[0].req_id) for r in reqs[1:]]
-        return plan, reqs
-
-    async def _plan_chat_with_grammar(
-        self, request: pb.ChatRequest | pb.ChatStreamRequest, base_id: str
-    ) -> tuple[chat.ChatPlan, list[GenerationRequest]]:
-        plan, reqs = self._plan_chat(request, base_id)
-        reqs = [
-            await self._with_grammar(r, p) for r, p in zip(reqs, plan.choice_params, strict=True)
-        ]
-        return plan, reqs
-
     async def Chat(
         self, request: pb.ChatRequest, context: grpc.aio.ServicerContext
     ) -> pb.ChatResponse:
         base_id = _request_id(context)
         try:
-            plan, reqs = await self._plan_chat_with_grammar(request, base_id)
-            self._admit(len(reqs))
+            conv = await self._convert(lambda c: c.chat(request, base_id))
+            results = await self._collect_all(conv.sequences)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
-        try:
-            results = await self._collect_all(reqs)
-        except _CallFailed as exc:
-            await context.abort(exc.code, exc.message)
-        tokenizer = self._require().tokenizer
-        response = pb.ChatResponse(id=f"chatcmpl-{base_id}", model=plan.model, created=plan.created)
-        finals: list[FinalInfo] = []
-        for index, collected in enumerate(results):
-            final = collected.final
-            assert final is not None
-            finals.append(final)
-            choice = pb.ChatChoice(
-                index=index,
-                message=pb.ChatMessage(role="assistant", content=final.generated_text),
-                finish_reason=chat.finish_reason(final),
-            )
-            if plan.logprobs:
-                choice.logprobs.extend(
-                    chat.token_logprob(t, top, tokenizer, plan.num_top_logprobs)
-                    for t, top in zip(collected.tokens, collected.top_tokens, strict=True)
-                )
-            response.choices.append(choice)
-        response.usage.CopyFrom(chat.usage(plan, finals))
-        return response
+        assert conv.chat is not None
+        return chat_response(conv.chat, base_id, results, self._require().tokenizer)
 
     async def ChatStream(
         self, request: pb.ChatStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ChatStreamResponse]:
         base_id = _request_id(context)
         try:
-            plan, reqs = await self._plan_chat_with_grammar(request, base_id)
-            self._admit(len(reqs))
+            conv = await self._convert(lambda c: c.chat(request, base_id))
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
+        assert conv.chat is not None
+        reqs = conv.sequences
         self._in_flight += len(reqs)
-        tokenizer = self._require().tokenizer
+        assembler = ChatStreamAssembler(conv.chat, base_id, self._require().tokenizer)
         # Choices generate concurrently; their outputs meet in one queue, in arrival order.
         queue: asyncio.Queue[tuple[int, TokenOutput | None] | _CallFailed] = asyncio.Queue()
 
@@ -563,7 +291,6 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 queue.put_nowait(exc)
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-        finals: list[FinalInfo | None] = [None] * len(reqs)
         try:
             remaining = len(reqs)
             while remaining:
@@ -575,24 +302,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
                 if out is None:
                     remaining -= 1
                     continue
-                msg = pb.ChatStreamResponse(
-                    id=f"chatcmpl-{base_id}", model=plan.model, created=plan.created, index=index
-                )
-                if out.token is not None:
-                    msg.delta = out.token.text
-                    msg.token.CopyFrom(chat.token_pb(out.token, tokenizer, plan.logprobs))
-                    if plan.num_top_logprobs:
-                        msg.top_logprobs.extend(
-                            chat.token_pb(t, tokenizer, True)
-                            for t in out.top_tokens[: plan.num_top_logprobs]
-                        )
-                if out.final is not None:
-                    finals[index] = out.final
-                    msg.finish_reason = chat.finish_reason(out.final)
-                    if all(f is not None for f in finals):
-                        done = [f for f in finals if f is not None]
-                        msg.usage.CopyFrom(chat.usage(plan, done))
-                yield msg
+                yield assembler.message(index, out)
         finally:
             # The caller is gone or the call failed: stop every choice (their KV is freed).
             for task in tasks:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
 
-from genserve.config import Config
 from genserve.model.loader import ResolvedModel
 from genserve.step import RunnerOutput, SchedulerOutput
 from genserve.worker.model_runner import ModelRunner
@@ -172,9 +173,23 @@ class ShardedModelRunner(ModelRunner):
                 self._lock.release()
 
 
+@dataclass(frozen=True, slots=True)
+class ShardSettings:
+    """The launcher's flags a tensor-parallel group needs (built by cli.py)."""
+
+    master_addr: str  # --master-addr: the rendezvous of torch.distributed
+    master_port: int  # --master-port
+    cuda_memory_fraction: float
+    cpu_memory_fraction: float
+    json_output: bool  # the workers log as rank 0 does
+    trust_remote_code: bool
+    kernel_cache_dir: Path  # where the CPU kernels are built (shared by the ranks)
+    cpu_kernels: bool  # False: --disable-cpu-kernels
+
+
 def launch_sharded_runner(
     model: ResolvedModel,
-    config: Config,
+    settings: ShardSettings,
     num_shard: int,
     dtype_name: str,
     on_failure: Callable[[str], None],
@@ -191,17 +206,17 @@ def launch_sharded_runner(
         torch.set_num_threads(num_threads)
     spec = WorkerSpec(
         world_size=num_shard,
-        master_addr=config.master_addr,
-        master_port=config.master_port,
+        master_addr=settings.master_addr,
+        master_port=settings.master_port,
         model_dir=str(model.local_dir),
         model_id=model.model_id,
         dtype=dtype_name,
-        memory_fraction=config.cuda_memory_fraction if on_cuda else config.cpu_memory_fraction,
+        memory_fraction=settings.cuda_memory_fraction if on_cuda else settings.cpu_memory_fraction,
         num_threads=num_threads,
-        json_output=config.json_output,
-        trust_remote_code=config.trust_remote_code,
-        kernel_cache_dir=str(config.genserve_cache / "kernels"),
-        cpu_kernels=not config.disable_cpu_kernels,
+        json_output=settings.json_output,
+        trust_remote_code=settings.trust_remote_code,
+        kernel_cache_dir=str(settings.kernel_cache_dir),
+        cpu_kernels=settings.cpu_kernels,
         rope_scaling=model.rope_scaling,
         rope_factor=model.rope_factor,
         quantize=model.quantize,
@@ -210,7 +225,7 @@ def launch_sharded_runner(
     processes = ShardProcesses(spec, on_failure)
     try:
         device = rank_device(0, on_cuda)
-        group = init_shard_group(0, num_shard, config.master_addr, config.master_port, device)
+        group = init_shard_group(0, num_shard, settings.master_addr, settings.master_port, device)
         runner = ShardedModelRunner(
             model,
             getattr(torch, dtype_name),
@@ -218,7 +233,7 @@ def launch_sharded_runner(
             group,
             processes,
             spec.memory_fraction,
-            config.trust_remote_code,
+            settings.trust_remote_code,
         )
     except BaseException:
         processes.stop(timeout_s=0.0)

@@ -9,13 +9,11 @@ every index into the logits and the embedding table valid."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from genserve.engine.outputs import FinalInfo, GenerationRequest
-from genserve.engine.request import FinishReason
-from genserve.server.validation import ValidationError
-from genserve.tokenizer import Tokenizer
+from genserve.engine.outputs import GenerationRequest
+from genserve.server.conversion.errors import ValidationError
 from genserve.v1 import generate_pb2 as pb
 
 # OpenAI's (and vLLM's) range for a logit bias.
@@ -117,36 +115,3 @@ class ExtraParams:
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
-
-
-def prompt_inputs(
-    texts: Sequence[str],
-    id_lists: Sequence[Sequence[int]],
-    tokenizer: Tokenizer,
-    vocab_size: int,
-) -> list[tuple[str, tuple[int, ...] | None]]:
-    """The prompts of a call given as ``inputs`` (text) or ``input_ids`` (token ids), never
-    both: ``(text, ids)`` each, ``ids`` None for text.  A token-id prompt's text (for
-    ``return_full_text`` and request logs) is its decoding, special tokens included."""
-    if texts and id_lists:
-        raise ValidationError("give either `inputs` (text) or `input_ids` (token ids), not both")
-    if not id_lists:
-        return [(text, None) for text in texts]
-    prompts: list[tuple[str, tuple[int, ...] | None]] = []
-    for ids in id_lists:
-        checked = check_input_ids(ids, vocab_size)
-        prompts.append((tokenizer.decode(checked, skip_special_tokens=False), checked))
-    return prompts
-
-
-def stop_token_id(
-    req: GenerationRequest, final: FinalInfo, last_token_id: int | None
-) -> int | None:
-    """The stop_token_ids entry that ended ``req`` (Details.stop_token_id), or None."""
-    if (
-        final.finish_reason is FinishReason.STOP_SEQUENCE
-        and last_token_id is not None
-        and last_token_id in req.stopping.stop_token_ids
-    ):
-        return last_token_id
-    return None

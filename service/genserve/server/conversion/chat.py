@@ -1,8 +1,10 @@
-"""Chat and ChatStream, pb side: a conversation → one rendered prompt → ``n`` engine requests
-(the same ones Generate builds), and their outputs → OpenAI-shaped replies.
+"""Chat and ChatStream, conversion side: a conversation → one rendered prompt and one
+GenerateParameters per choice (which the Generate path then turns into engine requests).
 
-The servicer owns admission, streaming and status codes; this module only checks what is
-chat-specific, renders, and builds messages."""
+Checks what is chat-specific (model name, roles, refused flags, ``n``, ``logprobs``,
+``response_format``) and renders the template.  Output assembly (choices, deltas, usage)
+is server/chat_render.py's; request-side chat features (tools offered to the model,
+``tool_choice`` as a grammar) belong here, the parsing of the model's reply there."""
 
 from __future__ import annotations
 
@@ -10,30 +12,14 @@ import time
 from dataclasses import dataclass, field
 
 from genserve.chat_template import ROLES, ChatRenderer, ChatTemplateError, NoChatTemplateError
-from genserve.engine.outputs import FinalInfo, TokenInfo
-from genserve.engine.request import FinishReason
-from genserve.server.validation import Limits, ValidationError
-from genserve.tokenizer import Tokenizer
+from genserve.server.conversion.errors import ModelNotFoundError, NoTemplateError, ValidationError
+from genserve.server.conversion.limits import Limits
 from genserve.v1 import generate_pb2 as pb
 
 # Decoding options of Generate that make no sense for a chat reply (see the proto).
 _REFUSED_FLAGS = ("details", "return_full_text", "decoder_input_details")
 
-_FINISH_REASONS = {
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
-    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
-}
-
 ChatRequestPb = pb.ChatRequest | pb.ChatStreamRequest
-
-
-class ModelNotFoundError(LookupError):
-    """The request names a model this server does not serve: NOT_FOUND (as vLLM's 404)."""
-
-
-class NoTemplateError(RuntimeError):
-    """FAILED_PRECONDITION: the server has no chat template."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +42,7 @@ def plan_chat(
     served_model_name: str,
     model_id: str,
 ) -> ChatPlan:
-    """Check and render; raises ValidationError, UnsupportedError, ModelNotFoundError or
-    NoTemplateError."""
+    """Check and render; raises ValidationError, ModelNotFoundError or NoTemplateError."""
     if request.model and request.model not in (served_model_name, model_id):
         raise ModelNotFoundError(
             f"The model `{request.model}` does not exist: this server serves "
@@ -156,38 +141,3 @@ def _message_dict(m: pb.ChatMessage) -> dict[str, str]:
     if m.tool_call_id:
         message["tool_call_id"] = m.tool_call_id
     return message
-
-
-def finish_reason(final: FinalInfo) -> pb.FinishReason:
-    return _FINISH_REASONS.get(final.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
-
-
-def token_pb(t: TokenInfo, tokenizer: Tokenizer, with_logprob: bool) -> pb.Token:
-    """The token with its own text (not the text it made final: OpenAI's logprobs list
-    tokens as the tokenizer spells them)."""
-    msg = pb.Token(id=t.token_id, text=tokenizer.token_text(t.token_id), special=t.special)
-    if with_logprob and t.logprob is not None:
-        msg.logprob = t.logprob
-    return msg
-
-
-def token_logprob(
-    t: TokenInfo, top: tuple[TokenInfo, ...], tokenizer: Tokenizer, num_top: int
-) -> pb.TokenLogprob:
-    return pb.TokenLogprob(
-        token=token_pb(t, tokenizer, True),
-        top_logprobs=[token_pb(a, tokenizer, True) for a in top[:num_top]],
-    )
-
-
-def usage(plan: ChatPlan, finals: list[FinalInfo]) -> pb.Usage:
-    """Prompt counted once (as OpenAI does for n > 1); completions summed over choices;
-    cached tokens as the first choice saw them (the prompt as counted)."""
-    prompt = len(plan.prompt_ids)
-    completion = sum(f.num_generated_tokens for f in finals)
-    return pb.Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        cached_tokens=finals[0].num_cached_tokens if finals else 0,
-    )

@@ -8,16 +8,17 @@ TGI, a ``seed`` is accepted with ``best_of``: sequence ``i`` samples with ``seed
 the sequences differ and the whole answer is reproducible.
 
 The sequences are generated as one leader request and followers that share its prompt KV
-(engine/prompt_fork.py: the prompt is prefilled once).  Ranking is by cumulative logprob of
-the generated tokens, the quantity TGI's ``best_of`` maximises.
+(engine/prompt_fork.py: the prompt is prefilled once).  Ranking the finished sequences is
+output assembly (server/generate_render.py), not conversion.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from genserve.engine.outputs import GenerationRequest, TokenInfo
-from genserve.server.validation import Limits, ValidationError
+from genserve.engine.outputs import GenerationRequest
+from genserve.server.conversion.errors import ValidationError
+from genserve.server.conversion.limits import Limits
 from genserve.v1 import generate_pb2 as pb
 
 
@@ -72,12 +73,3 @@ def fork(req: GenerationRequest, count: int) -> list[GenerationRequest]:
             )
         )
     return out
-
-
-def cumulative_logprob(tokens: list[TokenInfo]) -> float:
-    return sum(t.logprob or 0.0 for t in tokens)
-
-
-def ranked(logprob_sums: list[float]) -> list[int]:
-    """Indices of the sequences, best (highest cumulative logprob) first; stable."""
-    return sorted(range(len(logprob_sums)), key=lambda i: -logprob_sums[i])

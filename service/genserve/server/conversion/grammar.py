@@ -1,4 +1,8 @@
-"""GenerateParameters.grammar → a compiled grammar on the request, before it is queued."""
+"""GenerateParameters.grammar → a compiled grammar on the request, before it is queued.
+
+An empty or malformed grammar and one the compiler rejects are :class:`ValidationError`
+(INVALID_ARGUMENT, the compiler's message unchanged); a server started with
+--disable-grammar-support refuses any grammar with :class:`GrammarUnsupportedError`."""
 
 from __future__ import annotations
 
@@ -7,15 +11,11 @@ from typing import TYPE_CHECKING
 
 from genserve.engine.grammar_spec import GrammarError, GrammarKind, GrammarSpec
 from genserve.engine.outputs import GenerationRequest
+from genserve.server.conversion.errors import GrammarUnsupportedError, ValidationError
 from genserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
     from genserve.engine.grammar import GrammarCompiler
-
-
-class GrammarUnsupportedError(ValueError):
-    """Grammar support is off (--disable-grammar-support): answered with UNIMPLEMENTED,
-    because the request is well formed and this server instance was told not to serve it."""
 
 
 def grammar_spec(params: pb.GenerateParameters) -> GrammarSpec | None:
@@ -45,11 +45,15 @@ async def attach_grammar(
     req: GenerationRequest, params: pb.GenerateParameters, compiler: GrammarCompiler | None
 ) -> GenerationRequest:
     """``req`` with its compiled grammar (cached by text, compiled off the event loop)."""
-    spec = grammar_spec(params)
-    if spec is None:
-        return req
-    if compiler is None:
-        raise GrammarUnsupportedError(
-            "structured output (`grammar`) is disabled on this server (--disable-grammar-support)"
-        )
-    return dataclasses.replace(req, grammar=await compiler.compile(spec))
+    try:
+        spec = grammar_spec(params)
+        if spec is None:
+            return req
+        if compiler is None:
+            raise GrammarUnsupportedError(
+                "structured output (`grammar`) is disabled on this server "
+                "(--disable-grammar-support)"
+            )
+        return dataclasses.replace(req, grammar=await compiler.compile(spec))
+    except GrammarError as exc:
+        raise ValidationError(str(exc)) from None

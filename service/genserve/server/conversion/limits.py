@@ -1,0 +1,18 @@
+"""The per-call limits a request is checked against (TGI's router flags), set by the launcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_best_of: int
+    max_stop_sequences: int
+    max_top_n_tokens: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_client_batch_size: int
+    vocab_size: int = 0  # the model's logits width; 0: the tokenizer's vocabulary size
+    watermark_gamma: float = 0.5  # --watermark-gamma
+    watermark_delta: float = 2.0  # --watermark-delta
