@@ -57,7 +57,6 @@ ABLATIONS: list[tuple[str, str, Ablation]] = [
     ("gemma3", "local rotary base", _top(local_rope=None, layer_ropes=())),
     ("gemma3", "q/k norm", _attn(qk_norm=QKNorm.NONE)),
     ("phi3", "longrope", _plain_rope),
-    ("phi3", "partial rotary", _attn(rotary_dim=None)),
     ("granite", "residual multiplier", _block(residual_multiplier=1.0)),
     ("granite", "embedding multiplier", _top(embed_scale=1.0)),
     ("granite", "attention multiplier", _attn(scale=None)),
