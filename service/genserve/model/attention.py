@@ -70,6 +70,11 @@ class AttentionMetadata(Protocol):
         backend's layout on CPU with the kernels loaded), else None (call ``write_kv``)."""
         ...
 
+    def sequence_lengths(self) -> torch.Tensor:
+        """``[num_tokens]``: for each token, its sequence's length once this step is done
+        (the context rotary kinds that depend on it see: dynamic NTK, longrope)."""
+        ...
+
     def attend(
         self,
         q: torch.Tensor,
@@ -170,6 +175,12 @@ class TorchAttentionMetadata:
     def fused_kv_slots(self) -> torch.Tensor | None:
         # The CPU kernels' layout is this one: [2, kv_heads, blocks, block_size, head_dim].
         return self.slots if self.use_cpu_kernel else None
+
+    def sequence_lengths(self) -> torch.Tensor:
+        ends = [self.decode_context_lens]
+        for p in self.prefills:
+            ends.append(torch.full((p.num_tokens,), p.start_pos + p.num_tokens, device=self.device))
+        return torch.cat(ends)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # kv_cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [T, kv_heads, hd]
@@ -411,6 +422,10 @@ class FlashAttentionMetadata:
     @property
     def fused_kv_slots(self) -> torch.Tensor | None:
         return None  # a CUDA layout: write_kv stores K/V
+
+    def sequence_lengths(self) -> torch.Tensor:
+        q_lens = self.cu_seqlens_q.diff().long()
+        return torch.repeat_interleave(self.cu_seqlens_k.diff().long(), q_lens)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]

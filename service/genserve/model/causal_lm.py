@@ -51,6 +51,7 @@ class DecoderForCausalLM(nn.Module):
         rotaries = [RotaryEmbedding(rope, config.head_dim, device, rotary_dim) for rope in ropes]
         self.rotaries = nn.ModuleList(rotaries)
         self._rotaries = rotaries  # typed view
+        self._needs_lengths = any(r.needs_lengths for r in rotaries)
         # Per layer, its rotary embedding's index; a no-rope layer's is one past the last.
         self._layer_tables = [
             len(rotaries) if i is None else i
@@ -73,10 +74,11 @@ class DecoderForCausalLM(nn.Module):
         return self._rotaries[0]
 
     def _angles(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the cos/sin it rotates by (shared objects: computed once per step)."""
-        tables = [r.cos_sin(positions, dtype) for r in self._rotaries]
+        lengths = meta.sequence_lengths() if self._needs_lengths else None
+        tables = [r.cos_sin(positions, dtype, lengths) for r in self._rotaries]
         if len(self._rotaries) < max(self._layer_tables) + 1:  # no-rope layers: identity
             n, d = positions.shape[0], self.config.head_dim
             tables.append(identity_cos_sin(n, d, dtype, positions.device))
@@ -95,7 +97,7 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens.forward(token_ids)
         if self.config.embed_scale != 1.0:
             x = x * self.embed_scale
-        angles = self._angles(positions, x.dtype)
+        angles = self._angles(positions, x.dtype, meta)
         if (
             self._decode_layers_fused
             and isinstance(meta, TorchAttentionMetadata)

@@ -63,11 +63,16 @@ def sequence_lengths(positions: torch.Tensor) -> torch.Tensor:
     return last[run] + 1
 
 
-def dynamic_freqs(positions: torch.Tensor, rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """``positions [num_tokens]`` → angles ``[num_tokens, head_dim // 2]`` under dynamic NTK."""
+def dynamic_freqs(
+    positions: torch.Tensor, rope: RopeConfig, head_dim: int, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``positions [num_tokens]`` → angles ``[num_tokens, head_dim // 2]`` under dynamic NTK;
+    ``lengths``: each token's sequence length (default: :func:`sequence_lengths`)."""
     max_pos = rope.params["original_max_position_embeddings"]
     factor = rope.params["factor"]
-    lengths = sequence_lengths(positions).float().clamp(min=max_pos)  # [num_tokens]
+    if lengths is None:
+        lengths = sequence_lengths(positions)
+    lengths = lengths.float().clamp(min=max_pos)  # [num_tokens]
     base = rope.theta * ((factor * lengths / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
     exponents = exponents / head_dim  # [head_dim/2], as transformers (float32 exponents)

@@ -144,28 +144,37 @@ class RotaryEmbedding(nn.Module):
             self.long_inv_freq = rope_inv_freq(rope, self.rotary_dim, long=True).to(device)
         self.scaling = attention_factor(rope)
 
-    def _freqs(self, positions: torch.Tensor) -> torch.Tensor:
+    @property
+    def needs_lengths(self) -> bool:
+        """Whether :meth:`cos_sin` depends on each token's sequence length."""
+        return self.rope.rope_type == "dynamic" or self.long_inv_freq is not None
+
+    def _freqs(self, positions: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         """Angles ``[num_tokens, rotary_dim // 2]``."""
         if self.rope.rope_type == "dynamic":  # issue #15 --rope-scaling dynamic
-            return rope_scaling.dynamic_freqs(positions, self.rope, self.rotary_dim)
+            return rope_scaling.dynamic_freqs(positions, self.rope, self.rotary_dim, lengths)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         if self.long_inv_freq is not None:
             # transformers switches to the long factors once the sequence is longer than the
             # original context; per sequence here, as a request computed alone would.
             original = self.rope.params["original_max_position_embeddings"]
-            long = rope_scaling.sequence_lengths(positions) > original
+            if lengths is None:
+                lengths = rope_scaling.sequence_lengths(positions)
+            long = lengths > original
             if bool(long.any()):
                 long_freqs = positions[:, None].float() * self.long_inv_freq[None, :]
                 freqs = torch.where(long[:, None], long_freqs, freqs)
         return freqs
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, lengths: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and *signed* ``sin`` of shape ``[num_tokens, 1, head_dim]``, computed once
         per step and shared by every layer.  The first half of ``sin`` is negated so that
-        :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``."""
-        freqs = self._freqs(positions)  # [num_tokens, rotary_dim / 2]
+        :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``.
+        ``lengths``: each token's sequence length (see :attr:`needs_lengths`; default: read
+        from the runs of consecutive positions)."""
+        freqs = self._freqs(positions, lengths)  # [num_tokens, rotary_dim / 2]
         pad = (self.head_dim - self.rotary_dim) // 2
         if pad:  # features that do not rotate: cos 1, sin 0 (see head_permutation)
             freqs = torch.cat((freqs, freqs.new_zeros(freqs.shape[0], pad)), dim=-1)
