@@ -67,7 +67,7 @@ def decode_rate(model: DecoderForCausalLM, steps: int, prompt_len: int = 32) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default="llama,qwen3,gemma,gemma2,phi3,granite,olmo2")
+    parser.add_argument("--families", default="llama,qwen3,gemma,gemma2,granite,olmo2")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
