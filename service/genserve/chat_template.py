@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROLES = frozenset({"system", "user", "assistant", "tool"})
+# "developer" is OpenAI's newer name for "system"; it is rendered as "system" (server/chat.py).
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 class ChatTemplateError(ValueError):
@@ -105,13 +106,15 @@ class ChatRenderer:
 
     def render(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> RenderedChat:
         """Raises NoChatTemplateError, or ChatTemplateError for a conversation the template
-        (or transformers) refuses."""
+        (or transformers) refuses.  ``tools`` (OpenAI's shape) go to the template's
+        ``tools`` variable."""
         if self.template is None:
             raise NoChatTemplateError(self.model_id)
         if continue_final_message and add_generation_prompt:
@@ -129,6 +132,7 @@ class ChatRenderer:
                 chat_template=self.template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=[dict(t) for t in tools] if tools else None,
                 tokenize=False,
             )
         except Exception as exc:  # jinja2 TemplateError, raise_exception(...), ValueError

@@ -32,17 +32,23 @@ from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
-from genserve.limits import LimitsError, ServingLimits, derive_limits
+from genserve.limits import LimitsError, ServingLimits, derive_limits, token_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
-from genserve.model.quantization import choose_method
+from genserve.model.fallback_options import disabled_features, restrict_for_fallback
+from genserve.model.quantization import MethodChoice, choose_method
+from genserve.model.serving_path import choose_serving_path
 from genserve.server.app import GrpcApp
+from genserve.server.chat_reply import ChatFeatures, system_fingerprint
 from genserve.server.conversion.limits import Limits
 from genserve.server.decoding import RequestDecodingInterceptor
 from genserve.server.interceptors import ObservabilityInterceptor
 from genserve.server.observe import RequestObserver
+from genserve.server.reasoning import reasoning_parser_named
 from genserve.server.security import security_interceptors, server_credentials, server_options
 from genserve.server.servicer import Serving, TextGenerationServicer
+from genserve.server.tool_calls import choose_parser
+from genserve.stray_output import capture as capture_stray_output
 from genserve.tokenizer import Tokenizer
 from genserve.tracing import configure_tracing, set_propagators
 from genserve.v1 import generate_pb2 as pb
@@ -67,6 +73,22 @@ class Loaded:
     info: pb.InfoResponse
     chat: ChatRenderer
     grammars: GrammarCompiler | None = None
+    chat_features: ChatFeatures | None = None
+    # The launcher's config as the model path allows it (genserve.model.fallback_options).
+    config: Config | None = None
+
+
+def chat_features(config: Config, template: str | None, info: pb.InfoResponse) -> ChatFeatures:
+    """--tool-call-parser / --reasoning-parser, and the fingerprint replies carry (#27)."""
+    return ChatFeatures(
+        tool_parser=choose_parser(config.tool_call_parser, template),
+        reasoning=reasoning_parser_named(config.reasoning_parser)
+        if config.reasoning_parser
+        else None,
+        system_fingerprint=system_fingerprint(
+            VERSION, info.model_id, info.model_sha, info.model_dtype
+        ),
+    )
 
 
 def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
@@ -77,6 +99,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     import torch
 
     from genserve.kernels import cpu as cpu_kernels
+    from genserve.kernels import int_dot
     from genserve.model.loader import resolve_model
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
@@ -91,7 +114,22 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         cache_dir=config.genserve_cache / "models",
         trust_remote_code=config.trust_remote_code,
     )
-    cpu_kernels.configure(config.genserve_cache / "kernels", not config.disable_cpu_kernels)
+    # Native or the transformers fallback; the fallback switches off what it cannot do.
+    serving = choose_serving_path(resolved.local_dir, config.trust_remote_code, config.model_impl)
+    log.info(
+        "serving_path",
+        architecture=serving.architecture,
+        implementation=serving.implementation,
+        reason=serving.reason,
+    )
+    config = restrict_for_fallback(config, serving)
+    # Before any weight is read: a directory without a tokenizer fails in a second.
+    tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
+    cpu_kernels.configure(
+        config.genserve_cache / "kernels",
+        not config.disable_cpu_kernels,
+        batch_invariant=config.deterministic,
+    )
     if config.disable_cpu_kernels:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
     on_cuda = torch.cuda.is_available()
@@ -104,12 +142,26 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         from_gguf=resolved.gguf_file is not None,
         kernels=cpu_kernels.usable(device, getattr(torch, dtype_name)),
     )
+    if not serving.is_native and quantize.method is not None:
+        quantize = MethodChoice(None, "the transformers fallback serves the model's own weights")
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
+    int_dot.configure(config.cpu_int_dot)
+    if quantize.method is not None and not on_cuda:
+        int_dot_choice = int_dot.choose()  # --cpu-int-dot on where impossible: refused here
+        log.info(
+            "cpu_int_dot",
+            enabled=int_dot_choice.enabled,
+            isa=int_dot_choice.isa.name if int_dot_choice.isa is not None else None,
+            reason=int_dot_choice.reason,
+        )
+    if config.deterministic:
+        _check_deterministic(device, cpu_kernels.batch_invariant())
     resolved = dataclasses.replace(
         resolved,
         rope_scaling=config.rope_scaling,
         rope_factor=config.rope_factor,
         quantize=quantize.method,
+        model_impl=config.model_impl,
     )
     num_gpus = torch.cuda.device_count() if on_cuda else 0
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
@@ -126,6 +178,8 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             trust_remote_code=config.trust_remote_code,
             kernel_cache_dir=config.genserve_cache / "kernels",
             cpu_kernels=not config.disable_cpu_kernels,
+            deterministic=config.deterministic,
+            cpu_int_dot=config.cpu_int_dot,
         )
         runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:
@@ -137,11 +191,27 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         )
     try:
         return _size_and_warm_up(
-            config, resolved, runner, dtype_name, device, num_shard, chat_template
+            config, resolved, runner, tokenizer, dtype_name, device, num_shard, chat_template
         )
     except BaseException:
         runner.shutdown()  # a sharded runner stops its workers
         raise
+
+
+def _check_deterministic(device: Any, batch_invariant: bool) -> None:
+    """--deterministic is a promise: refuse to start where the batch-invariant kernels do not
+    run, rather than serve output that moves with load."""
+    if device.type != "cpu":
+        raise ValueError(
+            "--deterministic has batch-invariant kernels on CPU only; this server would run "
+            f"on {device.type}, whose matmul and attention kernels change with the batch"
+        )
+    if not batch_invariant:
+        raise ValueError(
+            "--deterministic needs genserve's CPU kernels (drop --disable-cpu-kernels, or see "
+            "the cpu_kernels_unavailable log line for why they did not build)"
+        )
+    log.info("deterministic", detail="batch-invariant kernels: output independent of batching")
 
 
 def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int | None) -> None:
@@ -150,7 +220,10 @@ def _enable_cuda_graphs(config: Config, runner: ModelRunner, max_positions: int 
     sizes = config.cuda_graphs
     if sizes is None:
         sizes = default_batch_sizes(config.max_batch_size or config.max_concurrent_requests)
-    max_seq_len = config.max_total_tokens or max_positions or 4096
+    # The block table's width: the longest context a request may reach, i.e. the derived
+    # total-token limit (TGI's min(max_pos, 4096) by default), not max_position_embeddings
+    # (131,072 for Llama-3.1 would mean 8,192 columns and a 16 GiB trial cache).
+    max_seq_len = token_limits(config, _scaled_max_pos(max_positions, config))[1]
     runner.enable_cuda_graphs(sizes, max_seq_len, config.block_size)
 
 
@@ -158,13 +231,13 @@ def _size_and_warm_up(
     config: Config,
     resolved: ResolvedModel,
     runner: ModelRunner,  # rank 0's (a ShardedModelRunner keeps the workers in step)
+    tokenizer: Tokenizer,
     dtype_name: str,
     device: torch.device,
     num_shard: int,
     chat_template: str | None = None,
 ) -> Loaded:
     on_cuda = device.type == "cuda"
-    tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
     chat = ChatRenderer(tokenizer.hf, resolved.model_id, chat_template)
     log.info("chat_template", loaded=chat.has_template, source=_template_source(config, chat))
     hf_config = json.loads((resolved.local_dir / "config.json").read_text())
@@ -222,7 +295,14 @@ def _size_and_warm_up(
         max_active_adapters=config.max_active_adapters,
         max_loras_per_batch=config.max_loras_per_batch or config.max_active_adapters,
         default_adapter_id=config.adapter_id or "",
+        architecture=runner.serving.architecture,
+        implementation=runner.serving.implementation,
+        disabled_features=list(disabled_features(runner.serving)),
+        fill_in_middle=tokenizer.fim_tokens is not None,
     )
+    features = chat_features(config, chat.template, info)
+    info.tool_call_parser = features.tool_parser.name
+    info.reasoning_parser = features.reasoning.name if features.reasoning else ""
     grammars = None
     if not config.disable_grammar_support:
         from genserve.engine.grammar import GrammarCompiler
@@ -231,8 +311,24 @@ def _size_and_warm_up(
         vocab = int(hf_config.get("vocab_size") or tokenizer.vocab_size)
         grammars = GrammarCompiler(tokenizer.hf, vocab, sorted(tokenizer.eos_token_ids))
     return Loaded(
-        runner=runner, tokenizer=tokenizer, limits=limits, info=info, chat=chat, grammars=grammars
+        runner=runner,
+        tokenizer=tokenizer,
+        limits=limits,
+        info=info,
+        chat=chat,
+        grammars=grammars,
+        config=config,
+        chat_features=features,
     )
+
+
+def _limit_sources(limits: ServingLimits) -> dict[str, str]:
+    """What refused requests cite for the per-request limits: their flags, or the cause that
+    lowered them (limits.derive_limits)."""
+    if limits.lowered_by is None:
+        return {}
+    cause = f"lowered to fit the KV cache by {limits.lowered_by}"
+    return {"input_limit_source": cause, "total_limit_source": cause}
 
 
 def _template_source(config: Config, chat: ChatRenderer) -> str | None:
@@ -349,8 +445,13 @@ class Service:
         """Raises what loading raised (LimitsError, FileNotFoundError, ...)."""
         assert self._loading is not None, "start() first"
         loaded = await self._loading
-        config = self.config
-        engine = AsyncEngine(_scheduler(config, loaded.limits), loaded.runner, loaded.tokenizer)
+        config = loaded.config if loaded.config is not None else self.config
+        engine = AsyncEngine(
+            _scheduler(config, loaded.limits),
+            loaded.runner,
+            loaded.tokenizer,
+            overlap=config.overlap_scheduling,
+        )
         engine.step_observers.append(self.servicer.observer.on_step)
         adapter_settings = AdapterSettings(
             lora_adapters=config.lora_adapters,
@@ -384,11 +485,13 @@ class Service:
                     max_total_tokens=loaded.limits.max_total_tokens,
                     max_client_batch_size=config.max_client_batch_size,
                     vocab_size=loaded.info.vocab_size,
+                    **_limit_sources(loaded.limits),
                 ),
                 info=loaded.info,
                 max_concurrent_requests=config.max_concurrent_requests,
                 chat=loaded.chat,
                 grammars=loaded.grammars,
+                chat_features=loaded.chat_features,
             )
         )
         self.engine, self.loaded = engine, loaded
@@ -428,6 +531,15 @@ class Service:
             await self.app.set_serving(False)
             log.error("health_not_serving", reason=engine.dead_reason)
 
+    def end_drain(self, signal_name: str) -> None:
+        """Abort the in-flight requests instead of waiting for them (a second signal)."""
+        log.warning("shutdown_drain_ended", signal=signal_name, in_flight=self._in_flight())
+        if self.engine is not None:
+            self.engine.end_drain()
+
+    def _in_flight(self) -> int:
+        return self.engine.num_in_flight if self.engine is not None else 0
+
     async def stop(self) -> None:
         """Health NOT_SERVING, refuse new calls, give in-flight ones the shutdown timeout,
         abort the rest, stop the runner and the port."""
@@ -452,9 +564,17 @@ async def serve(config: Config) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     service = Service(config)
+
+    def on_signal(sig: signal.Signals) -> None:
+        # The first signal drains (--shutdown-timeout); a second one, as an operator's
+        # repeated Ctrl-C means, ends the drain at once.
+        if stop.is_set():
+            service.end_drain(sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await service.start()
     except OSError as exc:  # a port is taken: say which, no traceback
@@ -508,8 +628,25 @@ async def _exit_after_shard_failure(
     return EXIT_SHARD_FAILED
 
 
+def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
+    """--rope-scaling/--rope-factor stretch the context the default limits derive from."""
+    from genserve.model.rope_scaling import scaled_max_positions
+
+    if max_pos is None:
+        return None
+    return scaled_max_positions(int(max_pos), config.rope_scaling, config.rope_factor)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    config = load_config(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["cache"]:  # genserve cache list|prune: no server, no torch
+        from genserve.cache_cli import main as cache_main
+
+        sys.exit(cache_main(args[1:]))
+    config = load_config(args)
+    # --json-output: stdout/stderr lines that bypass the logger (progress bars, libraries'
+    # prints, C++ warnings, worker processes) are wrapped into JSON objects too.
+    stray = capture_stray_output() if config.json_output else None
     configure_logging(config.json_output)
     if config.env:
         log.info("runtime_environment", **runtime_environment())
@@ -523,17 +660,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if stray is not None:
+        stray.close()
     os._exit(code)
 
 
 if __name__ == "__main__":
     main()
-
-
-def _scaled_max_pos(max_pos: int | None, config: Config) -> int | None:
-    """--rope-scaling/--rope-factor stretch the context the default limits derive from."""
-    from genserve.model.rope_scaling import scaled_max_positions
-
-    if max_pos is None:
-        return None
-    return scaled_max_positions(int(max_pos), config.rope_scaling, config.rope_factor)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 # "auto" (or unset): genserve.dtype_choice picks for the machine at start-up.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
+CpuIntDot = Literal["auto", "on", "off"]
 AdapterSource = Literal["local", "hub"]
 
 DEFAULT_PORT = 50051
@@ -52,8 +53,9 @@ class Config:
     rope_scaling: str | None = None  # issue #15: linear | dynamic (TGI's --rope-scaling)
     rope_factor: float | None = None
     quantize: str | None = None  # issue #14: int8 | int4 | gguf (eetq: int8), weight-only
+    model_impl: str = "auto"  # issue #25: auto | transformers (model/serving_path.py)
     max_stop_sequences: int = 4
-    max_top_n_tokens: int = 5
+    max_top_n_tokens: int = 20  # OpenAI's top_logprobs allows 20
     max_input_tokens: int | None = None
     max_total_tokens: int | None = None
     max_batch_prefill_tokens: int | None = None
@@ -67,9 +69,12 @@ class Config:
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
     disable_grammar_support: bool = False
+    overlap_scheduling: bool = False  # issue #29: stream step n while step n + 1 runs
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
+    cpu_int_dot: CpuIntDot = "off"  # issue #28: auto | on | off (kernels/int_dot.py)
+    deterministic: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
     cuda_graphs: tuple[int, ...] | None = None  # None: default buckets; (): disabled (#12)
@@ -92,6 +97,10 @@ class Config:
     chat_template: str | None = None
     tokenizer_config_path: Path | None = None
     served_model_name: str | None = None
+    # Issue #27: tool-call and reasoning formats of Chat replies (server/tool_calls/,
+    # server/reasoning.py); None: the template's tool format (else Hermes), no reasoning split.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # Deployment: authentication, TLS, transport limits (server/security.py, server/app.py).
     api_key: str | None = field(default=None, repr=False)  # never printed with the config
     api_key_exempt: tuple[str, ...] = DEFAULT_API_KEY_EXEMPT
@@ -150,9 +159,20 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
-    from genserve.worker.cuda_graphs import parse_batch_sizes
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` → ``(1, 2, 4, 8)`` (sorted, unique); ``"0"`` → ``()`` (graphs off)."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"expected comma-separated batch sizes or 0, got {text!r}") from None
+    if values == [0]:
+        return ()
+    if not values or values[0] < 1:
+        raise ValueError(f"batch sizes must be positive (or a single 0 to disable), got {text!r}")
+    return tuple(values)
 
+
+def _cuda_graph_sizes(text: str) -> tuple[int, ...]:
     try:
         return parse_batch_sizes(text)
     except ValueError as exc:
@@ -269,8 +289,22 @@ FLAGS: tuple[_Flag, ...] = (
         choices=("int8", "int4", "gguf", "eetq", "none"),
     ),
     _flag(
+        "model_impl",
+        "auto: genserve's native model where the architecture has one, else transformers' "
+        "modeling code with genserve's paged KV cache (docs/models/fallback.md); "
+        "transformers: that fallback for every architecture (vLLM's --model-impl).",
+        choices=("auto", "transformers"),
+    ),
+    _flag(
         "disable_grammar_support",
         "Refuse GenerateParameters.grammar (structured output) with UNIMPLEMENTED.",
+        _SWITCH,
+    ),
+    _flag(
+        "overlap_scheduling",
+        "Stream a step's tokens (detokenise, check stop strings, send) while the next step "
+        "runs; a stop string then ends its request one step later and the extra token is "
+        "dropped, so outputs are unchanged.",
         _SWITCH,
     ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),
@@ -335,6 +369,22 @@ FLAGS: tuple[_Flag, ...] = (
         "dequantized unless --quantize asks otherwise).",
         _SWITCH,
     ),
+    _flag(
+        "cpu_int_dot",
+        "On CPU, quantized weights (Q8_0/Q4_0/Q4_1, --quantize int8/int4): multiply by "
+        "activations rounded to int8 per block of 32 with integer dot products (VNNI or "
+        "AVX2) instead of dequantizing to float32. Faster; changes the numerics slightly "
+        "(docs/cpu/integer-kernels.md). off: the float path; on: integer on any AVX2 CPU "
+        "(refused where none); auto: integer wherever the CPU has a path.",
+        choices=("auto", "on", "off"),
+    ),
+    _flag(
+        "deterministic",
+        "Batch-invariant kernels (CPU): greedy and seeded output, tokens and logprobs, "
+        "independent of what else is batched, the prefill chunk size and prefix-cache hits, "
+        "in every dtype. Costs speed (docs/operations/first-start.md).",
+        _SWITCH,
+    ),
     _flag("block_size", "Tokens per KV-cache block.", _positive_int),
     _flag("cuda_memory_fraction", "Share of GPU memory genserve may use.", _fraction),
     _flag(
@@ -385,6 +435,17 @@ FLAGS: tuple[_Flag, ...] = (
         "tokenizer_config_path",
         "A tokenizer_config.json whose chat_template is used (TGI's flag).",
         Path,
+    ),
+    _flag(
+        "tool_call_parser",
+        "Format tool calls are parsed from in Chat replies (SGLang/vLLM names). Default: the "
+        "chat template's, else hermes (the server then writes the tools in the prompt).",
+        choices=("hermes", "llama3", "llama3_json", "mistral", "qwen", "qwen25", "qwen3"),
+    ),
+    _flag(
+        "reasoning_parser",
+        "Split <think>...</think> out of Chat replies into reasoning_content (SGLang/vLLM).",
+        choices=("deepseek-r1", "deepseek_r1", "qwen3"),
     ),
     _flag(
         "served_model_name",

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
+
 from genserve.config import Config
+
+log = structlog.get_logger(__name__)
 
 
 class LimitsError(ValueError):
@@ -19,6 +23,9 @@ class ServingLimits:
     chunked_prefill_size: int
     block_size: int
     num_kv_blocks: int
+    # What lowered max_input/max_total_tokens below their defaults (None: nothing did), for
+    # the log and for the messages of requests refused by those limits.
+    lowered_by: str | None = None
 
     @property
     def max_batch_total_tokens(self) -> int:
@@ -35,6 +42,13 @@ def token_limits(config: Config, max_position_embeddings: int | None) -> tuple[i
         if config.max_input_tokens is not None:
             total = max(total, config.max_input_tokens + 1)
     inputs = config.max_input_tokens if config.max_input_tokens is not None else total - 1
+    if inputs < 1:
+        raise LimitsError(
+            f"--max-total-tokens ({total}) leaves no room for a prompt: it counts the prompt "
+            "and the generated tokens together, so it must be at least 2"
+            if config.max_input_tokens is None
+            else f"--max-input-tokens ({inputs}) must be at least 1"
+        )
     if inputs >= total:
         raise LimitsError(f"--max-input-tokens ({inputs}) must be < --max-total-tokens ({total})")
     if max_position_embeddings is not None and total > max_position_embeddings:
@@ -62,9 +76,27 @@ def derive_limits(
         useful = config.max_concurrent_requests * max_total
         num_blocks = min(memory_num_blocks, -(-useful // block_size))
     capacity = num_blocks * block_size
+    lowered_by = None
     if capacity < max_total:
         if config.max_total_tokens is None and config.max_input_tokens is None:
-            # Nothing was asked explicitly: shrink the per-request limits to what fits.
+            # Nothing was asked explicitly: shrink the per-request limits to what fits, and
+            # say so, naming the cause (a request refused later cites it too).
+            lowered_by = (
+                f"--max-batch-total-tokens={config.max_batch_total_tokens}"
+                if config.max_batch_total_tokens is not None
+                else "free memory (--cuda-memory-fraction)"
+                if on_cuda
+                else "free memory (--cpu-memory-fraction)"
+            )
+            log.warning(
+                "limits_lowered",
+                max_total_tokens=capacity,
+                max_input_tokens=capacity - 1,
+                default_max_total_tokens=max_total,
+                cause=lowered_by,
+                detail=f"the KV cache holds {capacity} tokens, fewer than one request's "
+                f"default {max_total}: raise {lowered_by.split('=')[0]} or set --max-total-tokens",
+            )
             max_total = capacity
             max_input = max_total - 1
         else:
@@ -96,4 +128,5 @@ def derive_limits(
         chunked_prefill_size=chunk,
         block_size=block_size,
         num_kv_blocks=num_blocks,
+        lowered_by=lowered_by,
     )

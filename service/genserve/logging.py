@@ -11,6 +11,7 @@ when the operator asked for it (``--log-requests``); that decision lives with th
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import MutableMapping
 from typing import Any
@@ -42,7 +43,24 @@ def bind_request_id(req_id: str) -> None:
     structlog.contextvars.bind_contextvars(req_id=req_id)
 
 
+_json_output = False
+
+
+def progress_bars() -> bool:
+    """Whether progress may be drawn as bars: only on a terminal, and never with
+    ``--json-output`` (where every line on stdout/stderr must be one JSON object, so progress
+    is logged as events instead)."""
+    return not _json_output and sys.stderr.isatty()
+
+
 def configure_logging(json_output: bool, level: int = logging.INFO) -> None:
+    global _json_output
+    _json_output = json_output
+    if json_output:
+        # Libraries draw their own bars (huggingface_hub downloads, transformers' GGUF
+        # reader): off, before they are imported.  Python warnings become log records.
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        logging.captureWarnings(True)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         add_trace_context,
@@ -74,3 +92,18 @@ def configure_logging(json_output: bool, level: int = logging.INFO) -> None:
     root.setLevel(level)
     for noisy in ("urllib3", "filelock", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # warnings.warn (torch's, transformers') becomes a "py.warnings" log record, so it is
+    # rendered like every other line instead of printed raw to stderr.
+    logging.captureWarnings(True)
+    _route_transformers_logging()
+
+
+def _route_transformers_logging() -> None:
+    """transformers logs through a handler of its own that writes plain text to stderr and
+    does not propagate: hand its records to the root handler above instead."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the client-only install has no transformers
+        return
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()

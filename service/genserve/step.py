@@ -31,6 +31,9 @@ class SamplingParams:
     prompt_logprobs: bool = False  # compute logprobs of the prompt tokens too
     # 0.0: none (OpenAI/vLLM semantics: once per distinct token of the output, not the prompt)
     presence_penalty: float = 0.0
+    # 0.0: none (OpenAI/vLLM frequency_penalty, issue #27: penalty x count over the output).
+    # Only rank 0 samples, so shard messages do not carry it.
+    output_frequency_penalty: float = 0.0
     # Issue #15 logits controls (worker/logits_processors.py).  Only rank 0 samples, so shard
     # messages do not carry them.
     min_p: float = 0.0  # 0.0: none (transformers' MinPLogitsWarper)
@@ -54,6 +57,7 @@ class SamplingParams:
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
+            or self.output_frequency_penalty != 0.0
         )
 
 
@@ -167,6 +171,8 @@ class PromptLogprobs:
     req_id: str
     first_pos: int
     logprobs: tuple[TokenLogprob, ...]
+    # Issue #27: with num_top_tokens, the most likely tokens at each of those positions.
+    top: tuple[tuple[TokenLogprob, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

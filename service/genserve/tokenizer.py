@@ -24,12 +24,36 @@ class TokenSpan:
     stop: int
 
 
+# Files any of which a tokenizer can be built from (a fast tokenizers file, a SentencePiece or
+# WordPiece vocabulary, a byte-level BPE pair, a tiktoken file).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.txt")
+_TOKENIZER_PAIRS = (("vocab.json", "merges.txt"),)
+
+
+def require_tokenizer_files(model_dir: Path) -> None:
+    """FileNotFoundError naming what is missing when ``model_dir`` holds no tokenizer: checked
+    before any weight is read, so a directory without one fails in a second, not after the
+    model has loaded (transformers' own message then blames a missing sentencepiece)."""
+    if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return
+    if any(all((model_dir / n).is_file() for n in pair) for pair in _TOKENIZER_PAIRS):
+        return
+    if any(model_dir.glob("*.tiktoken")):
+        return
+    wanted = ", ".join([*_TOKENIZER_FILES, *(" + ".join(p) for p in _TOKENIZER_PAIRS)])
+    raise FileNotFoundError(
+        f"{model_dir} has no tokenizer: none of {wanted} (or a *.tiktoken file) is there. "
+        "Copy the model's tokenizer files next to its weights (tokenizer.save_pretrained)."
+    )
+
+
 class Tokenizer:
     """The model's fast tokenizer plus what generation needs from it (EOS ids, special ids)."""
 
     def __init__(self, model_dir: Path, trust_remote_code: bool = False) -> None:
         from transformers import AutoTokenizer
 
+        require_tokenizer_files(model_dir)
         hf = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         backend = getattr(hf, "backend_tokenizer", None)
         if not isinstance(backend, FastTokenizer):
@@ -39,6 +63,17 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(int(i) for i in hf.all_special_ids)
         self.eos_token_ids: frozenset[int] = _eos_ids(model_dir, hf.eos_token_id)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def fim_tokens(self) -> tuple[str, str, str] | None:
+        """The (prefix, suffix, middle) fill-in-the-middle tokens, when the vocabulary has a
+        set: StarCoder's / SmolLM's ``<fim_prefix>`` or Qwen-Coder's ``<|fim_prefix|>``."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        for left, right in (("<", ">"), ("<|", "|>")):
+            names = tuple(f"{left}fim_{part}{right}" for part in ("prefix", "suffix", "middle"))
+            if all(n in vocab for n in names):
+                return (names[0], names[1], names[2])
+        return None
 
     @property
     def hf(self) -> Any:

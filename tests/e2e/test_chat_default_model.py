@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genserve.model.loader import default_gguf_path, resolve_model
+from genserve.model.loader import default_gguf_path, resolve_model, transformers_weights_kwargs
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.utils.live_server import LiveServer, free_port, start_server
@@ -76,7 +76,9 @@ def test_chat_matches_transformers(served: tuple[LiveServer, int]) -> None:
             replies = list(pool.map(chat, CONVERSATIONS))
     model_dir = resolve_model(None).local_dir
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
+    ).eval()
     with torch.inference_mode():
         for conversation, reply in zip(CONVERSATIONS, replies, strict=True):
             prompt = tok.apply_chat_template(

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genserve.model.loader import default_gguf_path, resolve_model
+from genserve.model.loader import default_gguf_path, resolve_model, transformers_weights_kwargs
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.utils.live_server import LiveServer, free_port, start_server
@@ -81,7 +81,9 @@ def test_default_model_matches_transformers(default_server: Served) -> None:
             )
     model_dir = resolve_model(None).local_dir
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
+    )
     with torch.inference_mode():
         for prompt, result in zip(PROMPTS, results, strict=True):
             ids = tok(prompt, return_tensors="pt").input_ids

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from genserve.model.loader import transformers_weights_kwargs
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.prompts import varied_prompts
@@ -23,7 +24,9 @@ def hf_greedy(
     model_dir: Path, prompts: list[str], max_new_tokens: int
 ) -> list[tuple[list[int], list[float]]]:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
+    )
     model.eval()
     results = []
     with torch.inference_mode():
@@ -84,3 +87,9 @@ def test_prompt_logprobs_match_transformers(
     assert not prefill[0].HasField("logprob")
     expected = [logprobs[i - 1, ids[0, i]].item() for i in range(1, ids.shape[1])]
     assert [t.logprob for t in prefill[1:]] == pytest.approx(expected, abs=1e-3)
+
+
+def test_info_names_the_native_path(stub: pb_grpc.TextGenerationServiceStub) -> None:
+    info = stub.Info(pb.InfoRequest())
+    assert (info.architecture, info.implementation) == ("LlamaForCausalLM", "native")
+    assert list(info.disabled_features) == []

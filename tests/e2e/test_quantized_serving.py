@@ -110,6 +110,8 @@ def test_gguf_blocks_serve_the_default_model_like_its_float_weights() -> None:
                 "float32",
                 "--max-batch-total-tokens",
                 "4096",
+                "--prometheus-port",
+                "0",
                 *extra,
             ) as server,  # fmt: skip
             grpc.insecure_channel(server.address) as channel,

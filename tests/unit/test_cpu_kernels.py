@@ -198,7 +198,7 @@ def test_fused_ops_reject_other_dtypes() -> None:
         torch.ops.genserve.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 32, 35])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 1536), (33, 100)])
 def test_matvec_matches_a_float64_product(
@@ -215,7 +215,7 @@ def test_matvec_matches_a_float64_product(
     actual = torch.ops.genserve.matvec(x, weight, bias)
     assert actual.dtype == dtype and actual.shape == (rows, out_features)
     # float32: the rounding of a float32 sum of up to 1536 products (~1e-4 on sums of ~40,
-    # as torch's own F.linear); bfloat16: one rounding of the output.
+    # as torch's own F.linear); half precision: one rounding of the output.
     atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (8e-3, 8e-3)
     torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol)
     no_bias = torch.ops.genserve.matvec(x, weight, None)
@@ -225,7 +225,7 @@ def test_matvec_matches_a_float64_product(
 def test_matvec_rejects_what_it_does_not_serve() -> None:
     with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
         torch.ops.genserve.matvec(torch.ones(1, 4), torch.ones(3, 5), None)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16 weight"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 weight"):
         torch.ops.genserve.matvec(torch.ones(1, 4), torch.ones(3, 4, dtype=torch.float64), None)
 
 

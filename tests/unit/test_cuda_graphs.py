@@ -120,6 +120,39 @@ def test_padded_static_buffer_decodes_match_transformers(
     assert sorted(driver.free) == list(range(NUM_BLOCKS))
 
 
+def test_padded_decode_with_a_graph_then_shutdown_releases_it(
+    tiny_model_factory: TinyModelFactory,
+) -> None:
+    """shutdown() drops the graphs (and with them their pool and the KV cache they hold)."""
+    runner = _runner_with_buffers(tiny_model_factory("llama"), (1, 2))
+    graphs = runner._graphs
+    assert graphs is not None
+    driver = Driver(runner, budget=48)
+    driver.add("r0", random_prompts([5], seed=2)[0], 3)
+    driver.run()
+    assert graphs.num_runs > 0
+    runner.shutdown()
+    assert runner._graphs is None and runner.kv_caches == [] and runner.cuda_graph_sizes == ()
+    assert graphs.kv_caches == [] and graphs.model is None
+
+
+def test_graph_width_comes_from_the_total_token_limit() -> None:
+    """A 131,072-position model served with the default limits gets a 4,096-token table
+    (256 columns of 16), not 8,192 columns; an explicit --max-total-tokens is honoured."""
+    from genserve.cli import _enable_cuda_graphs
+    from genserve.config import load_config
+
+    class Recorder:
+        def enable_cuda_graphs(self, sizes: tuple[int, ...], max_seq_len: int, bs: int) -> None:
+            self.max_seq_len = max_seq_len
+
+    recorder = Recorder()
+    _enable_cuda_graphs(load_config([], {}), recorder, 131072)  # type: ignore[arg-type]
+    assert recorder.max_seq_len == 4096
+    _enable_cuda_graphs(load_config(["--max-total-tokens", "9000"], {}), recorder, 131072)  # type: ignore[arg-type]
+    assert recorder.max_seq_len == 9000
+
+
 def test_cuda_graphs_flag() -> None:
     from genserve.config import load_config
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
-from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from genserve.config import load_config
@@ -29,8 +29,8 @@ HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 8, 64
 
 @pytest.fixture(scope="module")
 def default_converted() -> Path:
-    """The embedded default model converted by transformers (converted once per machine and
-    cached where the server caches it, as ``genserve.testing.tiny_model`` does)."""
+    """The embedded default model's cache entry (config and tokenizer; made once per
+    machine where the server caches it, as ``genserve.testing.tiny_model`` does)."""
     return resolve_model(None, cache_dir=load_config([]).genserve_cache / "models").local_dir
 
 
@@ -41,9 +41,10 @@ def test_default_model_blocks_dequantize_to_the_converted_weights(
     config = json.loads((default_converted / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     quantized = read_gguf_quantized(default_gguf_path(), heads, kv_heads)
-    floats: dict[str, torch.Tensor] = {}
-    for file in sorted(default_converted.glob("*.safetensors")):
-        floats.update(load_file(str(file)))
+    # What transformers loads from the file (it dequantizes with gguf-py's dequantizer).
+    floats = AutoModelForCausalLM.from_pretrained(
+        str(default_converted), dtype=torch.float32, gguf_file=str(default_gguf_path())
+    ).state_dict()
 
     layers = config["num_hidden_layers"]
     # 7 Q4_1 matrices per layer, the Q8_0 embedding; the output is tied (no output.weight).

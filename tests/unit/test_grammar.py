@@ -77,7 +77,7 @@ def test_eos_allowed_only_where_the_grammar_is_complete(
     def allowed() -> set[int]:
         state.fill_bitmask(bitmask, 0)
         logits = torch.zeros(1, compiler.vocab_size)
-        from genserve.engine.grammar import apply_bitmask
+        from genserve.worker.grammar_mask import apply_bitmask
 
         apply_bitmask(logits, bitmask, [0])
         return set((logits[0] == 0).nonzero()[:, 0].tolist())
@@ -162,7 +162,7 @@ def test_batch_fill_matches_per_row_fill_and_reuses_its_buffers(
 
 
 def test_applier_masks_only_the_scattered_rows(compiler: GrammarCompiler) -> None:
-    from genserve.engine.grammar import BitmaskApplier
+    from genserve.worker.grammar_mask import BitmaskApplier
 
     bitmask = torch.zeros(2, (compiler.vocab_size + 31) // 32, dtype=torch.int32)
     bitmask[0, 0] = 0b101  # tokens 0 and 2
@@ -184,7 +184,7 @@ def test_cpu_applier_equals_xgrammars_kernel_on_real_masks(
     """The numpy-unpack CPU path gives exactly xgrammar's kernel's result, rows scattered."""
     import xgrammar as xgr
 
-    from genserve.engine.grammar import BitmaskApplier
+    from genserve.worker.grammar_mask import BitmaskApplier
 
     specs = [
         GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object"})),

@@ -86,7 +86,7 @@ def test_zeros_stay_ordinary_where_the_advice_cannot_help(monkeypatch: pytest.Mo
 
 
 def test_the_cpu_kv_pool_takes_huge_pages_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
-    from genserve.worker.model_runner import _zeros
+    from genserve.worker.runner_setup import zeros as _zeros
 
     shape = (4, 2, 3, 50, 16, 64)  # [layers, 2, kv_heads, blocks, block_size, head_dim]
     if thp_mode() == "madvise":

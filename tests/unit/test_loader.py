@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from genserve.config import load_config
-from genserve.model import conversion
+from genserve.model import model_cache
 from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import DEFAULT_GGUF_NAME, ModelNotFoundError, resolve_model
+from genserve.model.weight_files import has_weights, weight_files
 from genserve.model.weights import MissingWeightError, SafetensorsWeights
 from tests.conftest import TinyModelFactory
 
@@ -32,6 +33,7 @@ def test_embedded_default_is_converted_once_and_cached() -> None:
     assert resolved.model_id == DEFAULT_GGUF_NAME
     assert resolved.revision is not None and resolved.revision.startswith("sha256:")
     assert resolved.local_dir.parent == cache
+    assert resolved.local_dir.name.startswith("gguf-")  # keyed by content, not file name
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (resolved.local_dir / name).is_file()
     config = load_model_config(resolved.local_dir)
@@ -105,7 +107,7 @@ def test_concurrent_conversions_convert_once(tmp_path: Path) -> None:
     results: list[Path] = []
     threads = [
         threading.Thread(
-            target=lambda: results.append(conversion._convert_once(target, slow_convert, "src"))
+            target=lambda: results.append(model_cache.build_once(target, slow_convert, "src"))
         )
         for _ in range(3)
     ]
@@ -114,8 +116,8 @@ def test_concurrent_conversions_convert_once(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert results == [target] * 3 and len(calls) == 1
-    # Only the finished directory and the lock file remain: no temporary leftovers.
-    assert sorted(p.name for p in target.parent.iterdir()) == [".model-abc.lock", "model-abc"]
+    # Only the finished directory remains: no temporary directory, no lock file.
+    assert _leftovers(target.parent) == ["model-abc"]
 
 
 def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
@@ -125,9 +127,18 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
 
     target = tmp_path / "model-x"
     with pytest.raises(RuntimeError, match="disk full"):
-        conversion._convert_once(target, broken, "src")
+        model_cache.build_once(target, broken, "src")
     assert not target.exists()
-    assert [p.name for p in tmp_path.iterdir()] == [".model-x.lock"]
+    assert _leftovers(tmp_path) == []
+
+
+def _leftovers(cache: Path) -> list[str]:
+    """Every file or directory in ``cache`` but the (empty) bookkeeping directories."""
+    return sorted(
+        str(p.relative_to(cache))
+        for p in cache.rglob("*")
+        if (p.parent == cache and not p.name.startswith(".")) or p.parent.name in (".tmp", ".locks")
+    )
 
 
 def test_weight_slices(tiny_model_factory: TinyModelFactory) -> None:
@@ -168,3 +179,21 @@ def test_config_parsing(tmp_path: Path, tiny_model_factory: TinyModelFactory) ->
     (tmp_path / "config.json").write_text(__import__("json").dumps(legacy))
     with pytest.raises(UnsupportedModelError, match="not supported"):
         load_model_config(tmp_path)
+
+
+def test_only_the_models_own_safetensors_are_weights(
+    tiny_model_factory: TinyModelFactory, tmp_path: Path
+) -> None:
+    # Caches and foreign files beside the weights are never read as the model's tensors.
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_factory("llama"), model_dir)
+    (model_dir / "gguf-blocks-0123456789abcdef.safetensors").write_bytes(b'{},"__metadata__":{}}')
+    (model_dir / "adapter.safetensors").write_bytes(b"junk")
+    assert weight_files(model_dir) == ["model.safetensors"]
+    with SafetensorsWeights(model_dir) as weights:
+        assert weights.has("model.embed_tokens.weight")
+    # Without model*.safetensors or an index, a directory holds no weights.
+    (model_dir / "model.safetensors").unlink()
+    assert not has_weights(model_dir)
+    with pytest.raises(ModelNotFoundError, match="no model weights"):
+        resolve_model(str(model_dir), cache_dir=tmp_path / "cache")

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genserve.config import load_config
-from genserve.model.loader import resolve_model
+from genserve.model.loader import resolve_model, transformers_weights_kwargs
 from genserve.step import NewRequestData, SamplingParams, ScheduledChunk, SchedulerOutput
 from genserve.worker.model_runner import ModelRunner
 
@@ -47,7 +47,11 @@ def test_default_model_matches_transformers() -> None:
     resolved = resolve_model(None, cache_dir=load_config([]).genserve_cache / "models")
     tok = AutoTokenizer.from_pretrained(str(resolved.local_dir))
     prompts = [tok(p).input_ids for p in PROMPTS]
-    hf = AutoModelForCausalLM.from_pretrained(str(resolved.local_dir), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(resolved.local_dir),
+        dtype=torch.float32,
+        **transformers_weights_kwargs(resolved.local_dir),
+    )
     expected = []
     with torch.inference_mode():
         for p in prompts:

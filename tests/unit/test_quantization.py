@@ -4,8 +4,6 @@ of the dequantized reference."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,7 +16,6 @@ from genserve.model.quantization import (
     quantize_int4,
     quantize_int8,
 )
-from genserve.model.quantized_cache import cache_path, load_or_build
 from genserve.model.weight_panels import QuantizedPanels
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
@@ -141,29 +138,6 @@ def test_qpanel_linear_rejects_inconsistent_arguments() -> None:
         )
     with pytest.raises(RuntimeError, match="disagree on K or N"):
         torch.ops.genserve.qpanel_linear(x, p.data, p.scales, p.mins, 4, 32, 40, None)
-
-
-def test_block_cache_round_trips_and_builds_once(tmp_path: Path) -> None:
-    w = _weight(8, 64, seed=4)
-    blocks = {"a.weight": quantize_int4(w), "b.weight": _q8_0(w), "c.weight": quantize_int8(w)}
-    calls: list[int] = []
-
-    def build() -> dict[str, QuantizedWeight]:
-        calls.append(1)
-        return blocks
-
-    path = cache_path(tmp_path, "0123456789abcdef0123")
-    first = load_or_build(path, build)
-    second = load_or_build(path, build)
-    assert calls == [1] and path.name == "gguf-blocks-0123456789abcdef.safetensors"
-    for loaded in (first, second):
-        assert set(loaded) == set(blocks)
-        for name, q in blocks.items():
-            got = loaded[name]
-            assert (got.bits, got.group, got.mins is None) == (q.bits, q.group, q.mins is None)
-            assert torch.equal(got.dequantize(), q.dequantize())
-    path.write_bytes(b"not a safetensors file")  # damaged: rebuilt, not fatal
-    assert set(load_or_build(path, build)) == set(blocks) and calls == [1, 1]
 
 
 @pytest.mark.parametrize(

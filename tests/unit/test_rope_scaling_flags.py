@@ -81,6 +81,36 @@ def test_sequence_lengths_split_flat_batch() -> None:
     # decode at 70, prefill 0..3, decode at 5: runs end at 70, 3, 5
     positions = torch.tensor([70, 0, 1, 2, 3, 5])
     assert sequence_lengths(positions).tolist() == [71, 4, 4, 4, 4, 6]
+    # Two decode rows whose positions happen to be consecutive are two sequences.
+    positions = torch.tensor([70, 71, 0, 1, 2])
+    assert sequence_lengths(positions, num_decodes=2).tolist() == [71, 72, 3, 3, 3]
+    assert sequence_lengths(positions[:2], num_decodes=2).tolist() == [71, 72]
+
+
+def test_dynamic_adjacent_decode_rows_match_transformers(
+    tiny_model_factory: TinyModelFactory,
+) -> None:
+    """Prompts of 80 and 81 tokens decode side by side at consecutive positions past the
+    context: each must still be scaled by its own length (they were once merged into one
+    run, giving the first request the second's length)."""
+    model_dir = tiny_model_factory("llama", seed=11, max_position_embeddings=MAX_POS)
+    runner = ModelRunner(
+        ResolvedModel(model_dir, "tiny", rope_scaling="dynamic", rope_factor=2.0),
+        torch.float32,
+        torch.device("cpu"),
+    )
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    runner.warmup()
+    prompts = random_prompts([80, 81], seed=14)
+    driver = Driver(runner, budget=256)
+    reqs = [driver.add(f"r{i}", p, 6) for i, p in enumerate(prompts)]
+    driver.run()
+    for req, prompt in zip(reqs, prompts, strict=True):
+        # A fresh model each: transformers' dynamic rotary keeps the longest length it has
+        # seen (max_seq_len_cached) across generate() calls.
+        ids, lps = hf_greedy_with(_hf_scaled(model_dir, "dynamic", 2.0), prompt, 6)
+        assert [s.token_id for s in req.out] == ids, req.req_id
+        assert [s.logprob for s in req.out] == pytest.approx(lps, abs=1e-4), req.req_id
 
 
 def test_dynamic_from_the_checkpoint_config(tiny_model_factory: TinyModelFactory) -> None:

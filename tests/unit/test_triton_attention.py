@@ -167,3 +167,12 @@ def test_only_cuda_selects_the_triton_decode_path() -> None:
     assert triton_attention.supports(16, 64) and triton_attention.supports(32, 256)
     assert not triton_attention.supports(8, 64)  # below one tl.dot tile
     assert not triton_attention.supports(24, 64)  # not a power of two
+
+
+def test_triton_version_gate() -> None:
+    """``input_precision=`` needs Triton 3.0: older versions are refused by available()."""
+    from genserve.kernels import triton_attention
+
+    assert triton_attention.triton_version_ok("3.0.0")
+    assert triton_attention.triton_version_ok("3.9.0+git5a9b1c")
+    assert not triton_attention.triton_version_ok("2.3.1")

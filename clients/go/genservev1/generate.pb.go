@@ -35,6 +35,8 @@ const (
 	FinishReason_FINISH_REASON_EOS_TOKEN FinishReason = 2
 	// One of the stop strings was produced.
 	FinishReason_FINISH_REASON_STOP_SEQUENCE FinishReason = 3
+	// Issue #27, Chat only: the reply is one or more tool calls (OpenAI "tool_calls").
+	FinishReason_FINISH_REASON_TOOL_CALLS FinishReason = 4
 )
 
 // Enum value maps for FinishReason.
@@ -44,12 +46,14 @@ var (
 		1: "FINISH_REASON_LENGTH",
 		2: "FINISH_REASON_EOS_TOKEN",
 		3: "FINISH_REASON_STOP_SEQUENCE",
+		4: "FINISH_REASON_TOOL_CALLS",
 	}
 	FinishReason_value = map[string]int32{
 		"FINISH_REASON_UNSPECIFIED":   0,
 		"FINISH_REASON_LENGTH":        1,
 		"FINISH_REASON_EOS_TOKEN":     2,
 		"FINISH_REASON_STOP_SEQUENCE": 3,
+		"FINISH_REASON_TOOL_CALLS":    4,
 	}
 )
 
@@ -151,9 +155,13 @@ type GenerateParameters struct {
 	N *uint32 `protobuf:"varint,28,opt,name=n,proto3,oneof" json:"n,omitempty"`
 	// The LoRA adapter to apply (PEFT format; see --lora-adapters / --adapter-id).  Unset or
 	// empty: the server's default adapter (--adapter-id), else the base model.
-	AdapterId     *string `protobuf:"bytes,40,opt,name=adapter_id,json=adapterId,proto3,oneof" json:"adapter_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	AdapterId *string `protobuf:"bytes,40,opt,name=adapter_id,json=adapterId,proto3,oneof" json:"adapter_id,omitempty"`
+	// Issue #27: OpenAI's and vLLM's frequency_penalty, which the OpenAI routes send:
+	// subtracted from a token's logit penalty x (times it occurs in the output so far), the
+	// prompt not counted; in [-2, 2].  `frequency_penalty` above keeps TGI's meaning.
+	OutputFrequencyPenalty *float32 `protobuf:"fixed32,41,opt,name=output_frequency_penalty,json=outputFrequencyPenalty,proto3,oneof" json:"output_frequency_penalty,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *GenerateParameters) Reset() {
@@ -382,6 +390,13 @@ func (x *GenerateParameters) GetAdapterId() string {
 	return ""
 }
 
+func (x *GenerateParameters) GetOutputFrequencyPenalty() float32 {
+	if x != nil && x.OutputFrequencyPenalty != nil {
+		return *x.OutputFrequencyPenalty
+	}
+	return 0
+}
+
 // Token is one token with its log-probability.
 type Token struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -519,8 +534,12 @@ type Details struct {
 	StopTokenId *uint32 `protobuf:"varint,9,opt,name=stop_token_id,json=stopTokenId,proto3,oneof" json:"stop_token_id,omitempty"`
 	// Issue #15: with best_of > 1, the sequences that were not returned (TGI's field).
 	BestOfSequences []*BestOfSequence `protobuf:"bytes,10,rep,name=best_of_sequences,json=bestOfSequences,proto3" json:"best_of_sequences,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Issue #27: with decoder_input_details and top_n_tokens, the top_n_tokens most likely
+	// alternatives at each prompt position, one entry per prefill token (the first one empty:
+	// nothing predicts it).  What OpenAI's echo with logprobs lists as prompt top_logprobs.
+	PrefillTopTokens []*TopTokens `protobuf:"bytes,11,rep,name=prefill_top_tokens,json=prefillTopTokens,proto3" json:"prefill_top_tokens,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Details) Reset() {
@@ -623,6 +642,13 @@ func (x *Details) GetBestOfSequences() []*BestOfSequence {
 	return nil
 }
 
+func (x *Details) GetPrefillTopTokens() []*TopTokens {
+	if x != nil {
+		return x.PrefillTopTokens
+	}
+	return nil
+}
+
 type GenerateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The prompts: 1..max_client_batch_size of them.
@@ -630,7 +656,11 @@ type GenerateRequest struct {
 	Parameters *GenerateParameters `protobuf:"bytes,2,opt,name=parameters,proto3" json:"parameters,omitempty"`
 	// The prompts as token ids instead of text (what vLLM and SGLang routers send): give
 	// either inputs or input_ids, not both.  Used as they are (no BOS is added).
-	InputIds      []*TokenIds `protobuf:"bytes,3,rep,name=input_ids,json=inputIds,proto3" json:"input_ids,omitempty"`
+	InputIds []*TokenIds `protobuf:"bytes,3,rep,name=input_ids,json=inputIds,proto3" json:"input_ids,omitempty"`
+	// Issue #27, fill in the middle (OpenAI `suffix`): the text after the gap; each input is
+	// the text before it.  Only for models whose tokenizer defines fill-in-the-middle tokens
+	// (<fim_prefix>, <fim_suffix>, <fim_middle>); INVALID_ARGUMENT otherwise.
+	Suffix        *string `protobuf:"bytes,4,opt,name=suffix,proto3,oneof" json:"suffix,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -686,12 +716,22 @@ func (x *GenerateRequest) GetInputIds() []*TokenIds {
 	return nil
 }
 
+func (x *GenerateRequest) GetSuffix() string {
+	if x != nil && x.Suffix != nil {
+		return *x.Suffix
+	}
+	return ""
+}
+
 // GenerateResult is the completion of one input.
 type GenerateResult struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	GeneratedText string                 `protobuf:"bytes,1,opt,name=generated_text,json=generatedText,proto3" json:"generated_text,omitempty"`
 	// Set when parameters.details was true.
-	Details       *Details `protobuf:"bytes,2,opt,name=details,proto3" json:"details,omitempty"`
+	Details *Details `protobuf:"bytes,2,opt,name=details,proto3" json:"details,omitempty"`
+	// Issue #27: with parameters.decoder_input_details, the prompt as text (a token-id prompt
+	// decoded, special tokens included): what OpenAI's echo returns.
+	PromptText    string `protobuf:"bytes,3,opt,name=prompt_text,json=promptText,proto3" json:"prompt_text,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -738,6 +778,13 @@ func (x *GenerateResult) GetDetails() *Details {
 		return x.Details
 	}
 	return nil
+}
+
+func (x *GenerateResult) GetPromptText() string {
+	if x != nil {
+		return x.PromptText
+	}
+	return ""
 }
 
 type GenerateResponse struct {
@@ -790,7 +837,9 @@ type GenerateStreamRequest struct {
 	Inputs     string                 `protobuf:"bytes,1,opt,name=inputs,proto3" json:"inputs,omitempty"`
 	Parameters *GenerateParameters    `protobuf:"bytes,2,opt,name=parameters,proto3" json:"parameters,omitempty"`
 	// The prompt as token ids instead of text: give either inputs or input_ids, not both.
-	InputIds      []uint32 `protobuf:"varint,3,rep,packed,name=input_ids,json=inputIds,proto3" json:"input_ids,omitempty"`
+	InputIds []uint32 `protobuf:"varint,3,rep,packed,name=input_ids,json=inputIds,proto3" json:"input_ids,omitempty"`
+	// Fill in the middle: as GenerateRequest.suffix.
+	Suffix        *string `protobuf:"bytes,4,opt,name=suffix,proto3,oneof" json:"suffix,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -844,6 +893,13 @@ func (x *GenerateStreamRequest) GetInputIds() []uint32 {
 		return x.InputIds
 	}
 	return nil
+}
+
+func (x *GenerateStreamRequest) GetSuffix() string {
+	if x != nil && x.Suffix != nil {
+		return *x.Suffix
+	}
+	return ""
 }
 
 // StreamDetails is sent with the last stream message.
@@ -1168,6 +1224,22 @@ type InfoResponse struct {
 	Quantize string `protobuf:"bytes,39,opt,name=quantize,proto3" json:"quantize,omitempty"`
 	// Bytes of model weights held on shard 0 (quantized matrices at their packed size).
 	ModelWeightBytes uint64 `protobuf:"varint,40,opt,name=model_weight_bytes,json=modelWeightBytes,proto3" json:"model_weight_bytes,omitempty"`
+	// Issue #27: the tool-call format Chat parses replies with (--tool-call-parser, or the one
+	// the chat template implies); empty: tool calls only with tool_choice required / named.
+	ToolCallParser string `protobuf:"bytes,41,opt,name=tool_call_parser,json=toolCallParser,proto3" json:"tool_call_parser,omitempty"`
+	// Issue #27: the reasoning format split into reasoning_content (--reasoning-parser).
+	ReasoningParser string `protobuf:"bytes,42,opt,name=reasoning_parser,json=reasoningParser,proto3" json:"reasoning_parser,omitempty"`
+	// Issue #27: whether the tokenizer has fill-in-the-middle tokens (`suffix` is served).
+	FillInMiddle bool `protobuf:"varint,43,opt,name=fill_in_middle,json=fillInMiddle,proto3" json:"fill_in_middle,omitempty"`
+	// The architecture served (config.json `architectures`, e.g. "Gemma2ForCausalLM").
+	Architecture string `protobuf:"bytes,44,opt,name=architecture,proto3" json:"architecture,omitempty"`
+	// How it runs: "native" (genserve's own layers), "transformers" (transformers' modeling
+	// code with genserve's paged KV cache and continuous batching) or "transformers-sequential"
+	// (recurrent/hybrid layers: one sequence at a time with transformers' own cache).
+	Implementation string `protobuf:"bytes,45,opt,name=implementation,proto3" json:"implementation,omitempty"`
+	// Features the implementation cannot serve, switched off at start-up, as
+	// "feature: reason" (e.g. "lora: adapters attach to genserve's native layers").
+	DisabledFeatures []string `protobuf:"bytes,46,rep,name=disabled_features,json=disabledFeatures,proto3" json:"disabled_features,omitempty"`
 	unknownFields    protoimpl.UnknownFields
 	sizeCache        protoimpl.SizeCache
 }
@@ -1419,6 +1491,48 @@ func (x *InfoResponse) GetModelWeightBytes() uint64 {
 	return 0
 }
 
+func (x *InfoResponse) GetToolCallParser() string {
+	if x != nil {
+		return x.ToolCallParser
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetReasoningParser() string {
+	if x != nil {
+		return x.ReasoningParser
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetFillInMiddle() bool {
+	if x != nil {
+		return x.FillInMiddle
+	}
+	return false
+}
+
+func (x *InfoResponse) GetArchitecture() string {
+	if x != nil {
+		return x.Architecture
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetImplementation() string {
+	if x != nil {
+		return x.Implementation
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetDisabledFeatures() []string {
+	if x != nil {
+		return x.DisabledFeatures
+	}
+	return nil
+}
+
 type TokenizeRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Inputs string                 `protobuf:"bytes,1,opt,name=inputs,proto3" json:"inputs,omitempty"`
@@ -1588,16 +1702,23 @@ func (x *TokenizeResponse) GetTokens() []*SimpleToken {
 // ChatMessage is one turn of a conversation.
 type ChatMessage struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// "system", "user", "assistant" or "tool".
+	// "system", "developer" (OpenAI's newer name for system; rendered as system), "user",
+	// "assistant" or "tool".
 	Role string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
 	// The text of the turn.
 	Content string `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
 	// Optional author name (OpenAI `name`), passed to the template.
 	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
 	// For role "tool": the id of the tool call this message answers (OpenAI `tool_call_id`).
-	ToolCallId    string `protobuf:"bytes,4,opt,name=tool_call_id,json=toolCallId,proto3" json:"tool_call_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	ToolCallId string `protobuf:"bytes,4,opt,name=tool_call_id,json=toolCallId,proto3" json:"tool_call_id,omitempty"`
+	// Issue #27, role "assistant": the tool calls made (OpenAI `tool_calls`).  In a request
+	// they go back through the chat template; in a reply they are the calls parsed out of it.
+	ToolCalls []*ToolCall `protobuf:"bytes,5,rep,name=tool_calls,json=toolCalls,proto3" json:"tool_calls,omitempty"`
+	// Issue #27, replies with --reasoning-parser: the model's reasoning (the text inside
+	// <think>...</think>), left out of content (vLLM's and SGLang's `reasoning_content`).
+	ReasoningContent string `protobuf:"bytes,6,opt,name=reasoning_content,json=reasoningContent,proto3" json:"reasoning_content,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *ChatMessage) Reset() {
@@ -1658,6 +1779,375 @@ func (x *ChatMessage) GetToolCallId() string {
 	return ""
 }
 
+func (x *ChatMessage) GetToolCalls() []*ToolCall {
+	if x != nil {
+		return x.ToolCalls
+	}
+	return nil
+}
+
+func (x *ChatMessage) GetReasoningContent() string {
+	if x != nil {
+		return x.ReasoningContent
+	}
+	return ""
+}
+
+// ToolCall is one call of a function (OpenAI `tool_calls[]`).
+type ToolCall struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The call's id, which the role "tool" message answering it names in tool_call_id.
+	Id string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Always "function".
+	Type          string        `protobuf:"bytes,2,opt,name=type,proto3" json:"type,omitempty"`
+	Function      *FunctionCall `protobuf:"bytes,3,opt,name=function,proto3" json:"function,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ToolCall) Reset() {
+	*x = ToolCall{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ToolCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ToolCall) ProtoMessage() {}
+
+func (x *ToolCall) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ToolCall.ProtoReflect.Descriptor instead.
+func (*ToolCall) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *ToolCall) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *ToolCall) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *ToolCall) GetFunction() *FunctionCall {
+	if x != nil {
+		return x.Function
+	}
+	return nil
+}
+
+// FunctionCall names a function and its arguments.
+type FunctionCall struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The arguments as JSON text (an object).
+	Arguments     string `protobuf:"bytes,2,opt,name=arguments,proto3" json:"arguments,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FunctionCall) Reset() {
+	*x = FunctionCall{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FunctionCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FunctionCall) ProtoMessage() {}
+
+func (x *FunctionCall) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FunctionCall.ProtoReflect.Descriptor instead.
+func (*FunctionCall) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *FunctionCall) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *FunctionCall) GetArguments() string {
+	if x != nil {
+		return x.Arguments
+	}
+	return ""
+}
+
+// Tool is a function the model may call (OpenAI `tools[]`).
+type Tool struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only "function".
+	Type          string              `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
+	Function      *FunctionDefinition `protobuf:"bytes,2,opt,name=function,proto3" json:"function,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Tool) Reset() {
+	*x = Tool{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Tool) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Tool) ProtoMessage() {}
+
+func (x *Tool) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Tool.ProtoReflect.Descriptor instead.
+func (*Tool) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *Tool) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *Tool) GetFunction() *FunctionDefinition {
+	if x != nil {
+		return x.Function
+	}
+	return nil
+}
+
+// FunctionDefinition describes a callable function.
+type FunctionDefinition struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Name        string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Description string                 `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
+	// The JSON Schema of the arguments object, as JSON text; empty: any object.
+	Parameters string `protobuf:"bytes,3,opt,name=parameters,proto3" json:"parameters,omitempty"`
+	// OpenAI `strict`: accepted; required and named calls follow the schema regardless.
+	Strict        bool `protobuf:"varint,4,opt,name=strict,proto3" json:"strict,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FunctionDefinition) Reset() {
+	*x = FunctionDefinition{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FunctionDefinition) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FunctionDefinition) ProtoMessage() {}
+
+func (x *FunctionDefinition) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FunctionDefinition.ProtoReflect.Descriptor instead.
+func (*FunctionDefinition) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *FunctionDefinition) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *FunctionDefinition) GetDescription() string {
+	if x != nil {
+		return x.Description
+	}
+	return ""
+}
+
+func (x *FunctionDefinition) GetParameters() string {
+	if x != nil {
+		return x.Parameters
+	}
+	return ""
+}
+
+func (x *FunctionDefinition) GetStrict() bool {
+	if x != nil {
+		return x.Strict
+	}
+	return false
+}
+
+// ToolChoice is OpenAI's `tool_choice`.
+type ToolChoice struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "auto" (the default with tools: the model decides, its reply parsed with the server's
+	// tool-call parser), "none" (no tool calls; tools still rendered), "required" (at least one
+	// call, constrained by a grammar) or "function" (exactly one call of function_name,
+	// constrained by a grammar).
+	Mode string `protobuf:"bytes,1,opt,name=mode,proto3" json:"mode,omitempty"`
+	// For mode "function": the function to call.
+	FunctionName  string `protobuf:"bytes,2,opt,name=function_name,json=functionName,proto3" json:"function_name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ToolChoice) Reset() {
+	*x = ToolChoice{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ToolChoice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ToolChoice) ProtoMessage() {}
+
+func (x *ToolChoice) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ToolChoice.ProtoReflect.Descriptor instead.
+func (*ToolChoice) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ToolChoice) GetMode() string {
+	if x != nil {
+		return x.Mode
+	}
+	return ""
+}
+
+func (x *ToolChoice) GetFunctionName() string {
+	if x != nil {
+		return x.FunctionName
+	}
+	return ""
+}
+
+// ToolCallDelta is a tool call in a ChatStreamResponse (OpenAI's streamed `tool_calls[]`):
+// each call is sent whole, once the reply shows it is complete.
+type ToolCallDelta struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The call's position in the choice's tool_calls.
+	Index         uint32    `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	Call          *ToolCall `protobuf:"bytes,2,opt,name=call,proto3" json:"call,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ToolCallDelta) Reset() {
+	*x = ToolCallDelta{}
+	mi := &file_genserve_v1_generate_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ToolCallDelta) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ToolCallDelta) ProtoMessage() {}
+
+func (x *ToolCallDelta) ProtoReflect() protoreflect.Message {
+	mi := &file_genserve_v1_generate_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ToolCallDelta.ProtoReflect.Descriptor instead.
+func (*ToolCallDelta) Descriptor() ([]byte, []int) {
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *ToolCallDelta) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *ToolCallDelta) GetCall() *ToolCall {
+	if x != nil {
+		return x.Call
+	}
+	return nil
+}
+
 // ResponseFormat is OpenAI's `response_format`.
 type ResponseFormat struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1671,7 +2161,7 @@ type ResponseFormat struct {
 
 func (x *ResponseFormat) Reset() {
 	*x = ResponseFormat{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[18]
+	mi := &file_genserve_v1_generate_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1683,7 +2173,7 @@ func (x *ResponseFormat) String() string {
 func (*ResponseFormat) ProtoMessage() {}
 
 func (x *ResponseFormat) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[18]
+	mi := &file_genserve_v1_generate_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1696,7 +2186,7 @@ func (x *ResponseFormat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResponseFormat.ProtoReflect.Descriptor instead.
 func (*ResponseFormat) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{18}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ResponseFormat) GetType() string {
@@ -1743,13 +2233,21 @@ type ChatRequest struct {
 	AddGenerationPrompt *bool `protobuf:"varint,8,opt,name=add_generation_prompt,json=addGenerationPrompt,proto3,oneof" json:"add_generation_prompt,omitempty"`
 	// Continue the last (assistant) message instead of starting a new one.
 	ContinueFinalMessage bool `protobuf:"varint,9,opt,name=continue_final_message,json=continueFinalMessage,proto3" json:"continue_final_message,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// Issue #27: functions the model may call (OpenAI `tools`), rendered through the chat
+	// template's `tools`.
+	Tools []*Tool `protobuf:"bytes,10,rep,name=tools,proto3" json:"tools,omitempty"`
+	// Issue #27: whether and which tool must be called (OpenAI `tool_choice`); unset: "auto"
+	// with tools, else "none".
+	ToolChoice *ToolChoice `protobuf:"bytes,11,opt,name=tool_choice,json=toolChoice,proto3" json:"tool_choice,omitempty"`
+	// Issue #27: allow more than one call per reply (OpenAI `parallel_tool_calls`, default true).
+	ParallelToolCalls *bool `protobuf:"varint,12,opt,name=parallel_tool_calls,json=parallelToolCalls,proto3,oneof" json:"parallel_tool_calls,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ChatRequest) Reset() {
 	*x = ChatRequest{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[19]
+	mi := &file_genserve_v1_generate_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1761,7 +2259,7 @@ func (x *ChatRequest) String() string {
 func (*ChatRequest) ProtoMessage() {}
 
 func (x *ChatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[19]
+	mi := &file_genserve_v1_generate_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1774,7 +2272,7 @@ func (x *ChatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatRequest.ProtoReflect.Descriptor instead.
 func (*ChatRequest) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{19}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ChatRequest) GetMessages() []*ChatMessage {
@@ -1840,6 +2338,27 @@ func (x *ChatRequest) GetContinueFinalMessage() bool {
 	return false
 }
 
+func (x *ChatRequest) GetTools() []*Tool {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *ChatRequest) GetToolChoice() *ToolChoice {
+	if x != nil {
+		return x.ToolChoice
+	}
+	return nil
+}
+
+func (x *ChatRequest) GetParallelToolCalls() bool {
+	if x != nil && x.ParallelToolCalls != nil {
+		return *x.ParallelToolCalls
+	}
+	return false
+}
+
 // Usage counts the tokens of a call, as OpenAI's `usage`.
 type Usage struct {
 	state            protoimpl.MessageState `protogen:"open.v1"`
@@ -1855,7 +2374,7 @@ type Usage struct {
 
 func (x *Usage) Reset() {
 	*x = Usage{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[20]
+	mi := &file_genserve_v1_generate_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1867,7 +2386,7 @@ func (x *Usage) String() string {
 func (*Usage) ProtoMessage() {}
 
 func (x *Usage) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[20]
+	mi := &file_genserve_v1_generate_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1880,7 +2399,7 @@ func (x *Usage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Usage.ProtoReflect.Descriptor instead.
 func (*Usage) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{20}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *Usage) GetPromptTokens() uint32 {
@@ -1922,7 +2441,7 @@ type TokenLogprob struct {
 
 func (x *TokenLogprob) Reset() {
 	*x = TokenLogprob{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[21]
+	mi := &file_genserve_v1_generate_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1934,7 +2453,7 @@ func (x *TokenLogprob) String() string {
 func (*TokenLogprob) ProtoMessage() {}
 
 func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[21]
+	mi := &file_genserve_v1_generate_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1947,7 +2466,7 @@ func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
 func (*TokenLogprob) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{21}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *TokenLogprob) GetToken() *Token {
@@ -1968,9 +2487,11 @@ func (x *TokenLogprob) GetTopLogprobs() []*Token {
 type ChatChoice struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Index uint32                 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
-	// role "assistant" and the generated text.
+	// role "assistant" and the generated text; with tools, the parsed tool_calls (content then
+	// holds only the text around them); with --reasoning-parser, reasoning_content.
 	Message *ChatMessage `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
-	// LENGTH maps to OpenAI "length"; EOS_TOKEN and STOP_SEQUENCE to "stop".
+	// LENGTH maps to OpenAI "length"; EOS_TOKEN and STOP_SEQUENCE to "stop"; TOOL_CALLS to
+	// "tool_calls".
 	FinishReason FinishReason `protobuf:"varint,3,opt,name=finish_reason,json=finishReason,proto3,enum=genserve.v1.FinishReason" json:"finish_reason,omitempty"`
 	// One entry per generated token when logprobs was asked for.
 	Logprobs      []*TokenLogprob `protobuf:"bytes,4,rep,name=logprobs,proto3" json:"logprobs,omitempty"`
@@ -1980,7 +2501,7 @@ type ChatChoice struct {
 
 func (x *ChatChoice) Reset() {
 	*x = ChatChoice{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[22]
+	mi := &file_genserve_v1_generate_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1992,7 +2513,7 @@ func (x *ChatChoice) String() string {
 func (*ChatChoice) ProtoMessage() {}
 
 func (x *ChatChoice) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[22]
+	mi := &file_genserve_v1_generate_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2005,7 +2526,7 @@ func (x *ChatChoice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatChoice.ProtoReflect.Descriptor instead.
 func (*ChatChoice) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{22}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ChatChoice) GetIndex() uint32 {
@@ -2043,16 +2564,18 @@ type ChatResponse struct {
 	// The served model name (OpenAI `model`).
 	Model string `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`
 	// Unix seconds when the call arrived (OpenAI `created`).
-	Created       int64         `protobuf:"varint,3,opt,name=created,proto3" json:"created,omitempty"`
-	Choices       []*ChatChoice `protobuf:"bytes,4,rep,name=choices,proto3" json:"choices,omitempty"`
-	Usage         *Usage        `protobuf:"bytes,5,opt,name=usage,proto3" json:"usage,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Created int64         `protobuf:"varint,3,opt,name=created,proto3" json:"created,omitempty"`
+	Choices []*ChatChoice `protobuf:"bytes,4,rep,name=choices,proto3" json:"choices,omitempty"`
+	Usage   *Usage        `protobuf:"bytes,5,opt,name=usage,proto3" json:"usage,omitempty"`
+	// Issue #27: identifies the server build and model (OpenAI `system_fingerprint`).
+	SystemFingerprint string `protobuf:"bytes,6,opt,name=system_fingerprint,json=systemFingerprint,proto3" json:"system_fingerprint,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ChatResponse) Reset() {
 	*x = ChatResponse{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[23]
+	mi := &file_genserve_v1_generate_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2064,7 +2587,7 @@ func (x *ChatResponse) String() string {
 func (*ChatResponse) ProtoMessage() {}
 
 func (x *ChatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[23]
+	mi := &file_genserve_v1_generate_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2077,7 +2600,7 @@ func (x *ChatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatResponse.ProtoReflect.Descriptor instead.
 func (*ChatResponse) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{23}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ChatResponse) GetId() string {
@@ -2115,6 +2638,13 @@ func (x *ChatResponse) GetUsage() *Usage {
 	return nil
 }
 
+func (x *ChatResponse) GetSystemFingerprint() string {
+	if x != nil {
+		return x.SystemFingerprint
+	}
+	return ""
+}
+
 // ChatStreamRequest has the fields of ChatRequest (same numbers, same meaning).
 type ChatStreamRequest struct {
 	state                protoimpl.MessageState `protogen:"open.v1"`
@@ -2127,13 +2657,16 @@ type ChatStreamRequest struct {
 	Model                string                 `protobuf:"bytes,7,opt,name=model,proto3" json:"model,omitempty"`
 	AddGenerationPrompt  *bool                  `protobuf:"varint,8,opt,name=add_generation_prompt,json=addGenerationPrompt,proto3,oneof" json:"add_generation_prompt,omitempty"`
 	ContinueFinalMessage bool                   `protobuf:"varint,9,opt,name=continue_final_message,json=continueFinalMessage,proto3" json:"continue_final_message,omitempty"`
+	Tools                []*Tool                `protobuf:"bytes,10,rep,name=tools,proto3" json:"tools,omitempty"`
+	ToolChoice           *ToolChoice            `protobuf:"bytes,11,opt,name=tool_choice,json=toolChoice,proto3" json:"tool_choice,omitempty"`
+	ParallelToolCalls    *bool                  `protobuf:"varint,12,opt,name=parallel_tool_calls,json=parallelToolCalls,proto3,oneof" json:"parallel_tool_calls,omitempty"`
 	unknownFields        protoimpl.UnknownFields
 	sizeCache            protoimpl.SizeCache
 }
 
 func (x *ChatStreamRequest) Reset() {
 	*x = ChatStreamRequest{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[24]
+	mi := &file_genserve_v1_generate_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2145,7 +2678,7 @@ func (x *ChatStreamRequest) String() string {
 func (*ChatStreamRequest) ProtoMessage() {}
 
 func (x *ChatStreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[24]
+	mi := &file_genserve_v1_generate_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2158,7 +2691,7 @@ func (x *ChatStreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatStreamRequest.ProtoReflect.Descriptor instead.
 func (*ChatStreamRequest) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{24}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ChatStreamRequest) GetMessages() []*ChatMessage {
@@ -2224,6 +2757,27 @@ func (x *ChatStreamRequest) GetContinueFinalMessage() bool {
 	return false
 }
 
+func (x *ChatStreamRequest) GetTools() []*Tool {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *ChatStreamRequest) GetToolChoice() *ToolChoice {
+	if x != nil {
+		return x.ToolChoice
+	}
+	return nil
+}
+
+func (x *ChatStreamRequest) GetParallelToolCalls() bool {
+	if x != nil && x.ParallelToolCalls != nil {
+		return *x.ParallelToolCalls
+	}
+	return false
+}
+
 // ChatStreamResponse is one generated token of one choice.  With n > 1 the choices' messages
 // interleave; each choice's last message carries its finish_reason, and the call's last
 // message carries usage.
@@ -2243,14 +2797,21 @@ type ChatStreamResponse struct {
 	// Set on the choice's last message.
 	FinishReason *FinishReason `protobuf:"varint,8,opt,name=finish_reason,json=finishReason,proto3,enum=genserve.v1.FinishReason,oneof" json:"finish_reason,omitempty"`
 	// Set on the call's last message.
-	Usage         *Usage `protobuf:"bytes,9,opt,name=usage,proto3" json:"usage,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Usage *Usage `protobuf:"bytes,9,opt,name=usage,proto3" json:"usage,omitempty"`
+	// Issue #27: tool calls the reply made, each sent whole (see ToolCallDelta).  While the
+	// reply may be a tool call its text is held back, not sent as delta.
+	ToolCalls []*ToolCallDelta `protobuf:"bytes,10,rep,name=tool_calls,json=toolCalls,proto3" json:"tool_calls,omitempty"`
+	// Issue #27, --reasoning-parser: reasoning text this token adds (not part of delta).
+	ReasoningDelta string `protobuf:"bytes,11,opt,name=reasoning_delta,json=reasoningDelta,proto3" json:"reasoning_delta,omitempty"`
+	// Issue #27: as ChatResponse.system_fingerprint.
+	SystemFingerprint string `protobuf:"bytes,12,opt,name=system_fingerprint,json=systemFingerprint,proto3" json:"system_fingerprint,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ChatStreamResponse) Reset() {
 	*x = ChatStreamResponse{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[25]
+	mi := &file_genserve_v1_generate_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2262,7 +2823,7 @@ func (x *ChatStreamResponse) String() string {
 func (*ChatStreamResponse) ProtoMessage() {}
 
 func (x *ChatStreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[25]
+	mi := &file_genserve_v1_generate_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2275,7 +2836,7 @@ func (x *ChatStreamResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatStreamResponse.ProtoReflect.Descriptor instead.
 func (*ChatStreamResponse) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{25}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ChatStreamResponse) GetId() string {
@@ -2341,6 +2902,27 @@ func (x *ChatStreamResponse) GetUsage() *Usage {
 	return nil
 }
 
+func (x *ChatStreamResponse) GetToolCalls() []*ToolCallDelta {
+	if x != nil {
+		return x.ToolCalls
+	}
+	return nil
+}
+
+func (x *ChatStreamResponse) GetReasoningDelta() string {
+	if x != nil {
+		return x.ReasoningDelta
+	}
+	return ""
+}
+
+func (x *ChatStreamResponse) GetSystemFingerprint() string {
+	if x != nil {
+		return x.SystemFingerprint
+	}
+	return ""
+}
+
 // Grammar constrains generation so that the output matches it (xgrammar). At each step only
 // tokens that keep the output a valid prefix are allowed, and end-of-sequence only where the
 // output is complete. TGI's {"type": "json", "value": schema} maps to json_schema, its
@@ -2361,7 +2943,7 @@ type Grammar struct {
 
 func (x *Grammar) Reset() {
 	*x = Grammar{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[26]
+	mi := &file_genserve_v1_generate_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2373,7 +2955,7 @@ func (x *Grammar) String() string {
 func (*Grammar) ProtoMessage() {}
 
 func (x *Grammar) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[26]
+	mi := &file_genserve_v1_generate_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2386,7 +2968,7 @@ func (x *Grammar) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Grammar.ProtoReflect.Descriptor instead.
 func (*Grammar) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{26}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *Grammar) GetKind() isGrammar_Kind {
@@ -2490,7 +3072,7 @@ type GrammarChoice struct {
 
 func (x *GrammarChoice) Reset() {
 	*x = GrammarChoice{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[27]
+	mi := &file_genserve_v1_generate_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2502,7 +3084,7 @@ func (x *GrammarChoice) String() string {
 func (*GrammarChoice) ProtoMessage() {}
 
 func (x *GrammarChoice) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[27]
+	mi := &file_genserve_v1_generate_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2515,7 +3097,7 @@ func (x *GrammarChoice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GrammarChoice.ProtoReflect.Descriptor instead.
 func (*GrammarChoice) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{27}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *GrammarChoice) GetValues() []string {
@@ -2535,7 +3117,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[28]
+	mi := &file_genserve_v1_generate_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2547,7 +3129,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[28]
+	mi := &file_genserve_v1_generate_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2560,7 +3142,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{28}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *TokenIds) GetIds() []uint32 {
@@ -2590,7 +3172,7 @@ type BestOfSequence struct {
 
 func (x *BestOfSequence) Reset() {
 	*x = BestOfSequence{}
-	mi := &file_genserve_v1_generate_proto_msgTypes[29]
+	mi := &file_genserve_v1_generate_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2602,7 +3184,7 @@ func (x *BestOfSequence) String() string {
 func (*BestOfSequence) ProtoMessage() {}
 
 func (x *BestOfSequence) ProtoReflect() protoreflect.Message {
-	mi := &file_genserve_v1_generate_proto_msgTypes[29]
+	mi := &file_genserve_v1_generate_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2615,7 +3197,7 @@ func (x *BestOfSequence) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BestOfSequence.ProtoReflect.Descriptor instead.
 func (*BestOfSequence) Descriptor() ([]byte, []int) {
-	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{29}
+	return file_genserve_v1_generate_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *BestOfSequence) GetGeneratedText() string {
@@ -2678,7 +3260,7 @@ var File_genserve_v1_generate_proto protoreflect.FileDescriptor
 
 const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
-	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\x8b\v\n" +
+	"\x1agenserve/v1/generate.proto\x12\vgenserve.v1\"\xe7\v\n" +
 	"\x12GenerateParameters\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12\x1b\n" +
 	"\tdo_sample\x18\x02 \x01(\bR\bdoSample\x12%\n" +
@@ -2713,7 +3295,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x1ainclude_stop_str_in_output\x18\x1a \x01(\bR\x16includeStopStrInOutput\x12\x11\n" +
 	"\x01n\x18\x1c \x01(\rH\x0fR\x01n\x88\x01\x01\x12\"\n" +
 	"\n" +
-	"adapter_id\x18( \x01(\tH\x10R\tadapterId\x88\x01\x01\x1a<\n" +
+	"adapter_id\x18( \x01(\tH\x10R\tadapterId\x88\x01\x01\x12=\n" +
+	"\x18output_frequency_penalty\x18) \x01(\x02H\x11R\x16outputFrequencyPenalty\x88\x01\x01\x1a<\n" +
 	"\x0eLogitBiasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x11\n" +
@@ -2735,7 +3318,8 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_min_new_tokensB\x16\n" +
 	"\x14_skip_special_tokensB\x04\n" +
 	"\x02_nB\r\n" +
-	"\v_adapter_id\"p\n" +
+	"\v_adapter_idB\x1b\n" +
+	"\x19_output_frequency_penalty\"p\n" +
 	"\x05Token\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\rR\x02id\x12\x12\n" +
 	"\x04text\x18\x02 \x01(\tR\x04text\x12\x1d\n" +
@@ -2744,7 +3328,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
 	"\b_logprob\"7\n" +
 	"\tTopTokens\x12*\n" +
-	"\x06tokens\x18\x01 \x03(\v2\x12.genserve.v1.TokenR\x06tokens\"\xf3\x03\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x12.genserve.v1.TokenR\x06tokens\"\xb9\x04\n" +
 	"\aDetails\x12>\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2\x19.genserve.v1.FinishReasonR\ffinishReason\x12)\n" +
 	"\x10generated_tokens\x18\x02 \x01(\rR\x0fgeneratedTokens\x12\x17\n" +
@@ -2757,26 +3341,33 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\rcached_tokens\x18\b \x01(\rR\fcachedTokens\x12'\n" +
 	"\rstop_token_id\x18\t \x01(\rH\x01R\vstopTokenId\x88\x01\x01\x12G\n" +
 	"\x11best_of_sequences\x18\n" +
-	" \x03(\v2\x1b.genserve.v1.BestOfSequenceR\x0fbestOfSequencesB\a\n" +
+	" \x03(\v2\x1b.genserve.v1.BestOfSequenceR\x0fbestOfSequences\x12D\n" +
+	"\x12prefill_top_tokens\x18\v \x03(\v2\x16.genserve.v1.TopTokensR\x10prefillTopTokensB\a\n" +
 	"\x05_seedB\x10\n" +
-	"\x0e_stop_token_id\"\x9e\x01\n" +
+	"\x0e_stop_token_id\"\xc6\x01\n" +
 	"\x0fGenerateRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x03(\tR\x06inputs\x12?\n" +
 	"\n" +
 	"parameters\x18\x02 \x01(\v2\x1f.genserve.v1.GenerateParametersR\n" +
 	"parameters\x122\n" +
-	"\tinput_ids\x18\x03 \x03(\v2\x15.genserve.v1.TokenIdsR\binputIds\"g\n" +
+	"\tinput_ids\x18\x03 \x03(\v2\x15.genserve.v1.TokenIdsR\binputIds\x12\x1b\n" +
+	"\x06suffix\x18\x04 \x01(\tH\x00R\x06suffix\x88\x01\x01B\t\n" +
+	"\a_suffix\"\x88\x01\n" +
 	"\x0eGenerateResult\x12%\n" +
 	"\x0egenerated_text\x18\x01 \x01(\tR\rgeneratedText\x12.\n" +
-	"\adetails\x18\x02 \x01(\v2\x14.genserve.v1.DetailsR\adetails\"I\n" +
+	"\adetails\x18\x02 \x01(\v2\x14.genserve.v1.DetailsR\adetails\x12\x1f\n" +
+	"\vprompt_text\x18\x03 \x01(\tR\n" +
+	"promptText\"I\n" +
 	"\x10GenerateResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.genserve.v1.GenerateResultR\aresults\"\x8d\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.genserve.v1.GenerateResultR\aresults\"\xb5\x01\n" +
 	"\x15GenerateStreamRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x12?\n" +
 	"\n" +
 	"parameters\x18\x02 \x01(\v2\x1f.genserve.v1.GenerateParametersR\n" +
 	"parameters\x12\x1b\n" +
-	"\tinput_ids\x18\x03 \x03(\rR\binputIds\"\x9f\x02\n" +
+	"\tinput_ids\x18\x03 \x03(\rR\binputIds\x12\x1b\n" +
+	"\x06suffix\x18\x04 \x01(\tH\x00R\x06suffix\x88\x01\x01B\t\n" +
+	"\a_suffix\"\x9f\x02\n" +
 	"\rStreamDetails\x12>\n" +
 	"\rfinish_reason\x18\x01 \x01(\x0e2\x19.genserve.v1.FinishReasonR\ffinishReason\x12)\n" +
 	"\x10generated_tokens\x18\x02 \x01(\rR\x0fgeneratedTokens\x12\x17\n" +
@@ -2796,7 +3387,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xf6\t\n" +
+	"\vInfoRequest\"\xea\v\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -2832,7 +3423,13 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0fwatermark_delta\x18\x1c \x01(\x02R\x0ewatermarkDelta\x123\n" +
 	"\x16cuda_graph_batch_sizes\x18& \x03(\rR\x13cudaGraphBatchSizes\x12\x1a\n" +
 	"\bquantize\x18' \x01(\tR\bquantize\x12,\n" +
-	"\x12model_weight_bytes\x18( \x01(\x04R\x10modelWeightBytes\"s\n" +
+	"\x12model_weight_bytes\x18( \x01(\x04R\x10modelWeightBytes\x12(\n" +
+	"\x10tool_call_parser\x18) \x01(\tR\x0etoolCallParser\x12)\n" +
+	"\x10reasoning_parser\x18* \x01(\tR\x0freasoningParser\x12$\n" +
+	"\x0efill_in_middle\x18+ \x01(\bR\ffillInMiddle\x12\"\n" +
+	"\farchitecture\x18, \x01(\tR\farchitecture\x12&\n" +
+	"\x0eimplementation\x18- \x01(\tR\x0eimplementation\x12+\n" +
+	"\x11disabled_features\x18. \x03(\tR\x10disabledFeatures\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +
@@ -2843,17 +3440,44 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x05start\x18\x03 \x01(\rR\x05start\x12\x12\n" +
 	"\x04stop\x18\x04 \x01(\rR\x04stop\"D\n" +
 	"\x10TokenizeResponse\x120\n" +
-	"\x06tokens\x18\x01 \x03(\v2\x18.genserve.v1.SimpleTokenR\x06tokens\"q\n" +
+	"\x06tokens\x18\x01 \x03(\v2\x18.genserve.v1.SimpleTokenR\x06tokens\"\xd4\x01\n" +
 	"\vChatMessage\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x12\x12\n" +
 	"\x04name\x18\x03 \x01(\tR\x04name\x12 \n" +
 	"\ftool_call_id\x18\x04 \x01(\tR\n" +
-	"toolCallId\"E\n" +
+	"toolCallId\x124\n" +
+	"\n" +
+	"tool_calls\x18\x05 \x03(\v2\x15.genserve.v1.ToolCallR\ttoolCalls\x12+\n" +
+	"\x11reasoning_content\x18\x06 \x01(\tR\x10reasoningContent\"e\n" +
+	"\bToolCall\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
+	"\x04type\x18\x02 \x01(\tR\x04type\x125\n" +
+	"\bfunction\x18\x03 \x01(\v2\x19.genserve.v1.FunctionCallR\bfunction\"@\n" +
+	"\fFunctionCall\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1c\n" +
+	"\targuments\x18\x02 \x01(\tR\targuments\"W\n" +
+	"\x04Tool\x12\x12\n" +
+	"\x04type\x18\x01 \x01(\tR\x04type\x12;\n" +
+	"\bfunction\x18\x02 \x01(\v2\x1f.genserve.v1.FunctionDefinitionR\bfunction\"\x82\x01\n" +
+	"\x12FunctionDefinition\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12 \n" +
+	"\vdescription\x18\x02 \x01(\tR\vdescription\x12\x1e\n" +
+	"\n" +
+	"parameters\x18\x03 \x01(\tR\n" +
+	"parameters\x12\x16\n" +
+	"\x06strict\x18\x04 \x01(\bR\x06strict\"E\n" +
+	"\n" +
+	"ToolChoice\x12\x12\n" +
+	"\x04mode\x18\x01 \x01(\tR\x04mode\x12#\n" +
+	"\rfunction_name\x18\x02 \x01(\tR\ffunctionName\"P\n" +
+	"\rToolCallDelta\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\rR\x05index\x12)\n" +
+	"\x04call\x18\x02 \x01(\v2\x15.genserve.v1.ToolCallR\x04call\"E\n" +
 	"\x0eResponseFormat\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x1f\n" +
 	"\vjson_schema\x18\x02 \x01(\tR\n" +
-	"jsonSchema\"\xd7\x03\n" +
+	"jsonSchema\"\x87\x05\n" +
 	"\vChatRequest\x124\n" +
 	"\bmessages\x18\x01 \x03(\v2\x18.genserve.v1.ChatMessageR\bmessages\x12?\n" +
 	"\n" +
@@ -2865,10 +3489,16 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0fresponse_format\x18\x06 \x01(\v2\x1b.genserve.v1.ResponseFormatR\x0eresponseFormat\x12\x14\n" +
 	"\x05model\x18\a \x01(\tR\x05model\x127\n" +
 	"\x15add_generation_prompt\x18\b \x01(\bH\x02R\x13addGenerationPrompt\x88\x01\x01\x124\n" +
-	"\x16continue_final_message\x18\t \x01(\bR\x14continueFinalMessageB\x04\n" +
+	"\x16continue_final_message\x18\t \x01(\bR\x14continueFinalMessage\x12'\n" +
+	"\x05tools\x18\n" +
+	" \x03(\v2\x11.genserve.v1.ToolR\x05tools\x128\n" +
+	"\vtool_choice\x18\v \x01(\v2\x17.genserve.v1.ToolChoiceR\n" +
+	"toolChoice\x123\n" +
+	"\x13parallel_tool_calls\x18\f \x01(\bH\x03R\x11parallelToolCalls\x88\x01\x01B\x04\n" +
 	"\x02_nB\x0f\n" +
 	"\r_top_logprobsB\x18\n" +
-	"\x16_add_generation_prompt\"\xa1\x01\n" +
+	"\x16_add_generation_promptB\x16\n" +
+	"\x14_parallel_tool_calls\"\xa1\x01\n" +
 	"\x05Usage\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\rR\fpromptTokens\x12+\n" +
 	"\x11completion_tokens\x18\x02 \x01(\rR\x10completionTokens\x12!\n" +
@@ -2882,13 +3512,14 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x05index\x18\x01 \x01(\rR\x05index\x122\n" +
 	"\amessage\x18\x02 \x01(\v2\x18.genserve.v1.ChatMessageR\amessage\x12>\n" +
 	"\rfinish_reason\x18\x03 \x01(\x0e2\x19.genserve.v1.FinishReasonR\ffinishReason\x125\n" +
-	"\blogprobs\x18\x04 \x03(\v2\x19.genserve.v1.TokenLogprobR\blogprobs\"\xab\x01\n" +
+	"\blogprobs\x18\x04 \x03(\v2\x19.genserve.v1.TokenLogprobR\blogprobs\"\xda\x01\n" +
 	"\fChatResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\x12\x18\n" +
 	"\acreated\x18\x03 \x01(\x03R\acreated\x121\n" +
 	"\achoices\x18\x04 \x03(\v2\x17.genserve.v1.ChatChoiceR\achoices\x12(\n" +
-	"\x05usage\x18\x05 \x01(\v2\x12.genserve.v1.UsageR\x05usage\"\xdd\x03\n" +
+	"\x05usage\x18\x05 \x01(\v2\x12.genserve.v1.UsageR\x05usage\x12-\n" +
+	"\x12system_fingerprint\x18\x06 \x01(\tR\x11systemFingerprint\"\x8d\x05\n" +
 	"\x11ChatStreamRequest\x124\n" +
 	"\bmessages\x18\x01 \x03(\v2\x18.genserve.v1.ChatMessageR\bmessages\x12?\n" +
 	"\n" +
@@ -2900,10 +3531,16 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0fresponse_format\x18\x06 \x01(\v2\x1b.genserve.v1.ResponseFormatR\x0eresponseFormat\x12\x14\n" +
 	"\x05model\x18\a \x01(\tR\x05model\x127\n" +
 	"\x15add_generation_prompt\x18\b \x01(\bH\x02R\x13addGenerationPrompt\x88\x01\x01\x124\n" +
-	"\x16continue_final_message\x18\t \x01(\bR\x14continueFinalMessageB\x04\n" +
+	"\x16continue_final_message\x18\t \x01(\bR\x14continueFinalMessage\x12'\n" +
+	"\x05tools\x18\n" +
+	" \x03(\v2\x11.genserve.v1.ToolR\x05tools\x128\n" +
+	"\vtool_choice\x18\v \x01(\v2\x17.genserve.v1.ToolChoiceR\n" +
+	"toolChoice\x123\n" +
+	"\x13parallel_tool_calls\x18\f \x01(\bH\x03R\x11parallelToolCalls\x88\x01\x01B\x04\n" +
 	"\x02_nB\x0f\n" +
 	"\r_top_logprobsB\x18\n" +
-	"\x16_add_generation_prompt\"\xe2\x02\n" +
+	"\x16_add_generation_promptB\x16\n" +
+	"\x14_parallel_tool_calls\"\xf5\x03\n" +
 	"\x12ChatStreamResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\x12\x18\n" +
@@ -2913,7 +3550,12 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x05token\x18\x06 \x01(\v2\x12.genserve.v1.TokenR\x05token\x125\n" +
 	"\ftop_logprobs\x18\a \x03(\v2\x12.genserve.v1.TokenR\vtopLogprobs\x12C\n" +
 	"\rfinish_reason\x18\b \x01(\x0e2\x19.genserve.v1.FinishReasonH\x00R\ffinishReason\x88\x01\x01\x12(\n" +
-	"\x05usage\x18\t \x01(\v2\x12.genserve.v1.UsageR\x05usageB\x10\n" +
+	"\x05usage\x18\t \x01(\v2\x12.genserve.v1.UsageR\x05usage\x129\n" +
+	"\n" +
+	"tool_calls\x18\n" +
+	" \x03(\v2\x1a.genserve.v1.ToolCallDeltaR\ttoolCalls\x12'\n" +
+	"\x0freasoning_delta\x18\v \x01(\tR\x0ereasoningDelta\x12-\n" +
+	"\x12system_fingerprint\x18\f \x01(\tR\x11systemFingerprintB\x10\n" +
 	"\x0e_finish_reason\"\xbb\x01\n" +
 	"\aGrammar\x12!\n" +
 	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
@@ -2938,12 +3580,13 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\n" +
 	"top_tokens\x18\a \x03(\v2\x16.genserve.v1.TopTokensR\ttopTokens\x12#\n" +
 	"\rcached_tokens\x18\b \x01(\rR\fcachedTokensB\a\n" +
-	"\x05_seed*\x85\x01\n" +
+	"\x05_seed*\xa3\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x01\x12\x1b\n" +
 	"\x17FINISH_REASON_EOS_TOKEN\x10\x02\x12\x1f\n" +
-	"\x1bFINISH_REASON_STOP_SEQUENCE\x10\x032\x94\x04\n" +
+	"\x1bFINISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1c\n" +
+	"\x18FINISH_REASON_TOOL_CALLS\x10\x042\x94\x04\n" +
 	"\x15TextGenerationService\x12G\n" +
 	"\bGenerate\x12\x1c.genserve.v1.GenerateRequest\x1a\x1d.genserve.v1.GenerateResponse\x12[\n" +
 	"\x0eGenerateStream\x12\".genserve.v1.GenerateStreamRequest\x1a#.genserve.v1.GenerateStreamResponse0\x01\x12A\n" +
@@ -2968,7 +3611,7 @@ func file_genserve_v1_generate_proto_rawDescGZIP() []byte {
 }
 
 var file_genserve_v1_generate_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_genserve_v1_generate_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
 var file_genserve_v1_generate_proto_goTypes = []any{
 	(FinishReason)(0),              // 0: genserve.v1.FinishReason
 	(*GenerateParameters)(nil),     // 1: genserve.v1.GenerateParameters
@@ -2989,80 +3632,96 @@ var file_genserve_v1_generate_proto_goTypes = []any{
 	(*SimpleToken)(nil),            // 16: genserve.v1.SimpleToken
 	(*TokenizeResponse)(nil),       // 17: genserve.v1.TokenizeResponse
 	(*ChatMessage)(nil),            // 18: genserve.v1.ChatMessage
-	(*ResponseFormat)(nil),         // 19: genserve.v1.ResponseFormat
-	(*ChatRequest)(nil),            // 20: genserve.v1.ChatRequest
-	(*Usage)(nil),                  // 21: genserve.v1.Usage
-	(*TokenLogprob)(nil),           // 22: genserve.v1.TokenLogprob
-	(*ChatChoice)(nil),             // 23: genserve.v1.ChatChoice
-	(*ChatResponse)(nil),           // 24: genserve.v1.ChatResponse
-	(*ChatStreamRequest)(nil),      // 25: genserve.v1.ChatStreamRequest
-	(*ChatStreamResponse)(nil),     // 26: genserve.v1.ChatStreamResponse
-	(*Grammar)(nil),                // 27: genserve.v1.Grammar
-	(*GrammarChoice)(nil),          // 28: genserve.v1.GrammarChoice
-	(*TokenIds)(nil),               // 29: genserve.v1.TokenIds
-	(*BestOfSequence)(nil),         // 30: genserve.v1.BestOfSequence
-	nil,                            // 31: genserve.v1.GenerateParameters.LogitBiasEntry
+	(*ToolCall)(nil),               // 19: genserve.v1.ToolCall
+	(*FunctionCall)(nil),           // 20: genserve.v1.FunctionCall
+	(*Tool)(nil),                   // 21: genserve.v1.Tool
+	(*FunctionDefinition)(nil),     // 22: genserve.v1.FunctionDefinition
+	(*ToolChoice)(nil),             // 23: genserve.v1.ToolChoice
+	(*ToolCallDelta)(nil),          // 24: genserve.v1.ToolCallDelta
+	(*ResponseFormat)(nil),         // 25: genserve.v1.ResponseFormat
+	(*ChatRequest)(nil),            // 26: genserve.v1.ChatRequest
+	(*Usage)(nil),                  // 27: genserve.v1.Usage
+	(*TokenLogprob)(nil),           // 28: genserve.v1.TokenLogprob
+	(*ChatChoice)(nil),             // 29: genserve.v1.ChatChoice
+	(*ChatResponse)(nil),           // 30: genserve.v1.ChatResponse
+	(*ChatStreamRequest)(nil),      // 31: genserve.v1.ChatStreamRequest
+	(*ChatStreamResponse)(nil),     // 32: genserve.v1.ChatStreamResponse
+	(*Grammar)(nil),                // 33: genserve.v1.Grammar
+	(*GrammarChoice)(nil),          // 34: genserve.v1.GrammarChoice
+	(*TokenIds)(nil),               // 35: genserve.v1.TokenIds
+	(*BestOfSequence)(nil),         // 36: genserve.v1.BestOfSequence
+	nil,                            // 37: genserve.v1.GenerateParameters.LogitBiasEntry
 }
 var file_genserve_v1_generate_proto_depIdxs = []int32{
-	27, // 0: genserve.v1.GenerateParameters.grammar:type_name -> genserve.v1.Grammar
-	31, // 1: genserve.v1.GenerateParameters.logit_bias:type_name -> genserve.v1.GenerateParameters.LogitBiasEntry
+	33, // 0: genserve.v1.GenerateParameters.grammar:type_name -> genserve.v1.Grammar
+	37, // 1: genserve.v1.GenerateParameters.logit_bias:type_name -> genserve.v1.GenerateParameters.LogitBiasEntry
 	2,  // 2: genserve.v1.TopTokens.tokens:type_name -> genserve.v1.Token
 	0,  // 3: genserve.v1.Details.finish_reason:type_name -> genserve.v1.FinishReason
 	2,  // 4: genserve.v1.Details.prefill:type_name -> genserve.v1.Token
 	2,  // 5: genserve.v1.Details.tokens:type_name -> genserve.v1.Token
 	3,  // 6: genserve.v1.Details.top_tokens:type_name -> genserve.v1.TopTokens
-	30, // 7: genserve.v1.Details.best_of_sequences:type_name -> genserve.v1.BestOfSequence
-	1,  // 8: genserve.v1.GenerateRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	29, // 9: genserve.v1.GenerateRequest.input_ids:type_name -> genserve.v1.TokenIds
-	4,  // 10: genserve.v1.GenerateResult.details:type_name -> genserve.v1.Details
-	6,  // 11: genserve.v1.GenerateResponse.results:type_name -> genserve.v1.GenerateResult
-	1,  // 12: genserve.v1.GenerateStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	0,  // 13: genserve.v1.StreamDetails.finish_reason:type_name -> genserve.v1.FinishReason
-	2,  // 14: genserve.v1.GenerateStreamResponse.token:type_name -> genserve.v1.Token
-	2,  // 15: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
-	9,  // 16: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
-	16, // 17: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
-	18, // 18: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
-	1,  // 19: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	19, // 20: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
-	2,  // 21: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
-	2,  // 22: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
-	18, // 23: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
-	0,  // 24: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
-	22, // 25: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
-	23, // 26: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
-	21, // 27: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
-	18, // 28: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
-	1,  // 29: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
-	19, // 30: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
-	2,  // 31: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
-	2,  // 32: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
-	0,  // 33: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
-	21, // 34: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
-	28, // 35: genserve.v1.Grammar.choice:type_name -> genserve.v1.GrammarChoice
-	0,  // 36: genserve.v1.BestOfSequence.finish_reason:type_name -> genserve.v1.FinishReason
-	2,  // 37: genserve.v1.BestOfSequence.prefill:type_name -> genserve.v1.Token
-	2,  // 38: genserve.v1.BestOfSequence.tokens:type_name -> genserve.v1.Token
-	3,  // 39: genserve.v1.BestOfSequence.top_tokens:type_name -> genserve.v1.TopTokens
-	5,  // 40: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
-	8,  // 41: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
-	11, // 42: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
-	13, // 43: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
-	15, // 44: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
-	20, // 45: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
-	25, // 46: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
-	7,  // 47: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
-	10, // 48: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
-	12, // 49: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
-	14, // 50: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
-	17, // 51: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
-	24, // 52: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
-	26, // 53: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
-	47, // [47:54] is the sub-list for method output_type
-	40, // [40:47] is the sub-list for method input_type
-	40, // [40:40] is the sub-list for extension type_name
-	40, // [40:40] is the sub-list for extension extendee
-	0,  // [0:40] is the sub-list for field type_name
+	36, // 7: genserve.v1.Details.best_of_sequences:type_name -> genserve.v1.BestOfSequence
+	3,  // 8: genserve.v1.Details.prefill_top_tokens:type_name -> genserve.v1.TopTokens
+	1,  // 9: genserve.v1.GenerateRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	35, // 10: genserve.v1.GenerateRequest.input_ids:type_name -> genserve.v1.TokenIds
+	4,  // 11: genserve.v1.GenerateResult.details:type_name -> genserve.v1.Details
+	6,  // 12: genserve.v1.GenerateResponse.results:type_name -> genserve.v1.GenerateResult
+	1,  // 13: genserve.v1.GenerateStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	0,  // 14: genserve.v1.StreamDetails.finish_reason:type_name -> genserve.v1.FinishReason
+	2,  // 15: genserve.v1.GenerateStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 16: genserve.v1.GenerateStreamResponse.top_tokens:type_name -> genserve.v1.Token
+	9,  // 17: genserve.v1.GenerateStreamResponse.details:type_name -> genserve.v1.StreamDetails
+	16, // 18: genserve.v1.TokenizeResponse.tokens:type_name -> genserve.v1.SimpleToken
+	19, // 19: genserve.v1.ChatMessage.tool_calls:type_name -> genserve.v1.ToolCall
+	20, // 20: genserve.v1.ToolCall.function:type_name -> genserve.v1.FunctionCall
+	22, // 21: genserve.v1.Tool.function:type_name -> genserve.v1.FunctionDefinition
+	19, // 22: genserve.v1.ToolCallDelta.call:type_name -> genserve.v1.ToolCall
+	18, // 23: genserve.v1.ChatRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 24: genserve.v1.ChatRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	25, // 25: genserve.v1.ChatRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	21, // 26: genserve.v1.ChatRequest.tools:type_name -> genserve.v1.Tool
+	23, // 27: genserve.v1.ChatRequest.tool_choice:type_name -> genserve.v1.ToolChoice
+	2,  // 28: genserve.v1.TokenLogprob.token:type_name -> genserve.v1.Token
+	2,  // 29: genserve.v1.TokenLogprob.top_logprobs:type_name -> genserve.v1.Token
+	18, // 30: genserve.v1.ChatChoice.message:type_name -> genserve.v1.ChatMessage
+	0,  // 31: genserve.v1.ChatChoice.finish_reason:type_name -> genserve.v1.FinishReason
+	28, // 32: genserve.v1.ChatChoice.logprobs:type_name -> genserve.v1.TokenLogprob
+	29, // 33: genserve.v1.ChatResponse.choices:type_name -> genserve.v1.ChatChoice
+	27, // 34: genserve.v1.ChatResponse.usage:type_name -> genserve.v1.Usage
+	18, // 35: genserve.v1.ChatStreamRequest.messages:type_name -> genserve.v1.ChatMessage
+	1,  // 36: genserve.v1.ChatStreamRequest.parameters:type_name -> genserve.v1.GenerateParameters
+	25, // 37: genserve.v1.ChatStreamRequest.response_format:type_name -> genserve.v1.ResponseFormat
+	21, // 38: genserve.v1.ChatStreamRequest.tools:type_name -> genserve.v1.Tool
+	23, // 39: genserve.v1.ChatStreamRequest.tool_choice:type_name -> genserve.v1.ToolChoice
+	2,  // 40: genserve.v1.ChatStreamResponse.token:type_name -> genserve.v1.Token
+	2,  // 41: genserve.v1.ChatStreamResponse.top_logprobs:type_name -> genserve.v1.Token
+	0,  // 42: genserve.v1.ChatStreamResponse.finish_reason:type_name -> genserve.v1.FinishReason
+	27, // 43: genserve.v1.ChatStreamResponse.usage:type_name -> genserve.v1.Usage
+	24, // 44: genserve.v1.ChatStreamResponse.tool_calls:type_name -> genserve.v1.ToolCallDelta
+	34, // 45: genserve.v1.Grammar.choice:type_name -> genserve.v1.GrammarChoice
+	0,  // 46: genserve.v1.BestOfSequence.finish_reason:type_name -> genserve.v1.FinishReason
+	2,  // 47: genserve.v1.BestOfSequence.prefill:type_name -> genserve.v1.Token
+	2,  // 48: genserve.v1.BestOfSequence.tokens:type_name -> genserve.v1.Token
+	3,  // 49: genserve.v1.BestOfSequence.top_tokens:type_name -> genserve.v1.TopTokens
+	5,  // 50: genserve.v1.TextGenerationService.Generate:input_type -> genserve.v1.GenerateRequest
+	8,  // 51: genserve.v1.TextGenerationService.GenerateStream:input_type -> genserve.v1.GenerateStreamRequest
+	11, // 52: genserve.v1.TextGenerationService.Health:input_type -> genserve.v1.HealthRequest
+	13, // 53: genserve.v1.TextGenerationService.Info:input_type -> genserve.v1.InfoRequest
+	15, // 54: genserve.v1.TextGenerationService.Tokenize:input_type -> genserve.v1.TokenizeRequest
+	26, // 55: genserve.v1.TextGenerationService.Chat:input_type -> genserve.v1.ChatRequest
+	31, // 56: genserve.v1.TextGenerationService.ChatStream:input_type -> genserve.v1.ChatStreamRequest
+	7,  // 57: genserve.v1.TextGenerationService.Generate:output_type -> genserve.v1.GenerateResponse
+	10, // 58: genserve.v1.TextGenerationService.GenerateStream:output_type -> genserve.v1.GenerateStreamResponse
+	12, // 59: genserve.v1.TextGenerationService.Health:output_type -> genserve.v1.HealthResponse
+	14, // 60: genserve.v1.TextGenerationService.Info:output_type -> genserve.v1.InfoResponse
+	17, // 61: genserve.v1.TextGenerationService.Tokenize:output_type -> genserve.v1.TokenizeResponse
+	30, // 62: genserve.v1.TextGenerationService.Chat:output_type -> genserve.v1.ChatResponse
+	32, // 63: genserve.v1.TextGenerationService.ChatStream:output_type -> genserve.v1.ChatStreamResponse
+	57, // [57:64] is the sub-list for method output_type
+	50, // [50:57] is the sub-list for method input_type
+	50, // [50:50] is the sub-list for extension type_name
+	50, // [50:50] is the sub-list for extension extendee
+	0,  // [0:50] is the sub-list for field type_name
 }
 
 func init() { file_genserve_v1_generate_proto_init() }
@@ -3073,27 +3732,29 @@ func file_genserve_v1_generate_proto_init() {
 	file_genserve_v1_generate_proto_msgTypes[0].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[1].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[3].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[4].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[7].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[8].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[9].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[14].OneofWrappers = []any{}
-	file_genserve_v1_generate_proto_msgTypes[19].OneofWrappers = []any{}
-	file_genserve_v1_generate_proto_msgTypes[24].OneofWrappers = []any{}
 	file_genserve_v1_generate_proto_msgTypes[25].OneofWrappers = []any{}
-	file_genserve_v1_generate_proto_msgTypes[26].OneofWrappers = []any{
+	file_genserve_v1_generate_proto_msgTypes[30].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[31].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[32].OneofWrappers = []any{
 		(*Grammar_JsonSchema)(nil),
 		(*Grammar_JsonObject)(nil),
 		(*Grammar_Regex)(nil),
 		(*Grammar_Ebnf)(nil),
 		(*Grammar_Choice)(nil),
 	}
-	file_genserve_v1_generate_proto_msgTypes[29].OneofWrappers = []any{}
+	file_genserve_v1_generate_proto_msgTypes[35].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_genserve_v1_generate_proto_rawDesc), len(file_genserve_v1_generate_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   31,
+			NumMessages:   37,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

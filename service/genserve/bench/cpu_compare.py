@@ -40,7 +40,7 @@ import torch
 
 from genserve.bench import machine_limits
 from genserve.bench.llamacpp_baseline import FTYPES
-from genserve.model.loader import ResolvedModel
+from genserve.model.loader import ResolvedModel, transformers_weights_kwargs
 
 _PRECISIONS = ("float32", "bfloat16", "int8", "int4", "gguf")
 
@@ -89,7 +89,9 @@ def _genserve_engine(
 def _hf_engine(local_dir: Path) -> Engine:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(local_dir), dtype=torch.float32).eval()
+    weights = transformers_weights_kwargs(local_dir)  # a GGUF entry: the .gguf file
+    model = AutoModelForCausalLM.from_pretrained(str(local_dir), dtype=torch.float32, **weights)
+    model.eval()
 
     def generate(ids: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
         start = time.perf_counter()

@@ -27,6 +27,7 @@ import torch
 
 from genserve.bench.prompts import Prompt
 from genserve.bench.records import RequestRecord, RunResult
+from genserve.model.loader import transformers_weights_kwargs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,7 +57,9 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).to(device)
+    weights = transformers_weights_kwargs(Path(model_dir))  # a GGUF entry: the .gguf file
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype], **weights)
+    model = model.to(device)
     model.eval()
     return model, tokenizer
 

@@ -33,6 +33,7 @@ server's weight size where its Info reports ``model_weight_bytes``.
 
     genserve-bench quant-accuracy --configs float32,int8,int4,gguf --out quant-accuracy.json
     genserve-bench quant-accuracy --configs float32,bfloat16 --max-new-tokens 16
+    genserve-bench quant-accuracy --configs float32,gguf,gguf-int-dot   # --cpu-int-dot cost
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ BUILTIN_CONFIGS: dict[str, tuple[str, ...]] = {
     "int8": ("--dtype", "float32", "--quantize", "int8"),
     "int4": ("--dtype", "float32", "--quantize", "int4"),
     "gguf": ("--dtype", "float32", "--quantize", "gguf"),
+    # The same weights through the integer dot-product kernels (activations rounded to int8
+    # per block of 32, issue #28): what that rounding costs, beside the float path above.
+    "int8-int-dot": ("--dtype", "float32", "--quantize", "int8", "--cpu-int-dot", "on"),
+    "int4-int-dot": ("--dtype", "float32", "--quantize", "int4", "--cpu-int-dot", "on"),
+    "gguf-int-dot": ("--dtype", "float32", "--quantize", "gguf", "--cpu-int-dot", "on"),
 }
 DEFAULT_CONFIGS = ("float32", "int8", "int4", "gguf")
 

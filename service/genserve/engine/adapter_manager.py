@@ -71,6 +71,9 @@ class AdapterManager:
         self._validated: dict[str, str] = {}
         self._validating: dict[str, asyncio.Future[str]] = {}
         self._slot_freed = asyncio.Event()
+        # Set when the served model cannot take adapters (the transformers fallback): every
+        # adapter is refused with this reason (INVALID_ARGUMENT), before any step sees it.
+        self.unsupported: str | None = None
 
     def effective_id(self, requested: str | None) -> str | None:
         """The adapter a request uses: its own, else the server default, else None (base)."""
@@ -144,6 +147,10 @@ class AdapterManager:
 
     def _read(self, adapter_id: str) -> str:
         """In a worker thread: find the adapter and check it fits the base model."""
+        if self.unsupported is not None:
+            from genserve.model.lora import AdapterError
+
+            raise AdapterError(f"adapter {adapter_id!r}: {self.unsupported}")
         start = time.perf_counter()
         directory = resolve_adapter_dir(adapter_id, self.known.get(adapter_id), self.source)
         weights = read_adapter(adapter_id, directory, self.model_config)
@@ -187,5 +194,10 @@ async def start_adapters(
         max_active=settings.max_active,
         base_model_id=info.model_id or None,
     )
+    if info.implementation not in ("", "native"):
+        manager.unsupported = (
+            f"LoRA adapters are not supported by the transformers fallback that serves "
+            f"{info.architecture}"
+        )
     await manager.preload()
     return manager

@@ -2,8 +2,10 @@
 
 The loop runs in the event-loop thread except for ``Runner.execute_model``, which runs in a
 single worker thread so that gRPC I/O keeps flowing while the model computes (torch releases
-the GIL inside its kernels).  Scheduler state is only touched from the event-loop thread, so
-aborts and new arrivals need no locks.
+the GIL inside its kernels).  With ``overlap`` the host's per-step work (detokenising,
+stop strings, streaming, observers) for step n also runs while step n + 1 computes.
+Scheduler state is only touched from the event-loop thread, so aborts and new arrivals need
+no locks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, Tok
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import EngineCoreOutput, Scheduler
 from genserve.model.adapter_files import AdapterNotFoundError
-from genserve.step import AdapterRef, PromptLogprobs, Runner, RunnerOutput, SchedulerOutput
+from genserve.step import (
+    AdapterRef,
+    PromptLogprobs,
+    Runner,
+    RunnerOutput,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from genserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -47,6 +56,7 @@ class _Stream:
     texts: list[str] = field(default_factory=list)
     num_generated: int = 0
     prompt_logprobs: dict[int, float] = field(default_factory=dict)
+    prompt_top: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # #27
     finished: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -63,10 +73,24 @@ class StepObservation:
     num_spec_tokens: Mapping[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    """A step the scheduler has updated, waiting to be streamed (with ``overlap``)."""
+
+    step: SchedulerOutput
+    result: RunnerOutput
+    outputs: list[EngineCoreOutput]
+    duration_s: float
+
+
 class AsyncEngine:
     """Drives a :class:`Scheduler` and a :class:`Runner`; serves token streams per request."""
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: Runner, tokenizer: Tokenizer, overlap: bool = False
+    ) -> None:
+        """``overlap``: emit step n while step n + 1 runs (see :meth:`_run`)."""
+        self.overlap = overlap
         self._scheduler = scheduler
         self._runner = runner
         self._tokenizer = tokenizer
@@ -77,6 +101,7 @@ class AsyncEngine:
         self._accepting = False
         self._dead_reason: str | None = None
         self._idle = asyncio.Event()  # set whenever the last stream ends
+        self._drain_cut = False  # end_drain: shutdown aborts in-flight requests at once
         self.step_observers: list[Callable[[StepObservation], None]] = []
         # LoRA adapters (set by the launcher); None: requests naming an adapter are refused.
         self.adapters: AdapterManager | None = None
@@ -115,6 +140,12 @@ class AsyncEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def end_drain(self) -> None:
+        """Stop waiting for in-flight requests (a second SIGTERM/SIGINT): a shutdown under
+        way, or the next one, aborts them now (their calls end UNAVAILABLE)."""
+        self._drain_cut = True
+        self._idle.set()
+
     def mark_dead(self, reason: str) -> None:
         """A part the engine depends on (a shard worker) is gone: fail every request now.
 
@@ -141,7 +172,7 @@ class AsyncEngine:
         """Stop accepting, let in-flight requests finish for up to ``grace_s``, abort the rest,
         stop the loop and the runner."""
         self._accepting = False
-        if self._streams and self._dead_reason is None:
+        if self._streams and self._dead_reason is None and not self._drain_cut:
             self._idle.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), max(0.0, grace_s))
@@ -251,39 +282,62 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- the loop
     async def _run(self) -> None:
+        """schedule → run (in the step thread) → update → emit.  With ``overlap``, step n's
+        emission (detokenisation, stop strings, streaming, observers) runs while the runner
+        computes step n + 1: step n + 1 is scheduled first, so a stop string found in step n's
+        text finishes its request one step late, and the extra token that request got in step
+        n + 1 is dropped (the scheduler skips requests finished while their step ran), so the
+        output is the same with overlap on or off."""
         loop = asyncio.get_running_loop()
+        pending: _Finished | None = None  # a step updated but not yet emitted (overlap)
         while self._dead_reason is None:
             if not self._scheduler.has_unfinished_requests():
+                pending = self._emit_step(pending)
+                if self._scheduler.has_unfinished_requests():
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             step = self._scheduler.schedule()
             if step.is_empty and not step.finished_req_ids:
+                pending = self._emit_step(pending)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), _IDLE_POLL_S)
                 continue
             started = time.perf_counter()
+            future = loop.run_in_executor(self._executor, self._runner.execute_model, step)
+            pending = self._emit_step(pending)  # the host's work, while the step runs
             try:
-                result = await loop.run_in_executor(
-                    self._executor, self._runner.execute_model, step
-                )
+                result = await future
             except Exception as exc:  # the runner failed: fail this step's requests
                 self._on_step_failure(step, exc)
                 continue
             outputs = self._scheduler.update_from_output(step, result)
-            num_finished = self._process_outputs(outputs, result)
-            spec_ids = {c.req_id for c in step.chunks if c.num_draft_tokens}
-            observation = StepObservation(
-                step=step,
-                duration_s=time.perf_counter() - started,
-                num_finished=num_finished,
-                num_spec_tokens=Counter(t.req_id for t in result.sampled if t.req_id in spec_ids)
-                if spec_ids
-                else {},
-            )
-            for observer in self.step_observers:
-                observer(observation)
+            finished = _Finished(step, result, outputs, time.perf_counter() - started)
+            if self.overlap:
+                pending = finished
+            else:
+                self._emit_step(finished)
+
+    def _emit_step(self, done: _Finished | None) -> _Finished | None:
+        """Stream a finished step's tokens and tell the observers; returns None (the new
+        value of the loop's pending step)."""
+        if done is None:
+            return None
+        num_finished = self._process_outputs(done.outputs, done.result)
+        spec_ids = {c.req_id for c in done.step.chunks if c.num_draft_tokens}
+        observation = StepObservation(
+            step=done.step,
+            duration_s=done.duration_s,
+            num_finished=num_finished,
+            num_spec_tokens=Counter(t.req_id for t in done.result.sampled if t.req_id in spec_ids)
+            if spec_ids
+            else {},
+        )
+        for observer in self.step_observers:
+            observer(observation)
+        return None
 
     def _on_step_failure(self, step: SchedulerOutput, exc: Exception) -> None:
         is_alive = getattr(self._runner, "is_alive", None)
@@ -389,6 +443,7 @@ class AsyncEngine:
     ) -> FinalInfo:
         req = stream.request
         prefill: tuple[TokenInfo, ...] = ()
+        prefill_top: tuple[tuple[TokenInfo, ...], ...] = ()
         if req.sampling.prompt_logprobs:
             tok = self._tokenizer
             prefill = tuple(
@@ -400,6 +455,19 @@ class AsyncEngine:
                 )
                 for pos, tid in enumerate(req.prompt_token_ids)
             )
+            if stream.prompt_top:
+                prefill_top = tuple(
+                    tuple(
+                        TokenInfo(
+                            token_id=t.token_id,
+                            text=tok.token_text(t.token_id),
+                            logprob=t.logprob,
+                            special=t.token_id in tok.special_ids,
+                        )
+                        for t in stream.prompt_top.get(pos, ())
+                    )
+                    for pos in range(len(req.prompt_token_ids))
+                )
         return FinalInfo(
             finish_reason=reason,
             generated_text="".join(stream.texts),
@@ -408,6 +476,7 @@ class AsyncEngine:
             num_cached_tokens=num_cached_tokens,
             num_preemptions=num_preemptions,
             prefill=prefill,
+            prefill_top=prefill_top,
             error=error,
         )
 
@@ -416,3 +485,5 @@ class AsyncEngine:
         # Recomputed chunks (after preemption) send positions again: same values, keep one.
         for offset, entry in enumerate(chunk.logprobs):
             stream.prompt_logprobs[chunk.first_pos + offset] = entry.logprob
+        for offset, top in enumerate(chunk.top):
+            stream.prompt_top[chunk.first_pos + offset] = top

@@ -12,8 +12,9 @@ This is the only module that imports xgrammar.  Three parts:
   (rank 0), is advanced with each token the scheduler keeps, and fills that request's row of
   the step's packed bitmask.  A preempted request keeps its output tokens and so its matcher:
   recomputing the KV changes nothing the grammar has seen.
-* :class:`BitmaskFiller` / :class:`BitmaskApplier` — a step's masks, filled for all its
-  constrained rows in one batched call while the forward runs, and applied to those rows only.
+* :class:`BitmaskFiller` — a step's masks, filled for all its constrained rows in one batched
+  call while the forward runs; the worker applies them to those rows only
+  (:class:`genserve.worker.grammar_mask.BitmaskApplier`).
 
 Speculative decoding: constrained rows get no draft tokens (the scheduler turns speculation
 off for them, ``Scheduler._speculative_chunk``); drafts are not checked against the grammar.
@@ -31,7 +32,6 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -134,70 +134,6 @@ class BitmaskFiller:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class BitmaskApplier:
-    """Applies a step's bitmask to the constrained rows of the logits in place.
-
-    On CUDA, xgrammar's kernel.  On CPU, xgrammar's kernel writes -inf one token at a time
-    and skips only all-ones words, so the common JSON case (a structural position: a few
-    allowed tokens) cost 30+ ms for 32 rows of a 49k vocabulary; unpacking the bits with
-    numpy (a table lookup, ~0.1 ms) and one vectorised ``torch.where`` over the constrained
-    rows measured 5-6x faster there and alike on mostly-allowed rows.  Buffers are kept
-    across steps, not allocated per step."""
-
-    def __init__(self) -> None:
-        self._scatter: torch.Tensor | None = None
-        self._neg_inf = torch.tensor(float("-inf"))
-
-    def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Set the logits of disallowed tokens to -inf for ``rows`` of ``logits`` only
-        (``bitmask[i]`` belongs to ``logits[rows[i]]``); other rows are not read or written."""
-        if logits.device.type == "cpu" and logits.dim() == 2:
-            self._apply_cpu(logits, bitmask, rows)
-        else:
-            self._apply_xgrammar(logits, bitmask.to(logits.device, non_blocking=True), rows)
-
-    def _apply_cpu(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        vocab = logits.shape[1]
-        packed = bitmask.contiguous().numpy().view(np.uint8)  # little-endian: token order
-        allowed = torch.from_numpy(np.unpackbits(packed, axis=-1, bitorder="little"))
-        allowed = allowed.view(torch.bool)[:, :vocab]
-        if allowed.shape[1] < vocab:  # logits wider than the mask: the rest is not allowed
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-        if rows == list(range(len(rows))):
-            part = logits[: len(rows)]
-            part.copy_(torch.where(allowed, part, self._neg_inf))
-            return
-        index = torch.tensor(rows, dtype=torch.int64)
-        masked = torch.where(allowed, logits.index_select(0, index), self._neg_inf)
-        logits.index_copy_(0, index, masked)
-
-    def _apply_xgrammar(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        if rows == list(range(len(rows))):
-            xgr.apply_token_bitmask_inplace(logits[: len(rows)], bitmask)
-            return
-        # xgrammar's ``indices`` name the same row of logits and bitmask: scatter the packed
-        # rows into a buffer kept across steps (all ones elsewhere, never read).
-        scatter = self._scatter
-        num_rows, words = logits.shape[0], bitmask.shape[1]
-        if (
-            scatter is None
-            or scatter.shape[0] < num_rows
-            or scatter.shape[1] != words
-            or scatter.device != logits.device
-        ):
-            size = 1 << (num_rows - 1).bit_length()
-            scatter = torch.full((size, words), -1, dtype=torch.int32, device=logits.device)
-            self._scatter = scatter
-        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-        scatter.index_copy_(0, index, bitmask)
-        xgr.apply_token_bitmask_inplace(logits, scatter[:num_rows], indices=rows)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """:class:`BitmaskApplier` without a kept buffer (tests, one-off use)."""
-    BitmaskApplier()(logits, bitmask, rows)
 
 
 class GrammarCompiler:

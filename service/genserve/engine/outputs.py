@@ -48,6 +48,8 @@ class FinalInfo:
     num_cached_tokens: int
     num_preemptions: int
     prefill: tuple[TokenInfo, ...] = ()  # when prompt logprobs were asked for
+    # Issue #27: top alternatives per prompt position, with prompt logprobs and top tokens.
+    prefill_top: tuple[tuple[TokenInfo, ...], ...] = ()
     error: str | None = None  # set when finish_reason is ERROR or ABORTED
 
 

@@ -5,7 +5,9 @@ The C++ source is built with torch's JIT extension builder (ninja + the system C
 compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``) and
 loaded as ``torch.ops.genserve.*``; later processes load the cached library in
 milliseconds.  ``scripts/bootstrap.sh`` builds it once (``python -m genserve.kernels.cpu``)
-so that neither a server start nor a test pays the ~20 s compile.  The launcher points the
+so that neither a server start nor a test pays the compile (82 s of CPU time measured on an
+AVX-512 machine, spread over the cores by ninja; a start that compiles says so in the log,
+and one pointed at another cache loads the bootstrap's build).  The launcher points the
 cache at ``--genserve-cache`` and turns the kernels off with ``--disable-cpu-kernels``
 through :func:`configure` (before the model is built).
 
@@ -23,6 +25,7 @@ import hashlib
 import os
 import platform
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +43,12 @@ _SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (mo
 # float32 and --quantize weights in column panels (model/weight_panels.py)
 _SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("decode_layer_cpu.cpp"))  # one op per decode layer
+# --cpu-int-dot: integer dot products on 8-/4-bit blocks (kernels/int_dot.py)
+_SOURCES.append(Path(__file__).with_name("int_dot_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
+_HEADERS += [
+    Path(__file__).with_name(n) for n in ("int_dot.h", "int_dot_tile.inc", "int_dot_ymm_vnni.inc")
+]
 _OPS = (
     "paged_decode_attention",
     "rms_norm",
@@ -53,6 +61,8 @@ _OPS = (
     "qpanel_linear",
     "decode_layer",
     "greedy_stats",
+    "int_dot_linear",
+    "set_batch_invariant",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
@@ -61,6 +71,9 @@ _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 class _Settings:
     cache_dir: Path = Path.home() / ".cache" / "genserve" / "kernels"
     enabled: bool = True
+    # --deterministic: every op computes each row by one code path whatever the batch
+    # (``genserve_ops.h``'s batch_invariant; the model and attention read it too).
+    batch_invariant: bool = False
     # The outcome of the one build-and-load attempt of this process (None: not tried yet).
     # A library registers the ``genserve`` op namespace, which a process can do only once:
     # a second library (another cache directory) would abort the process.
@@ -68,6 +81,7 @@ class _Settings:
 
 
 _settings = _Settings()
+_BOOTSTRAP_HINT = "once per machine and torch version; python -m genserve.kernels.cpu does it ahead"
 
 # Half-precision steps with at most this many rows run their projections through
 # ``genserve::matvec`` (measured on the default model's matrices, 1 thread: bfloat16 storage
@@ -111,13 +125,27 @@ def _isa_level() -> str:
     return capability if capability in _ISA_FLAGS else "default"
 
 
-def configure(cache_dir: Path | None = None, enabled: bool = True) -> None:
-    """Where builds are cached (None: leave it) and whether to use the kernels at all; call
-    before :func:`load` (the launcher does, from its config).  Once a process has loaded the
-    library, a new cache directory has no effect; disabling still does."""
+def configure(
+    cache_dir: Path | None = None, enabled: bool = True, batch_invariant: bool = False
+) -> None:
+    """Where builds are cached (None: leave it), whether to use the kernels at all, and
+    whether they run batch-invariant (``--deterministic``); call before :func:`load` (the
+    launcher does, from its config) and before the model is built.  Once a process has
+    loaded the library, a new cache directory has no effect; the other two still do."""
     if cache_dir is not None:
         _settings.cache_dir = cache_dir
     _settings.enabled = enabled
+    _settings.batch_invariant = batch_invariant
+    if _settings.loaded:
+        torch.ops.genserve.set_batch_invariant(batch_invariant)
+
+
+def batch_invariant() -> bool:
+    """True when ``--deterministic`` asked for batch-invariant kernels and they are loaded:
+    every row of a step then takes the same code path, in the same order of float sums,
+    whatever else the step holds (projections by the matvec at any row count, attention
+    by the paged kernel for prefill tokens too, no split of a context over threads)."""
+    return _settings.batch_invariant and enabled_and_loaded()
 
 
 def _content_hash() -> str:
@@ -159,8 +187,9 @@ def enabled_and_loaded() -> bool:
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when the kernels serve a model on ``device`` in ``dtype``: CPU in float32 or half
-    precision, enabled, and loaded (see :func:`load`).  In float32 they differ from the torch
+    """True when the kernels serve a model on ``device`` in ``dtype``: CPU in float32,
+    bfloat16 or float16 (widened to float32 in registers, as bfloat16 is), enabled, and
+    loaded (see :func:`load`).  In float32 they differ from the torch
     ops only in the order of float32 sums (norm, attention) and the last bit of silu's exp,
     which keeps greedy output equal to transformers' (tests/e2e/test_hf_parity.py)."""
     return (
@@ -168,10 +197,33 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+# Where ``python -m genserve.kernels.cpu`` (scripts/bootstrap.sh) builds by default: a server
+# whose --genserve-cache points elsewhere loads a build found here instead of compiling.
+_DEFAULT_CACHE_DIR = _settings.cache_dir
+
+
+def _library(directory: Path, name: str) -> Path:
+    return directory / f"{name}.so"
+
+
+def _build_directory(name: str) -> Path:
+    """The configured cache's directory for ``name``, unless only the default cache (the
+    bootstrap's) holds a finished build of it."""
+    configured = _settings.cache_dir / name
+    prebuilt = _DEFAULT_CACHE_DIR / name
+    if not _library(configured, name).is_file() and _library(prebuilt, name).is_file():
+        return prebuilt
+    return configured
+
+
 def _build_and_load() -> bool:
     level = _isa_level()
     name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
-    directory = _settings.cache_dir / name
+    directory = _build_directory(name)
+    compiled = not _library(directory, name).is_file()
+    started = time.monotonic()
+    if compiled:
+        log.info("cpu_kernels_compiling", directory=str(directory), hint=_BOOTSTRAP_HINT)
     try:
         from torch.utils import cpp_extension
 
@@ -189,6 +241,7 @@ def _build_and_load() -> bool:
         )
         for op in (*_OPS, *_LORA_OPS):
             getattr(torch.ops.genserve, op)  # raises if the library did not register it
+        torch.ops.genserve.set_batch_invariant(_settings.batch_invariant)
     except Exception as exc:  # any failure: keep the torch path, say why once
         log.warning(
             "cpu_kernels_unavailable",
@@ -196,13 +249,21 @@ def _build_and_load() -> bool:
             fallback="torch ops",
         )
         return False
-    log.info("cpu_kernels_loaded", isa=level, directory=str(directory))
+    log.info(
+        "cpu_kernels_loaded",
+        isa=level,
+        directory=str(directory),
+        compiled=compiled,
+        seconds=round(time.monotonic() - started, 2),
+    )
     return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the kernels now (bootstrap); exit status 0 either way, the server falls back."""
     parser = argparse.ArgumentParser(description="Build genserve's CPU kernels into the cache.")
+    # scripts/bootstrap.sh passes $GENSERVE_CACHE/kernels: where a server started in the same
+    # environment looks (config.py is the one reader of the environment).
     parser.add_argument("--cache-dir", type=Path, default=_settings.cache_dir)
     configure(parser.parse_args(argv).cache_dir)
     ok = load()

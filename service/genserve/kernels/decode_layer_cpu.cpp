@@ -14,12 +14,16 @@
 #include <torch/library.h>
 
 #include "genserve_ops.h"
+#include "int_dot.h"
 
 namespace {
 
 // The weight of a projection is a plain [N, K] matrix (half precision): streamed by the
 // matvec up to `matvec_rows` rows, torch's GEMM beyond, as layers.py's _linear does.
 constexpr int64_t kPlainWeight = -1;
+// bits[i] of a projection in the integer dot-product layout (model/int_dot_panels.py): 8 or 4
+// plus this (--cpu-int-dot).
+constexpr int64_t kIntDotBits = 100;
 
 // Projection i of the layer (0 qkv, 1 o, 2 gate_up, 3 down): weights[3i .. 3i + 2] are
 // (panels, quantized data or the plain weight; scales; mins), bits[i] 0 for float32 panels,
@@ -38,6 +42,16 @@ at::Tensor project(int64_t i, const at::Tensor& x, at::TensorList weights,
       mins.defined() && mins.numel() > 0 ? c10::optional<at::Tensor>(mins) : c10::nullopt;
   const bool fuse_add = residual != nullptr && x.scalar_type() == at::kFloat &&
                         residual->scalar_type() == at::kFloat && residual->is_contiguous();
+  if (bits[i] > kIntDotBits) {
+    if (fuse_add) {
+      return genserve_ops::int_dot_linear_add_(*residual, x, data, weights[3 * i + 1],
+                                               maybe_mins, bits[i] - kIntDotBits, outs[i], bias);
+    }
+    const auto y = genserve_ops::int_dot_linear(x, data, weights[3 * i + 1], maybe_mins,
+                                                bits[i] - kIntDotBits, outs[i], bias,
+                                                genserve_ops::kIntDotAuto);
+    return residual != nullptr ? residual->add_(y) : y;
+  }
   if (fuse_add && bits[i] == 0) {
     return genserve_ops::panel_linear_add_(*residual, x, data, outs[i], bias);
   }

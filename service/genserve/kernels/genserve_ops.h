@@ -4,9 +4,18 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <tuple>
 
 namespace genserve_ops {
+
+// --deterministic (set_batch_invariant, registered in paged_attention_cpu.cpp): every row of
+// every op is computed by the same code path in the same order whatever the step's batch
+// holds, so a token's result never depends on its neighbours.  Off, the kernels choose by
+// row count and thread count (a one-row stream, torch's GEMM past 256 rows, split-K
+// attention for few long sequences), whose float sums round differently.
+inline std::atomic<bool> g_batch_invariant{false};
+inline bool batch_invariant() { return g_batch_invariant.load(std::memory_order_relaxed); }
 
 // t ([tokens, heads, dim]) itself when each token's [heads, dim] rows are contiguous, at any
 // stride between tokens (a column slice of a wider projection output, read in place by the

@@ -76,6 +76,9 @@ inline f32v load_f16(const c10::Half* p) {
 #endif
 }
 
+// float16 weights (--dtype float16) in the matvec: widened in registers like bfloat16.
+inline f32v load16(const c10::Half* p) { return load_f16(p); }
+
 // kLanes consecutive int8 weights widened to float (quantized weights).
 inline f32v load_i8(const int8_t* p) {
 #if defined(__AVX512F__)
@@ -110,6 +113,7 @@ inline float hsum(f32v v) {
 
 inline float to_f32(float v) { return v; }
 inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f32(c10::Half v) { return half_to_float(v); }
 
 // Rows o0, o0 + step, ..., o0 + (O - 1) step of W against all M rows of x (float32, [M, K]);
 // out is float32 [M, N].  Each row prefetches the row kStreamAhead ahead of it in its own

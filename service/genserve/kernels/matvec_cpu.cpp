@@ -1,5 +1,5 @@
-// Weight-streaming matmul for decode steps: y = x W^T (+ b), W [N, K] stored in float32 or
-// bfloat16, x [M, K] with M small (up to 8 in registers; more in chunks over each block of W
+// Weight-streaming matmul for decode steps: y = x W^T (+ b), W [N, K] stored in float32,
+// bfloat16 or float16, x [M, K] with M small (up to 8 in registers; more in chunks over each block of W
 // kept in L1), every product accumulated in float32.
 //
 // With one to a few rows a decode step is a matrix-vector product: each weight is used M
@@ -89,34 +89,39 @@ void dispatch_rows(int64_t M, const float* x, const W* w, int64_t K, int64_t N, 
 // Entry point, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
 namespace genserve_ops {
 
-// x: [M, K] float32 or bfloat16; weight: [N, K] float32 or bfloat16; bias: [N] or None.
-// Returns [M, N] in x's dtype (float32 sums, rounded once at the end).
+// x: [M, K] float32, bfloat16 or float16; weight: [N, K] float32, bfloat16 or float16; bias:
+// [N] or None.  Returns [M, N] in x's dtype (float32 sums, rounded once at the end): a
+// float32 x gives float32 results from half-precision weights (the LM head's logits).
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "matvec: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "matvec: x [M, K] and weight [N, K] expected");
   const auto wt = weight.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "matvec: float32 or bfloat16 weight");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "matvec: float32 or bfloat16 x");
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf,
+              "matvec: float32, bfloat16 or float16 weight");
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
+              "matvec: float32, bfloat16 or float16 x");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kFloat ||
-                                       bias->scalar_type() == at::kBFloat16),
-                "matvec: bias must be [N], float32 or bfloat16");
+    const auto bt = bias->scalar_type();
+    TORCH_CHECK(bias->numel() == N && (bt == at::kFloat || bt == at::kBFloat16 || bt == at::kHalf),
+                "matvec: bias must be [N], float32, bfloat16 or float16");
   }
   // bf16 x is widened, and the float32 sums rounded back, by plain loops here rather than
   // tensor.to(): at one decode row the two conversions' dispatch and allocations cost more
   // than the conversions (~5 us per projection, a few percent of a bf16 step).
-  const bool half = x.scalar_type() == at::kBFloat16;
+  const bool half = xt != at::kFloat;
   at::Tensor xf;
-  if (half) {
+  if (xt == at::kBFloat16) {
     const auto xc = x.contiguous();
     xf = at::empty({M, K}, x.options().dtype(at::kFloat));
     const auto* src = xc.data_ptr<c10::BFloat16>();
     float* dst = xf.data_ptr<float>();
     for (int64_t i = 0; i < M * K; ++i) dst[i] = static_cast<float>(src[i]);
+  } else if (xt == at::kHalf) {
+    xf = x.to(at::kFloat).contiguous();
   } else {
     xf = x.contiguous();
   }
@@ -125,14 +130,17 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
   if (M > 0 && N > 0) {
     if (wt == at::kFloat) {
       dispatch_rows(M, xf.data_ptr<float>(), wc.data_ptr<float>(), K, N, out.data_ptr<float>());
-    } else {
+    } else if (wt == at::kBFloat16) {
       dispatch_rows(M, xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), K, N,
+                    out.data_ptr<float>());
+    } else {
+      dispatch_rows(M, xf.data_ptr<float>(), wc.data_ptr<c10::Half>(), K, N,
                     out.data_ptr<float>());
     }
   }
   float* o = out.data_ptr<float>();
   if (bias.has_value() && bias->defined()) {
-    const auto bc = bias->contiguous();
+    const auto bc = bias->scalar_type() == at::kHalf ? bias->to(at::kFloat) : bias->contiguous();
     for (int64_t m = 0; m < M; ++m) {
       if (bc.scalar_type() == at::kFloat) {
         const float* b = bc.data_ptr<float>();
@@ -144,6 +152,7 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
     }
   }
   if (!half) return out;
+  if (xt == at::kHalf) return out.to(at::kHalf);
   auto rounded = at::empty({M, N}, x.options());
   auto* r = rounded.data_ptr<c10::BFloat16>();
   for (int64_t i = 0; i < M * N; ++i) r[i] = c10::BFloat16(o[i]);

@@ -314,6 +314,9 @@ constexpr int64_t kTasksPerThread = 4;
 
 inline int64_t split_count(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads,
                            int64_t window) {
+  // The split depends on the batch and the thread count: batch-invariant mode keeps each
+  // sequence's context in one part.
+  if (genserve_ops::batch_invariant()) return 1;
   const int64_t tasks = num_seqs * num_kv_heads;
   const int64_t wanted = kTasksPerThread * at::get_num_threads();
   if (tasks >= wanted) return 1;
@@ -591,12 +594,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+void set_batch_invariant(bool on) { g_batch_invariant.store(on, std::memory_order_relaxed); }
+
 }  // namespace genserve_ops
 
 TORCH_LIBRARY(genserve, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
       "Tensor context_lens, float scale, int window) -> Tensor");
+  // No tensor argument to dispatch on: one kernel for every backend.
+  m.def("set_batch_invariant(bool on) -> ()", &genserve_ops::set_batch_invariant);
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {

@@ -269,7 +269,8 @@ template <int kBits>
 void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float* panel,
                 const QPanels* quant, int64_t p, const float* bias, float* out, int64_t N,
                 int64_t col0, int64_t cols, float* scratch, float* wchunk, bool accumulate) {
-  if (rows == 1) {
+  // One row streamed sums in another order than the row tiles: batch-invariant mode tiles it.
+  if (rows == 1 && !genserve_ops::batch_invariant()) {
     if constexpr (kBits == 8) {
       if (quant->groups == 1) {
         stream_row_q<8, false>(x + m0 * K, *quant, p, scratch);
@@ -392,7 +393,7 @@ at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int6
     b = bias->to(at::kFloat).contiguous();
   }
   const bool accumulate = can_accumulate(into, x, N);
-  if (M > kGemmMinRows) {
+  if (M > kGemmMinRows && !batch_invariant()) {
     auto product = gemm_on_panels(xc, pc, N, b);
     return accumulate ? into->add_(product) : product;
   }
@@ -412,8 +413,9 @@ at::Tensor qpanel_linear_impl(const at::Tensor& x, const at::Tensor& data,
                               const c10::optional<at::Tensor>& bias, at::Tensor* into) {
   TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "qpanel_linear: CPU tensors only");
   TORCH_CHECK(bits == 8 || bits == 4, "qpanel_linear: bits must be 8 or 4");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "qpanel_linear: float32 or bfloat16 x [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                               x.scalar_type() == at::kHalf),
+              "qpanel_linear: float32, bfloat16 or float16 x [M, K]");
   TORCH_CHECK(data.dim() == 3 && data.size(2) == (bits == 8 ? kPanel : kPanel / 2) &&
                   data.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "qpanel_linear: data [P, K, 32] int8 or [P, K, 16] uint8 expected");
@@ -432,7 +434,7 @@ at::Tensor qpanel_linear_impl(const at::Tensor& x, const at::Tensor& data,
     TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes(),
                 "qpanel_linear: mins like scales");
   }
-  const auto xc = x.to(at::kFloat).contiguous();  // bfloat16 models: widened once
+  const auto xc = x.to(at::kFloat).contiguous();  // half-precision models: widened once
   const auto dc = data.contiguous();
   const auto sc = scales.contiguous();
   const auto mc = has_mins ? mins->contiguous() : at::Tensor();

@@ -23,19 +23,38 @@ operands, so widening first keeps the CPU tests meaningful.)
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import itertools
 import os
 from typing import Any
 
 import torch
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
+# ``tl.dot(..., input_precision=)`` (the kernel's IEEE/TF32 choice) appeared in Triton 3.0.
+_MIN_TRITON = (3, 0)
+
+
+def triton_version_ok(version: str) -> bool:
+    """Whether a Triton version string (``"3.1.0"``, ``"3.0.0+git1234"``) is new enough."""
+    parts = []
+    for part in version.split("+")[0].split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= _MIN_TRITON
 
 
 def available(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on ``device``: on CUDA with Triton installed,
-    or anywhere under Triton's interpreter (tests)."""
+    """Whether the kernel can run for tensors on ``device``: on CUDA with Triton >= 3.0
+    installed, or anywhere under Triton's interpreter (tests)."""
     if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on the path: trust it
+        version = ".".join(map(str, _MIN_TRITON))
+    if not triton_version_ok(version):
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True

@@ -366,13 +366,23 @@ class TorchPagedAttention:
     block_dim = 2
 
     def __init__(
-        self, device: torch.device, use_cpu_kernel: bool = False, use_triton_decode: bool = False
+        self,
+        device: torch.device,
+        use_cpu_kernel: bool = False,
+        use_triton_decode: bool = False,
+        per_token: bool = False,
     ) -> None:
         self.device = device
         self.use_cpu_kernel = use_cpu_kernel
         self.use_triton_decode = use_triton_decode
+        # --deterministic (with the CPU kernel): every token of a prefill chunk is attended
+        # as a decode of its own (its position, its context), so a token's attention is the
+        # same sums whether it came alone, in a chunk of any size, or after a prefix-cache hit.
+        self.per_token = per_token and use_cpu_kernel
         self.name = "torch-sdpa"
-        if use_cpu_kernel:
+        if self.per_token:
+            self.name = "cpu-kernel-per-token"
+        elif use_cpu_kernel:
             self.name += "+cpu-decode-kernel"
         elif use_triton_decode:
             self.name += "+triton-decode"
@@ -384,6 +394,17 @@ class TorchPagedAttention:
 
     def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
         dev = self.device
+        if self.per_token and num_decodes < len(seqs):
+            # The flat batch is unchanged: decodes, then each chunk's tokens in order.
+            seqs = [
+                *seqs[:num_decodes],
+                *(
+                    SeqSpec(1, seq.start_pos + i, seq.block_ids)
+                    for seq in seqs[num_decodes:]
+                    for i in range(seq.num_tokens)
+                ),
+            ]
+            num_decodes = len(seqs)
         table, max_blocks = _block_table(seqs[:num_decodes], block_size)
         decode_positions = np.fromiter(
             (s.start_pos for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes
@@ -519,5 +540,8 @@ def select_backend(
         and triton_attention.supports(block_size, head_dim)
     )
     return TorchPagedAttention(
-        device, use_cpu_kernel=cpu_kernels.usable(device, dtype), use_triton_decode=triton_decode
+        device,
+        use_cpu_kernel=cpu_kernels.usable(device, dtype),
+        use_triton_decode=triton_decode,
+        per_token=cpu_kernels.batch_invariant(),
     )

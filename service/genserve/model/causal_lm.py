@@ -22,6 +22,9 @@ from genserve.parallel import ParallelContext
 
 log = structlog.get_logger("genserve.model")
 
+# A matvec row limit no step reaches (decode_layer takes it as an int64).
+_EVERY_ROW = 1 << 40
+
 
 class DecoderForCausalLM(nn.Module):
     """``forward`` maps a flat token batch to final hidden states; ``compute_logits`` projects
@@ -144,6 +147,13 @@ class DecoderForCausalLM(nn.Module):
         order of float32 sums).  float32 projections run on column panels
         (``kernels/panel_gemm_cpu.cpp``); half-precision steps of at most ``matvec_rows`` rows
         through the weight-streaming matvec kernel.  Call once the kernels are loaded."""
+        from genserve.kernels import cpu as cpu_kernels
+
+        if self.lm_head.weight.dtype == torch.float16 or cpu_kernels.batch_invariant():
+            # float16: torch's CPU GEMM has no fast float16 path to hand larger steps to.
+            # --deterministic: one kernel for every row count, so a row's sums never
+            # depend on how many rows share its step.
+            matvec_rows = _EVERY_ROW
         for layer in self._layers:
             for norm in layer.norms():
                 norm.fused = isinstance(norm, RMSNorm)
@@ -152,7 +162,8 @@ class DecoderForCausalLM(nn.Module):
             for linear in self._linears(layer):
                 linear.matvec_rows = matvec_rows
         self.norm.fused = isinstance(self.norm, RMSNorm)
-        self.lm_head.matvec_rows = matvec_rows
+        # The head's logits are float32 from the matvec at any row count (layers.py).
+        self.lm_head.matvec_rows = _EVERY_ROW
         # float32 and quantized weights move to the column-panel layout every step size runs
         # on (the kernel's one copy replaces the plain one; half precision keeps matvec).
         with torch.inference_mode():

@@ -1,28 +1,30 @@
-"""One-time conversion of checkpoints the native loader cannot read (GGUF, PyTorch ``.bin``)
-into a cached safetensors directory.
+"""One-time preparation of checkpoints the native loader cannot read as they are, as entries
+of genserve's model cache.
 
-Transformers does the reading (and for GGUF the dequantization); the result is saved with
-``save_pretrained`` as float32 safetensors plus the tokenizer, under
-``cache_dir/<name>-<digest>/``.  Two processes may convert the same file at once: each works
-in a private temporary directory, a file lock makes the second wait for the first, and the
-finished directory appears with one atomic rename, so a directory under its final name is
-always complete.
+* GGUF: only its config and tokenizer, read from the file's metadata by transformers, are
+  kept (a few MB); the weights are read from the GGUF file itself at every start.
+* PyTorch ``.bin``: transformers reads it and ``save_pretrained`` writes float32
+  safetensors plus the tokenizer.
+
+Either is kept as an entry of genserve's model
+cache keyed by the source's content (``model_cache``: one entry per GGUF digest, built once
+even by concurrent starts, interrupted builds cleaned up).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+import time
 from pathlib import Path
 
 import structlog
 from tqdm import tqdm
+
+from genserve.logging import progress_bars
+from genserve.model import model_cache
 
 log = structlog.get_logger("genserve.model")
 
@@ -34,7 +36,7 @@ def file_digest(path: Path, cache_dir: Path) -> str:
     that later starts do not re-read a multi-gigabyte file."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    memo = cache_dir / ".digests" / f"{key.hexdigest()[:32]}.txt"
+    memo = model_cache.digest_memo_dir(cache_dir) / f"{key.hexdigest()[:32]}.txt"
     with contextlib.suppress(OSError):
         return memo.read_text().strip()
     digest = hashlib.sha256()
@@ -58,57 +60,94 @@ def dir_fingerprint(model_dir: Path) -> str:
     return hashlib.sha256(json.dumps([str(model_dir.resolve()), entries]).encode()).hexdigest()
 
 
-def converted_dir(cache_dir: Path, name: str, digest: str) -> Path:
-    return cache_dir / f"{name}-{digest[:16]}"
-
-
 def convert_gguf(gguf_file: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:
-    """Dequantize ``gguf_file`` into a safetensors directory (once); return its path."""
-    target = converted_dir(cache_dir, gguf_file.stem, file_digest(gguf_file, cache_dir))
-    return _convert_once(
-        target,
-        lambda out: _save_converted(
-            gguf_file.parent, out, trust_remote_code, gguf_file=gguf_file.name
-        ),
-        source=str(gguf_file),
+    """The cache entry of ``gguf_file``'s content (built once, whatever the file is called)."""
+    entry = model_cache.gguf_entry(cache_dir, file_digest(gguf_file, cache_dir))
+    return model_cache.build_once(
+        entry,
+        lambda out: _save_gguf_metadata(gguf_file, out, trust_remote_code),
+        source=str(gguf_file.resolve()),
     )
 
 
 def convert_pytorch_bin(model_dir: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:
     """Re-save a ``pytorch_model*.bin`` checkpoint directory as safetensors (once)."""
-    target = converted_dir(cache_dir, model_dir.name or "model", dir_fingerprint(model_dir))
-    return _convert_once(
-        target,
+    entry = model_cache.bin_entry(cache_dir, dir_fingerprint(model_dir))
+    return model_cache.build_once(
+        entry,
         lambda out: _save_converted(model_dir, out, trust_remote_code, gguf_file=None),
-        source=str(model_dir),
+        source=str(model_dir.resolve()),
     )
 
 
-def _convert_once(target: Path, convert: Callable[[Path], None], source: str) -> Path:
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # another process finished while we waited
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
-            log.info("model_conversion_started", source=source, target=str(target))
-            convert(tmp)
-            # mkdtemp creates the directory private; the cache is as shared as its parent.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                # Someone not sharing our lock (another host on a network filesystem) won.
-                if not (target / "config.json").is_file():
-                    raise
-            log.info("model_conversion_done", target=str(target))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+class _Progress:
+    """Stages of a conversion: a bar on a terminal, otherwise (``--json-output``, a log
+    file) one log event per stage, so every line of output stays a log line."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self._what, self._total, self._done = what, total, 0
+        self._bar = (
+            tqdm(total=total, desc=f"Converting {what}", unit="stage") if progress_bars() else None
+        )
+        self._started = time.monotonic()
+        if self._bar is None:
+            # transformers' own bars (reading GGUF tensors, writing shards) go too.
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+
+    def stage(self, name: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(name)
+        else:
+            log.info(
+                "model_conversion_progress",
+                source=self._what,
+                stage=name,
+                step=self._done + 1,
+                steps=self._total,
+                elapsed_s=round(time.monotonic() - self._started, 2),
+            )
+
+    def advance(self) -> None:
+        self._done += 1
+        if self._bar is not None:
+            self._bar.update()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _save_gguf_metadata(gguf_file: Path, out_dir: Path, trust_remote_code: bool) -> None:
+    """``config.json`` and the tokenizer of ``gguf_file``, from its metadata (transformers
+    reads them without touching a tensor).  No weights: they are read from the GGUF file
+    itself at every start (model/gguf_weights.py), quantized matrices as they are stored."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    src, name = str(gguf_file.parent), gguf_file.name
+    progress = _Progress(2, name)
+    try:
+        progress.stage("reading config")
+        config = AutoConfig.from_pretrained(
+            src, gguf_file=name, trust_remote_code=trust_remote_code
+        )
+        if not getattr(config, "architectures", None):
+            arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+            config.architectures = [arch] if arch else None
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(str(out_dir))
+        progress.advance()
+        progress.stage("reading tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(
+            src, gguf_file=name, trust_remote_code=trust_remote_code
+        )
+        tokenizer.save_pretrained(str(out_dir))
+        progress.advance()
+    finally:
+        progress.close()
 
 
 def _save_converted(
@@ -118,18 +157,19 @@ def _save_converted(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    with tqdm(total=3, desc=f"Converting {gguf_file or src_dir.name}", unit="stage") as bar:
-        bar.set_postfix_str("reading weights")
+    progress = _Progress(3, gguf_file or src_dir.name)
+    try:
+        progress.stage("reading weights")
         model = AutoModelForCausalLM.from_pretrained(
             str(src_dir), dtype=torch.float32, trust_remote_code=trust_remote_code, **extra
         )
-        bar.update()
-        bar.set_postfix_str("reading tokenizer")
+        progress.advance()
+        progress.stage("reading tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(
             str(src_dir), trust_remote_code=trust_remote_code, **extra
         )
-        bar.update()
-        bar.set_postfix_str("writing safetensors")
+        progress.advance()
+        progress.stage("writing safetensors")
         # A GGUF-loaded model carries a quantizer that refuses serialization although its
         # weights are already plain dequantized tensors; dropping it makes them saveable.
         model.hf_quantizer = None
@@ -137,14 +177,6 @@ def _save_converted(
             del model.config.quantization_config
         model.save_pretrained(str(out_dir), safe_serialization=True)
         tokenizer.save_pretrained(str(out_dir))
-        bar.update()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        progress.advance()
+    finally:
+        progress.close()

@@ -63,7 +63,7 @@ class FusedDecodeArgs:
             elif linear.qpanels is not None:
                 q = linear.qpanels
                 args.weights.extend((q.data, q.scales, empty if q.mins is None else q.mins))
-                args.bits.append(q.bits)
+                args.bits.append(q.fused_bits)
                 args.groups.append(q.group)
                 args.outs.append(q.out_features)
             elif linear.serves_plain_weight:

@@ -28,7 +28,10 @@ with the float weights of the converted model.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,9 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_ANY_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -66,6 +71,25 @@ def hf_name(gguf_name: str) -> str | None:
     if match is None or match.group(2) not in _LAYER_NAMES:
         return None
     return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of any tensor genserve loads from a llama-like GGUF (matrices,
+    norms, biases); None for tensors it does not use (e.g. ``rope_freqs``)."""
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    matrix = hf_name(gguf_name)
+    if matrix is not None:
+        return matrix
+    match = _ANY_LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None:
+        return None
+    layer, kind, suffix = match.groups()
+    if kind in _NORMS and suffix == "weight":
+        return f"model.layers.{layer}.{_NORMS[kind]}.weight"
+    if kind in _LAYER_NAMES:
+        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    return None
 
 
 def reverse_permutation(rows: int, n_head: int) -> torch.Tensor:
@@ -110,51 +134,180 @@ def _quantized(blocks: np.ndarray, qtype: Any) -> QuantizedWeight:
     raise AssertionError(f"unhandled GGML type {qtype}")
 
 
+_BLOCK_BYTES = {"Q8_0": 2 + _BLOCK, "Q4_1": 4 + _BLOCK // 2, "Q4_0": 2 + _BLOCK // 2}
+
+
+class GGUFWeights:
+    """A GGUF file as a :class:`~genserve.model.weights.WeightSource`, read in place.
+
+    The file is memory-mapped (``gguf.GGUFReader``); nothing is converted ahead of loading.
+    :meth:`quantized` hands out a matrix stored as Q8_0 / Q4_0 / Q4_1 as a
+    :class:`QuantizedWeight` (its blocks split by one vectorised copy per field);
+    :meth:`get` / :meth:`get_slice` dequantize one tensor to float32 with gguf-py's own
+    dequantizer — exactly the values transformers loads from the file — for what is served
+    in floats (norms, F32/F16 matrices, types without a kernel, ``--quantize none``).  Q/K
+    rows are in Hugging Face order (the row gather transformers applies for ``llama``).
+    After a tensor is read its pages of the mapping are released, so the file does not stay
+    resident beside the copy made of it.
+
+    Raises ValueError for a file that is not a llama-like model or whose head counts
+    disagree with ``num_heads`` / ``num_kv_heads`` (the model's, from its config).
+    """
+
+    def __init__(self, gguf_file: Path, num_heads: int, num_kv_heads: int) -> None:
+        from gguf import GGUFReader
+
+        self._file = gguf_file
+        self._reader = GGUFReader(gguf_file)
+        arch = _field(self._reader, "general.architecture")
+        if arch not in LLAMA_LIKE_ARCHITECTURES:
+            raise ValueError(
+                f"{gguf_file}: GGUF architecture {arch!r} is not llama-like; GGUF weights are "
+                f"read for {sorted(LLAMA_LIKE_ARCHITECTURES)}"
+            )
+        for key, given in (("head_count", num_heads), ("head_count_kv", num_kv_heads)):
+            stored = _field(self._reader, f"{arch}.attention.{key}")
+            if isinstance(stored, int) and stored != given:
+                raise ValueError(f"{gguf_file}: {arch}.attention.{key} is {stored}, not {given}")
+        self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
+        self._permuted = LLAMA_LIKE_ARCHITECTURES[arch]
+        self._tensors: dict[str, Any] = {}
+        for tensor in self._reader.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name is not None:
+                self._tensors[name] = tensor
+
+    # ------------------------------------------------------------------ WeightSource
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def _tensor(self, name: str) -> Any:
+        from genserve.model.weights import MissingWeightError
+
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise MissingWeightError(f"weight {name!r} not found in {self._file}")
+        return tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in reversed(self._tensor(name).shape))  # innermost last
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor as float32 (dequantized), on CPU."""
+        from gguf import GGMLQuantizationType as Q
+        from gguf import dequantize
+
+        tensor = self._tensor(name)
+        if tensor.tensor_type == Q.F32:
+            values = np.array(tensor.data, dtype=np.float32)
+        else:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        out = torch.from_numpy(np.ascontiguousarray(values).reshape(self.shape(name)))
+        self._release(tensor)
+        index = self._row_order(tensor)
+        return out if index is None else out[index].contiguous()
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (``dim=0``) or columns (``dim=1``) ``[start, stop)`` of :meth:`get`."""
+        whole = self.get(name)
+        return whole.narrow(dim, start, stop - start).contiguous()
+
+    def close(self) -> None:
+        self._tensors.clear()
+
+    def __enter__(self) -> GGUFWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ quantized
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """Matrix ``name`` in its stored format, when genserve keeps that format (Q8_0,
+        Q4_0, Q4_1); None for other types (served as floats through :meth:`get`)."""
+        tensor = self._tensors.get(name)
+        size = None if tensor is None else _BLOCK_BYTES.get(tensor.tensor_type.name)
+        if tensor is None or size is None or len(tensor.shape) != 2 or hf_name(tensor.name) is None:
+            return None
+        k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
+        data = np.asarray(tensor.data)
+        if k % _BLOCK or data.shape != (n, k // _BLOCK * size):
+            raise ValueError(
+                f"{self._file}: {tensor.name} ({tensor.tensor_type.name}, {k}x{n}) has data "
+                f"of shape {data.shape}"
+            )
+        qw = _quantized(data.reshape(n, k // _BLOCK, size), tensor.tensor_type)
+        self._release(tensor)
+        index = self._row_order(tensor)
+        return qw if index is None else qw.rows(index)
+
+    def quantized_view(self) -> Mapping[str, QuantizedWeight]:
+        """:meth:`quantized` as a read-only mapping that reads a matrix when it is looked
+        up, so a caller going module by module holds one module's matrices at a time."""
+        return _QuantizedView(self)
+
+    def quantized_names(self) -> list[str]:
+        """Names :meth:`quantized` returns a matrix for."""
+        return [
+            name
+            for name, t in self._tensors.items()
+            if t.tensor_type.name in _BLOCK_BYTES and hf_name(t.name) is not None
+        ]
+
+    def _row_order(self, tensor: Any) -> torch.Tensor | None:
+        kind = tensor.name.split(".")[-2]
+        if not self._permuted or kind not in self._heads:
+            return None
+        return reverse_permutation(int(tensor.shape[-1]), self._heads[kind])
+
+    def _release(self, tensor: Any) -> None:
+        """Drop ``tensor``'s pages of the file mapping from this process's resident set
+        (they were copied); best effort, the mapping stays valid."""
+        mapping = getattr(self._reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mapping, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = int(tensor.data_offset) // page * page
+        length = int(tensor.data_offset) + int(tensor.n_bytes) - start
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(mmap.MADV_DONTNEED, start, length)
+
+
+class _QuantizedView(Mapping[str, QuantizedWeight]):
+    def __init__(self, weights: GGUFWeights) -> None:
+        self._weights = weights
+        self._names = weights.quantized_names()
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        qw = self._weights.quantized(name) if name in self._names else None
+        if qw is None:
+            raise KeyError(name)
+        return qw
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 def read_gguf_quantized(
     gguf_file: Path, num_heads: int, num_kv_heads: int
 ) -> dict[str, QuantizedWeight]:
     """Every Q8_0 / Q4_0 / Q4_1 matrix of ``gguf_file`` by Hugging Face parameter name
     (``model.embed_tokens.weight``, ``lm_head.weight`` when the file has ``output.weight``,
     the attention and MLP projections of each layer), with Q/K rows in Hugging Face order.
-
-    ``num_heads`` / ``num_kv_heads`` are the model's attention heads (config.json), which the
-    Q/K row order depends on.  Raises ValueError for a file that is not a llama-like model or
-    whose head counts disagree with the given ones.
-    """
-    from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFReader
-
-    block_bytes = {Q.Q8_0: 2 + _BLOCK, Q.Q4_1: 4 + _BLOCK // 2, Q.Q4_0: 2 + _BLOCK // 2}
-    reader = GGUFReader(gguf_file)
-    arch = _field(reader, "general.architecture")
-    if arch not in LLAMA_LIKE_ARCHITECTURES:
-        raise ValueError(
-            f"{gguf_file}: GGUF architecture {arch!r} is not llama-like; quantized GGUF "
-            f"weights are read for {sorted(LLAMA_LIKE_ARCHITECTURES)}"
-        )
-    for key, given in (("head_count", num_heads), ("head_count_kv", num_kv_heads)):
-        stored = _field(reader, f"{arch}.attention.{key}")
-        if isinstance(stored, int) and stored != given:
-            raise ValueError(f"{gguf_file}: {arch}.attention.{key} is {stored}, not {given}")
-    permuted = LLAMA_LIKE_ARCHITECTURES[arch]
-
+    See :class:`GGUFWeights` (which loading uses, one matrix at a time)."""
+    weights = GGUFWeights(gguf_file, num_heads, num_kv_heads)
     out: dict[str, QuantizedWeight] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        size = block_bytes.get(tensor.tensor_type)
-        if name is None or size is None or len(tensor.shape) != 2:
-            continue
-        k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
-        data = np.asarray(tensor.data)
-        if k % _BLOCK or data.shape != (n, k // _BLOCK * size):
-            raise ValueError(
-                f"{gguf_file}: {tensor.name} ({tensor.tensor_type.name}, {k}x{n}) has data "
-                f"of shape {data.shape}"
-            )
-        qw = _quantized(data.reshape(n, k // _BLOCK, size), tensor.tensor_type)
-        if permuted and ".attn_q." in tensor.name:
-            qw = qw.rows(reverse_permutation(n, num_heads))
-        elif permuted and ".attn_k." in tensor.name:
-            qw = qw.rows(reverse_permutation(n, num_kv_heads))
+    for name in weights.quantized_names():
+        qw = weights.quantized(name)
+        assert qw is not None
         out[name] = qw
     return out

@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.kernels import int_dot
 from genserve.model.huge_pages import HugePageRegion
+from genserve.model.int_dot_panels import IntDotPanels
 from genserve.model.lora import LoraHook
 from genserve.model.quantization import QuantizedWeight
 from genserve.model.spec import UnsupportedModelError
@@ -112,8 +114,9 @@ class _Packable(nn.Module):
     # (``weight_panels.pack_float``), which every step uses instead of ``weight``.
     panels: torch.Tensor | None = None
     panel_outputs: int = 0  # the weight's rows (the last panel is zero-padded)
-    # A quantized weight in the same panels (replaces ``quant``; same kernel file).
-    qpanels: QuantizedPanels | None = None
+    # A quantized weight in the same panels (replaces ``quant``; same kernel file), or, with
+    # --cpu-int-dot, in the integer dot-product kernel's panels (kernels/int_dot_cpu.cpp).
+    qpanels: QuantizedPanels | IntDotPanels | None = None
 
     def pack(self, release: bool = True) -> None:
         """Switch to the prepacked weight (if it applies); ``release`` frees the plain copy
@@ -129,7 +132,11 @@ class _Packable(nn.Module):
         with genserve's kernels loaded); ``release`` frees the plain copy.  Call after
         loading (and quantizing)."""
         if self.quant is not None:
-            if QuantizedPanels.supports(self.quant):
+            if IntDotPanels.supports(self.quant) and int_dot.active():
+                self.qpanels = IntDotPanels.pack(self.quant)
+                if release:
+                    self.quant = None
+            elif QuantizedPanels.supports(self.quant):
                 self.qpanels = QuantizedPanels.pack(self.quant)
                 if release:
                     self.quant = None
@@ -229,7 +236,8 @@ class ColumnParallelLinear(_Packable):
         self, weights: WeightSource, parts: Sequence[tuple[str, Sequence[tuple[int, int]]]]
     ) -> None:
         for suffix, param in (("weight", self.weight), ("bias", self.bias)):
-            if param is None:
+            # A weight already given in a quantized format (GGUF blocks) is not read again.
+            if param is None or (suffix == "weight" and self.quant is not None):
                 continue
             pieces = [
                 weights.get_slice(f"{prefix}.{suffix}", 0, start, stop)
@@ -342,8 +350,9 @@ class RowParallelLinear(_Packable):
 
     def load(self, weights: WeightSource, prefix: str) -> None:
         start, stop = self.in_range
-        w = weights.get_slice(f"{prefix}.weight", 1, start, stop)
-        _copy_in(self.weight, w, f"{prefix}.weight")
+        if self.quant is None:  # else already given quantized (GGUF blocks)
+            w = weights.get_slice(f"{prefix}.weight", 1, start, stop)
+            _copy_in(self.weight, w, f"{prefix}.weight")
         if self.bias is not None:
             _copy_in(self.bias, weights.get(f"{prefix}.bias"), f"{prefix}.bias")
 
@@ -384,6 +393,8 @@ class VocabParallelEmbedding(_Packable):
         return self.ctx.all_reduce(out)
 
     def load(self, weights: WeightSource, name: str) -> None:
+        if self.quant is not None:  # already given quantized (GGUF blocks)
+            return
         rows = weights.get_slice(name, 0, self.start, self.stop)
         with torch.no_grad():
             self.weight.zero_()
@@ -394,12 +405,57 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; each rank computes its vocabulary slice and the
     slices are gathered, so every rank returns full ``[num_rows, vocab_size]`` logits."""
 
+    # Half-precision weights on CPU without genserve's kernels: a float32 copy (set by
+    # ``pack``), so the head's products come out in float32 without a conversion per step.
+    float_weight: torch.Tensor | None = None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_rows, hidden] -> [num_rows, vocab_size]
-        local = _linear(self, hidden, None)
+        """float32 ``[num_rows, vocab_size]`` logits of ``hidden`` ``[num_rows, hidden]``,
+        whatever the model's dtype: the products are summed in float32 and handed on
+        unrounded, so the sampler and logprobs never see logits rounded to bfloat16
+        (whose steps near 20 are 0.125 wide and tie candidates that differ)."""
+        local = self._float32_logits(hidden)
         if self.ctx.world_size == 1:
             return local
         return self.ctx.all_gather(local, dim=-1)[:, : self.vocab_size]
+
+    def _float32_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.float()  # [num_rows, hidden]: the final norm's output, widened exactly
+        if self.qpanels is not None:
+            return self.qpanels.linear(x, None)  # float32 x: float32 out
+        if self.quant is not None:
+            return F.linear(x, self.quant.dequantize(torch.float32))
+        if self.panels is not None:
+            out: torch.Tensor = torch.ops.genserve.panel_linear(
+                x, self.panels, self.panel_outputs, None
+            )
+            return out
+        if self.float_weight is not None:
+            return F.linear(x, self.float_weight)
+        weight = self.weight
+        if weight.dtype == torch.float32:
+            return _linear(self, x, None)
+        if self.matvec_rows and weight.numel():  # CPU kernels: float32 x, float32 sums out
+            streamed: torch.Tensor = torch.ops.genserve.matvec(x, weight, None)
+            return streamed
+        if weight.is_cuda:  # cuBLAS sums in float32; out_dtype skips the rounding
+            try:
+                return torch.mm(hidden.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # a torch without mm(out_dtype=)
+                pass
+        return F.linear(x, weight.float())
+
+    def pack(self, release: bool = True) -> None:
+        """The head keeps its products in float32: where ``_Packable.pack`` would prepack a
+        half-precision weight for oneDNN (whose output is rounded to bfloat16), a float32
+        copy is kept instead."""
+        if self.quant is not None:
+            return
+        weight = self.weight
+        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+            self.float_weight = weight.detach().float()
+            if release:
+                self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding matrix (tied word embeddings)."""

@@ -14,6 +14,7 @@ Accepted model ids, in the order they are tried:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from pathlib import Path
 import structlog
 
 from genserve.model.conversion import convert_gguf, convert_pytorch_bin, file_digest
+from genserve.model.model_cache import clean_interrupted, read_record, record_sources
+from genserve.model.weight_files import has_weights
 
 log = structlog.get_logger("genserve.model")
 
@@ -63,6 +66,23 @@ class ResolvedModel:
     # quantized blocks), and the --quantize method (None: the model dtype).
     gguf_file: Path | None = None
     quantize: str | None = None
+    # "auto": native where implemented, else the transformers fallback; "transformers":
+    # the fallback even for a native architecture (comparisons, a native bug's workaround).
+    model_impl: str = "auto"
+
+
+def transformers_weights_kwargs(model_dir: Path) -> dict[str, str]:
+    """What transformers' ``from_pretrained(model_dir, **kwargs)`` needs to find the weights
+    of a resolved model directory: nothing for a checkpoint directory; for a GGUF cache
+    entry (config and tokenizer only), ``gguf_file=`` the GGUF it was made from (the first of
+    its recorded sources that still exists).  For references (tests, benchmarks):
+    transformers then dequantizes the file itself, as it always did."""
+    if has_weights(model_dir):
+        return {}
+    for source in record_sources(read_record(model_dir)):
+        if source.endswith(".gguf") and Path(source).is_file():
+            return {"gguf_file": source}
+    return {}
 
 
 def default_gguf_path() -> Path:
@@ -92,6 +112,9 @@ def resolve_model(
     Raises :class:`ModelNotFoundError` with an actionable message when nothing is found.
     """
     cache = cache_dir if cache_dir is not None else Path.home() / ".cache" / "genserve" / "models"
+    if cache.is_dir():
+        with contextlib.suppress(OSError):  # best effort: leftovers never stop a start
+            clean_interrupted(cache)
     if model_id is None:
         gguf = default_gguf_path()
         return _from_gguf(gguf, DEFAULT_GGUF_NAME, cache, trust_remote_code)
@@ -125,7 +148,7 @@ def _gguf_source(model_dir: Path, usable: Path) -> Path | None:
 
 def _usable_dir(model_dir: Path, cache: Path, trust_remote_code: bool) -> Path:
     """``model_dir`` itself when it has safetensors; otherwise its converted copy."""
-    if any(model_dir.glob("*.safetensors")):
+    if has_weights(model_dir):
         if not (model_dir / "config.json").is_file():
             raise ModelNotFoundError(f"{model_dir} has safetensors but no config.json")
         return model_dir
@@ -134,6 +157,12 @@ def _usable_dir(model_dir: Path, cache: Path, trust_remote_code: bool) -> Path:
     ggufs = sorted(model_dir.glob("*.gguf"))
     if len(ggufs) == 1:
         return convert_gguf(ggufs[0], cache, trust_remote_code)
+    if len(ggufs) > 1:
+        names = ", ".join(g.name for g in ggufs)
+        raise ModelNotFoundError(
+            f"{model_dir} holds {len(ggufs)} .gguf files ({names}): which one? Pass it as "
+            f"--model-id {model_dir / ggufs[0].name}"
+        )
     raise ModelNotFoundError(
         f"{model_dir} holds no model weights this server can read "
         "(*.safetensors, pytorch_model*.bin, or exactly one *.gguf)"

@@ -84,10 +84,10 @@ def model_weight_bytes(model: DecoderForCausalLM) -> int:
             if held is not None and held.data.data_ptr() not in seen:
                 seen.add(held.data.data_ptr())
                 total += held.nbytes
-        panels = getattr(module, "panels", None)
-        if panels is not None and panels.data_ptr() not in seen:
-            seen.add(panels.data_ptr())
-            total += panels.nbytes
+        for copy in (getattr(module, "panels", None), getattr(module, "float_weight", None)):
+            if copy is not None and copy.data_ptr() not in seen:
+                seen.add(copy.data_ptr())
+                total += copy.nbytes
     return int(total)
 
 

@@ -11,9 +11,9 @@ computed exactly as transformers computes it with that config:
   ``theta * (factor * L / max_pos - (factor - 1)) ** (d / (d - 2))`` where ``L`` is the
   sequence length at the time the token is computed.  transformers takes ``L`` as
   ``max(position_ids) + 1`` of the forward pass; here each sequence of the flat batch gets
-  its own ``L`` (the last position of its run in this step), so a request is computed as it
-  would be alone, whatever else is batched with it.  As in transformers, keys already in the
-  cache keep the rotation they were computed with.
+  its own ``L`` (a decode row its own position + 1, a prefill chunk its last position + 1),
+  so a request is computed as it would be alone, whatever else is batched with it.  As in
+  transformers, keys already in the cache keep the rotation they were computed with.
 
 TGI, given only ``--rope-factor``, uses linear scaling; given only ``--rope-scaling``, a
 factor of 1.  The derived default ``max_total_tokens`` grows by ``factor`` (TGI does the
@@ -51,16 +51,29 @@ def scaled_max_positions(max_pos: int, scaling: str | None, factor: float | None
     return int(max_pos * (factor if factor is not None else 1.0))
 
 
-def sequence_lengths(positions: torch.Tensor) -> torch.Tensor:
-    """``[num_tokens]`` → for each token, 1 + the last position of its run of consecutive
-    positions (one run per sequence in the flat batch)."""
+def sequence_lengths(positions: torch.Tensor, num_decodes: int = 0) -> torch.Tensor:
+    """``[num_tokens]`` → for each token, 1 + the last position of its sequence in the step.
+
+    The first ``num_decodes`` tokens are decode rows (a speculative chunk's tokens too), each
+    the last token of its own sequence: their length is ``position + 1`` whatever their
+    neighbours' positions are (two requests at positions 10 and 11 are two sequences, not one
+    chunk).  The remaining tokens are prefill chunks, told apart as runs of consecutive
+    positions.  No device→host synchronisation (the run buffer has ``num_tokens`` entries, an
+    upper bound on the number of runs), so CUDA graphs can capture it.  The model itself reads
+    the lengths from its attention metadata (``AttentionMetadata.sequence_lengths``, which
+    knows each sequence); this is the default for callers that have positions only."""
     n = positions.shape[0]
-    starts = torch.ones(n, dtype=torch.bool, device=positions.device)
-    starts[1:] = positions[1:] != positions[:-1] + 1
-    run = torch.cumsum(starts.long(), 0) - 1  # [num_tokens] run index
-    last = torch.full((int(run[-1]) + 1,), -1, dtype=positions.dtype, device=positions.device)
-    last = last.scatter_reduce(0, run, positions, reduce="amax")
-    return last[run] + 1
+    lengths = positions + 1
+    if num_decodes >= n:
+        return lengths
+    chunked = positions[num_decodes:]
+    m = chunked.shape[0]
+    starts = torch.ones(m, dtype=torch.bool, device=positions.device)
+    starts[1:] = chunked[1:] != chunked[:-1] + 1
+    run = torch.cumsum(starts.long(), 0) - 1  # [m] run index
+    last = torch.full((m,), -1, dtype=positions.dtype, device=positions.device)
+    last = last.scatter_reduce(0, run, chunked, reduce="amax")
+    return torch.cat((lengths[:num_decodes], last[run] + 1))
 
 
 def dynamic_freqs(

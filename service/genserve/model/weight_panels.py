@@ -76,6 +76,11 @@ class QuantizedPanels:
         mins = 0 if self.mins is None else self.mins.nbytes
         return int(self.data.nbytes + self.scales.nbytes + mins)
 
+    @property
+    def fused_bits(self) -> int:
+        """This layout's code in ``genserve::decode_layer``'s ``bits`` list."""
+        return self.bits
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out: torch.Tensor = torch.ops.genserve.qpanel_linear(
             x, self.data, self.scales, self.mins, self.bits, self.group, self.out_features, bias

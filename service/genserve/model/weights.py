@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
+from genserve.model.weight_files import weight_files
+
 
 class MissingWeightError(KeyError):
     """The checkpoint lacks a tensor the architecture needs."""
@@ -33,7 +35,10 @@ class WeightSource(Protocol):
 
 
 class SafetensorsWeights:
-    """Read-only view of every tensor in ``model_dir/*.safetensors``.
+    """Read-only view of every tensor of ``model_dir``'s weight files: the shards its
+    ``model.safetensors.index.json`` names, or ``model*.safetensors``
+    (:func:`~genserve.model.weight_files.weight_files`; other ``.safetensors`` files there,
+    such as caches, are not model weights).
 
     Use as a context manager (or call :meth:`close`) to release the file handles.
     """
@@ -47,9 +52,9 @@ class SafetensorsWeights:
             weight_map = json.loads(index_file.read_text())["weight_map"]
             self._where = {name: str(file) for name, file in weight_map.items()}
         else:
-            for file in sorted(model_dir.glob("*.safetensors")):
-                for name in self._open(file.name).keys():  # noqa: SIM118 - not a dict
-                    self._where[name] = file.name
+            for file in weight_files(model_dir):
+                for name in self._open(file).keys():  # noqa: SIM118 - not a dict
+                    self._where[name] = file
         if not self._where:
             raise MissingWeightError(f"no safetensors weights in {model_dir}")
 

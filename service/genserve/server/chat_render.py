@@ -7,6 +7,7 @@ server/conversion/chat.py."""
 from __future__ import annotations
 
 from genserve.engine.outputs import FinalInfo, TokenInfo, TokenOutput
+from genserve.server.chat_reply import ChoiceReply, ReplyPiece, whole_reply
 from genserve.server.conversion.chat import ChatPlan
 from genserve.server.generate_render import Collected, finish_reason_pb
 from genserve.tokenizer import Tokenizer
@@ -48,16 +49,28 @@ def chat_response(
     plan: ChatPlan, base_id: str, results: list[Collected], tokenizer: Tokenizer
 ) -> pb.ChatResponse:
     """The reply to Chat: one choice per result, in choice order."""
-    response = pb.ChatResponse(id=f"chatcmpl-{base_id}", model=plan.model, created=plan.created)
+    response = pb.ChatResponse(
+        id=f"chatcmpl-{base_id}",
+        model=plan.model,
+        created=plan.created,
+        system_fingerprint=plan.extras.system_fingerprint,
+    )
     finals: list[FinalInfo] = []
     for index, collected in enumerate(results):
         final = collected.final
         assert final is not None
         finals.append(final)
+        # #27: reasoning and tool calls split out of the reply text (chat_reply.py).
+        piece = whole_reply(final.generated_text, plan.extras.tools, plan.extras.reasoning)
         choice = pb.ChatChoice(
             index=index,
-            message=pb.ChatMessage(role="assistant", content=final.generated_text),
-            finish_reason=finish_reason_pb(final),
+            message=pb.ChatMessage(
+                role="assistant",
+                content=piece.content,
+                reasoning_content=piece.reasoning,
+                tool_calls=piece.tool_calls,
+            ),
+            finish_reason=chat_finish_reason(plan, final, piece),
         )
         if plan.logprobs:
             choice.logprobs.extend(
@@ -78,14 +91,22 @@ class ChatStreamAssembler:
         self._id = f"chatcmpl-{base_id}"
         self._tokenizer = tokenizer
         self._finals: list[FinalInfo | None] = [None] * (len(plan.choice_params))
+        self._replies = [
+            ChoiceReply(plan.extras.tools, plan.extras.reasoning) for _ in plan.choice_params
+        ]
 
     def message(self, index: int, out: TokenOutput) -> pb.ChatStreamResponse:
         plan, tokenizer = self._plan, self._tokenizer
         msg = pb.ChatStreamResponse(
-            id=self._id, model=plan.model, created=plan.created, index=index
+            id=self._id,
+            model=plan.model,
+            created=plan.created,
+            index=index,
+            system_fingerprint=plan.extras.system_fingerprint,
         )
         if out.token is not None:
-            msg.delta = out.token.text
+            piece = self._replies[index].feed(out.token.text)
+            msg.delta, msg.reasoning_delta = piece.content, piece.reasoning
             msg.token.CopyFrom(token_pb(out.token, tokenizer, plan.logprobs))
             if plan.num_top_logprobs:
                 msg.top_logprobs.extend(
@@ -93,8 +114,24 @@ class ChatStreamAssembler:
                 )
         if out.final is not None:
             self._finals[index] = out.final
-            msg.finish_reason = finish_reason_pb(out.final)
+            last = self._replies[index].finish()
+            msg.delta += last.content
+            msg.reasoning_delta += last.reasoning
+            msg.tool_calls.extend(
+                pb.ToolCallDelta(index=i, call=c) for i, c in enumerate(last.tool_calls)
+            )
+            msg.finish_reason = chat_finish_reason(plan, out.final, last)
             if all(f is not None for f in self._finals):
                 done = [f for f in self._finals if f is not None]
                 msg.usage.CopyFrom(usage(plan, done))
         return msg
+
+
+def chat_finish_reason(plan: ChatPlan, final: FinalInfo, piece: ReplyPiece) -> pb.FinishReason:
+    """OpenAI's "tool_calls" when the reply is calls, except for a named tool_choice, which
+    OpenAI answers with "stop"; a reply cut short keeps "length"."""
+    reason = finish_reason_pb(final)
+    calls = piece.tool_calls and plan.extras.tools.mode != "function"
+    if calls and reason != pb.FINISH_REASON_LENGTH:
+        return pb.FINISH_REASON_TOOL_CALLS
+    return reason

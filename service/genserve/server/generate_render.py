@@ -8,12 +8,15 @@ one prompt are ranked by the cumulative logprob of their generated tokens (the q
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason
 from genserve.server.conversion.convert import Conversion
 from genserve.v1 import generate_pb2 as pb
+
+TokenText = Callable[[int], str]  # a token id -> its own text (special tokens included)
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -69,8 +72,13 @@ def _full_text(prompt_text: str, generated: str, params: pb.GenerateParameters) 
 
 
 def details(
-    req: GenerationRequest, collected: Collected, params: pb.GenerateParameters
+    req: GenerationRequest,
+    collected: Collected,
+    params: pb.GenerateParameters,
+    token_text: TokenText | None = None,
 ) -> pb.Details:
+    """``token_text``: a special token that ended generation (EOS) adds no text to the reply
+    but is listed with its own text, as TGI lists it (#27)."""
     final = collected.final
     assert final is not None
     out = pb.Details(
@@ -79,7 +87,7 @@ def details(
         input_length=final.num_prompt_tokens,
         cached_tokens=final.num_cached_tokens,
         prefill=[token_pb(t) for t in final.prefill],
-        tokens=[token_pb(t) for t in collected.tokens],
+        tokens=[_detail_token(t, token_text) for t in collected.tokens],
     )
     if req.seed is not None:
         out.seed = req.seed
@@ -90,10 +98,23 @@ def details(
         out.top_tokens.extend(
             pb.TopTokens(tokens=[token_pb(t) for t in top]) for top in collected.top_tokens
         )
+        # #27: the alternatives at prompt positions (OpenAI echo's prompt top_logprobs).
+        out.prefill_top_tokens.extend(
+            pb.TopTokens(tokens=[token_pb(t) for t in top]) for top in final.prefill_top
+        )
     return out
 
 
-def generate_response(conv: Conversion, results: list[Collected]) -> pb.GenerateResponse:
+def _detail_token(t: TokenInfo, token_text: TokenText | None) -> pb.Token:
+    msg = token_pb(t)
+    if token_text is not None and t.special and not t.text:
+        msg.text = token_text(t.token_id)
+    return msg
+
+
+def generate_response(
+    conv: Conversion, results: list[Collected], token_text: TokenText | None = None
+) -> pb.GenerateResponse:
     """The reply to Generate; ``results`` in the order of ``conv.sequences``."""
     if conv.num_per_prompt > 1:
         return _parallel_response(conv, results)
@@ -105,7 +126,9 @@ def generate_response(conv: Conversion, results: list[Collected]) -> pb.Generate
             generated_text=_full_text(prompt.text, collected.final.generated_text, params)
         )
         if params.details or params.decoder_input_details:
-            result.details.CopyFrom(details(req, collected, params))
+            result.details.CopyFrom(details(req, collected, params, token_text))
+        if params.decoder_input_details:
+            result.prompt_text = prompt.text  # what OpenAI's echo returns (#27)
         response.results.append(result)
     return response
 

@@ -23,6 +23,7 @@ from genserve.engine.request import FinishReason
 from genserve.model.adapter_files import AdapterNotFoundError
 from genserve.model.lora import AdapterError
 from genserve.server.chat_render import ChatStreamAssembler, chat_response
+from genserve.server.chat_reply import ChatFeatures
 from genserve.server.conversion.convert import Conversion, RequestConverter
 from genserve.server.conversion.errors import RequestError
 from genserve.server.conversion.limits import Limits
@@ -66,6 +67,7 @@ class Serving:
     max_concurrent_requests: int
     chat: ChatRenderer | None = None  # None: Chat answers FAILED_PRECONDITION
     grammars: GrammarCompiler | None = None  # None: --disable-grammar-support
+    chat_features: ChatFeatures | None = None  # tool-call / reasoning parsers (#27)
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
@@ -87,6 +89,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             chat_renderer=serving.chat,
             served_model_name=serving.info.served_model_name,
             model_id=serving.info.model_id,
+            chat_features=serving.chat_features,
         )
         self._serving = serving
 
@@ -191,7 +194,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             results = await self._collect_all(conv.sequences)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
-        return generate_response(conv, results)
+        return generate_response(conv, results, self._require().tokenizer.token_text)
 
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: grpc.aio.ServicerContext

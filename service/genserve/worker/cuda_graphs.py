@@ -39,26 +39,15 @@ import numpy as np
 import structlog
 import torch
 
+from genserve.config import parse_batch_sizes as parse_batch_sizes  # the flag's parser
 from genserve.model.attention import TorchAttentionMetadata
+from genserve.worker.device_io import host_buffer
 
 log = structlog.get_logger("genserve.worker")
 
 # Default buckets: every power of two up to 8, then steps of 8 (what TGI and vLLM default to);
 # a step pads to the next bucket, so at most 7 wasted rows above 8.
 _DEFAULT_MAX_BATCH = 256
-
-
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
-    """``"1,2,4,8"`` → ``(1, 2, 4, 8)`` (sorted, unique); ``"0"`` → ``()`` (graphs off)."""
-    try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise ValueError(f"expected comma-separated batch sizes or 0, got {text!r}") from None
-    if values == [0]:
-        return ()
-    if not values or values[0] < 1:
-        raise ValueError(f"batch sizes must be positive (or a single 0 to disable), got {text!r}")
-    return tuple(values)
 
 
 def default_batch_sizes(max_batch: int | None) -> tuple[int, ...]:
@@ -165,15 +154,23 @@ class DecodeGraphs:
         self.device = device
         self.use_triton_decode = use_triton_decode
         largest = self.sizes[-1]
-
-        def buf(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.int64, device=device)
-
-        self.token_ids = buf(largest)
-        self.positions = buf(largest)
-        self.slots = buf(largest)
-        self.block_table = buf(largest, width)
-        self.context_lens = buf(largest)
+        # Device inputs: rows 0-3 of one [4, largest] buffer (token ids, positions, slots,
+        # context lengths), so a step moves them with one contiguous copy.
+        self._inputs = torch.zeros((4, largest), dtype=torch.int64, device=device)
+        self.token_ids, self.positions, self.slots, self.context_lens = self._inputs.unbind(0)
+        self.block_table = torch.zeros((largest, width), dtype=torch.int64, device=device)
+        # Host staging, allocated once (pinned on CUDA, so the copies are truly asynchronous),
+        # two sets used in turn: the copies of step n may still be queued when step n + 1
+        # fills its set, but step n's result was read back (a synchronisation) before step
+        # n + 2 reuses the first.
+        self._staging = [
+            (
+                host_buffer((4, largest), torch.int64, device),
+                host_buffer((largest, width), torch.int64, device),
+            )
+            for _ in range(2)
+        ]
+        self._next_staging = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -212,8 +209,8 @@ class DecodeGraphs:
         return tuple(sorted(self._graphs))
 
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared pool.  Raises on failure
-        (the runner then logs a warning and stays eager)."""
+        """Capture every bucket once (one warm-up run first), largest first, into one
+        shared pool.  Raises on failure (the runner then logs a warning and stays eager)."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -221,8 +218,7 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
                 self._reset_to_padding()
-                for _ in range(2):  # lazy inits (Triton compile, cuBLAS handles) stay outside
-                    self._forward(size)
+                self._forward(size)  # lazy inits (Triton compile, cuBLAS handles) stay outside
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -232,16 +228,32 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
 
+    def release(self) -> None:
+        """Drop the graphs, their outputs and the buffers, so that the memory pool and the
+        KV cache the graphs reference can be freed."""
+        self._graphs.clear()
+        self._outputs.clear()
+        self.kv_caches = []
+        self.model = None
+
     def run(self, padded: PaddedDecode) -> torch.Tensor:
         """Hidden states ``[num_rows, hidden]`` of a padded decode step (valid until the next
         call: they live in the graph's output buffer)."""
         b = padded.bucket
-        self.token_ids[:b].copy_(torch.from_numpy(padded.token_ids), non_blocking=True)
-        self.positions[:b].copy_(torch.from_numpy(padded.positions), non_blocking=True)
-        self.slots[:b].copy_(torch.from_numpy(padded.slots), non_blocking=True)
+        inputs, table = self._staging[self._next_staging]
+        self._next_staging ^= 1
+        host = inputs.numpy()
+        host[0, :b] = padded.token_ids
+        host[1, :b] = padded.positions
+        host[2, :b] = padded.slots
+        host[3, :b] = padded.context_lens
         columns = padded.block_table.shape[1]
-        self.block_table[:b, :columns].copy_(torch.from_numpy(padded.block_table))
-        self.context_lens[:b].copy_(torch.from_numpy(padded.context_lens), non_blocking=True)
+        table.numpy()[:b, :columns] = padded.block_table
+        # Whole rows: one contiguous copy (a [b, columns] slice of the [b, width] buffer
+        # would go through a temporary and a scatter kernel); columns past ``columns`` hold
+        # stale ids that no row reads.
+        self._inputs.copy_(inputs, non_blocking=True)
+        self.block_table[:b].copy_(table[:b], non_blocking=True)
         self.num_runs += 1
         graph = self._graphs.get(b)
         if graph is None:  # not captured (CPU tests): the same forward, eagerly

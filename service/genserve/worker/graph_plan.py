@@ -2,7 +2,9 @@
 before the KV cache is sized, capturing them after warm-up, and routing a step to them.
 
 Kept out of ``model_runner.py`` so the runner only has one-line hooks; the graph machinery
-itself is in :mod:`genserve.worker.cuda_graphs`.  Any failure while planning or capturing is
+itself is in :mod:`genserve.worker.cuda_graphs`.  The runner describes itself with a
+:class:`GraphTarget` (its model and shapes) instead of this module importing the runner, so
+the two do not depend on each other.  Any failure while planning or capturing is
 logged as a warning and the runner stays eager: graphs are an optimisation, never a reason
 not to serve.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -26,7 +28,6 @@ from genserve.worker.cuda_graphs import (
 
 if TYPE_CHECKING:
     from genserve.step import ScheduledChunk
-    from genserve.worker.model_runner import ModelRunner
 
 log = structlog.get_logger("genserve.worker")
 
@@ -36,18 +37,38 @@ _RESERVE_MARGIN = 1.25
 
 
 @dataclass(frozen=True, slots=True)
+class GraphTarget:
+    """What planning needs to know about the runner: its model (``forward(token_ids,
+    positions, kv_caches, meta)`` → hidden states) and the shapes of its KV cache."""
+
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    world_size: int
+
+
+@dataclass(frozen=True, slots=True)
 class GraphPlan:
     sizes: tuple[int, ...]
     width: int  # block-table columns: blocks of the longest request
     reserve_bytes: int  # kept out of the KV-cache budget
 
-    def capture(self, runner: ModelRunner) -> DecodeGraphs | None:
+    def capture(
+        self,
+        model: Any,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        lora_attached: bool,
+    ) -> DecodeGraphs | None:
         """Capture over the runner's (freshly zeroed) cache; None, with a warning, on failure."""
-        if runner._lora_targets is not None:
+        if lora_attached:
             log.warning("cuda_graphs_disabled", reason="LoRA hooks attached before capture")
             return None
         try:
-            graphs = _build(runner, runner.kv_caches, self)
+            graphs = _build(model, kv_caches, self, device)
             graphs.capture()
         except Exception as exc:  # any capture failure means "stay eager"
             log.warning("cuda_graphs_capture_failed", error=repr(exc), fallback="eager")
@@ -62,35 +83,42 @@ class GraphPlan:
         return graphs
 
 
-def _build(runner: ModelRunner, kv_caches: list[torch.Tensor], plan: GraphPlan) -> DecodeGraphs:
+def _build(
+    model: Any, kv_caches: list[torch.Tensor], plan: GraphPlan, device: torch.device
+) -> DecodeGraphs:
     block_dim = 2  # TorchPagedAttention's cache: [2, kv_heads, num_blocks, block_size, hd]
     num_blocks = kv_caches[0].shape[block_dim]
     return DecodeGraphs(
-        runner.model,
+        model,
         kv_caches,
         plan.sizes,
         plan.width,
         kv_caches[0].shape[3],
         scratch_block=num_blocks - 1,
-        device=runner.device,
+        device=device,
         use_triton_decode=True,
     )
 
 
 def plan_graphs(
-    runner: ModelRunner, sizes: Sequence[int], max_seq_len: int, block_size: int
+    target: GraphTarget, sizes: Sequence[int], max_seq_len: int, block_size: int
 ) -> GraphPlan | None:
     """A plan when graphs can run (CUDA, single process, the Triton decode kernel), with the
-    memory they take measured by a trial capture on a throw-away cache; else None (logged)."""
+    memory they take measured by a trial capture on a throw-away cache; else None (logged).
+
+    ``max_seq_len``: the longest context a request may reach (the derived total-token
+    limit, not the model's position limit) — the block table's width.  The trial captures
+    the largest bucket only: every bucket shares its memory pool, whose size the largest
+    sets, so each bucket is captured once more at start-up, not twice."""
     if not sizes:
         return None
-    if runner.device.type != "cuda":
+    if target.device.type != "cuda":
         log.info("cuda_graphs_ignored", reason="not on CUDA")
         return None
-    if runner.parallel.world_size > 1:
+    if target.world_size > 1:
         log.warning("cuda_graphs_disabled", reason="tensor parallelism is not captured yet")
         return None
-    backend = select_backend(runner.device, block_size, runner.dtype, runner.config.head_dim)
+    backend = select_backend(target.device, block_size, target.dtype, target.head_dim)
     if not (isinstance(backend, TorchPagedAttention) and backend.use_triton_decode):
         log.warning(
             "cuda_graphs_disabled",
@@ -99,17 +127,16 @@ def plan_graphs(
         return None
     width = -(-max_seq_len // block_size)
     plan = GraphPlan(tuple(sorted(sizes)), width, 0)
+    trial = GraphPlan(plan.sizes[-1:], width, 0)
     try:
-        shape = backend.kv_cache_shape(
-            width + 1, block_size, runner.model.num_local_kv_heads, runner.config.head_dim
-        )
+        shape = backend.kv_cache_shape(width + 1, block_size, target.num_kv_heads, target.head_dim)
         trial_cache = list(
-            torch.zeros(
-                (runner.config.num_layers, *shape), dtype=runner.dtype, device=runner.device
-            )
+            torch.zeros((target.num_layers, *shape), dtype=target.dtype, device=target.device)
         )
         with torch.inference_mode():
-            used = measure_capture_bytes(lambda: _build(runner, trial_cache, plan), runner.device)
+            used = measure_capture_bytes(
+                lambda: _build(target.model, trial_cache, trial, target.device), target.device
+            )
         trial_cache.clear()  # free the throw-away cache before the real one is sized
         torch.cuda.empty_cache()
     except Exception as exc:  # a failed trial means "stay eager"

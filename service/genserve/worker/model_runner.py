@@ -1,44 +1,36 @@
 """The model runner: executes the scheduler's steps on the native paged model.
 
 It owns the model, the KV-cache tensors and the per-request state the sampler needs
-(penalty counts, output position for seeded draws, prompt tokens for prompt logprobs),
-keyed by ``req_id``.  It implements :class:`genserve.step.Runner` and never sees a request
-object: everything arrives in :class:`~genserve.step.SchedulerOutput`.
+(worker/request_state.py), keyed by ``req_id``.  It implements :class:`genserve.step.Runner`
+and never sees a request object: everything arrives in :class:`~genserve.step.SchedulerOutput`.
 
-One step is one forward pass over every scheduled token, flattened (no padding): decode
-chunks first, then speculative chunks (the last token and its drafts), then prefill chunks,
-each with its own positions and block table.  Every token of a speculative chunk is attended
-as a decode row of its own (its context ends at its position), so verification uses the
-decode attention path and needs nothing from the backends.  Logits are computed only for the
-rows that need them (the last token of a chunk that samples, every token of a speculative
-chunk, and the prompt positions of requests asking for prompt logprobs).
+One step is one forward pass over every scheduled token, flattened (no padding), in the order
+worker/step_inputs.py lays out; a pure-decode step replays a CUDA graph where one is captured
+(worker/graph_plan.py).  Logits are computed only for the rows that need them (the last token
+of a chunk that samples, every token of a speculative chunk, and the prompt positions of
+requests asking for prompt logprobs); worker/step_outputs.py turns the sampled rows into the
+step's tokens.  Host → device data goes through worker/device_io.py (pinned, asynchronous on
+CUDA) and a decode step reads one packed block back (issue #29).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import itertools
-import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import structlog
 import torch
 
 from genserve.model import rope_scaling
-from genserve.model.attention import AttentionBackend, SeqSpec, select_backend
-from genserve.model.causal_lm import DecoderForCausalLM
-from genserve.model.config import load_model_config
-from genserve.model.huge_pages import zeros_on_huge_pages
+from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
+from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
-from genserve.model.quantize_model import QuantizeSummary, model_weight_bytes, quantize_model
+from genserve.model.quantize_model import model_weight_bytes
 from genserve.model.registry import build_model
-from genserve.model.weights import SafetensorsWeights
+from genserve.model.serving_path import choose_serving_path
 from genserve.parallel import ParallelContext
 from genserve.step import (
     AdapterRef,
@@ -49,57 +41,34 @@ from genserve.step import (
     SamplingParams,
     ScheduledChunk,
     SchedulerOutput,
-    TokenLogprob,
 )
 from genserve.worker.adapters import PreparedAdapter, install, prepare, read_adapter
 from genserve.worker.cuda_graphs import DecodeGraphs
-from genserve.worker.graph_plan import GraphPlan, graph_forward, plan_graphs
-from genserve.worker.sampler import Sampler, SamplingRow
+from genserve.worker.device_io import DeviceIO
+from genserve.worker.graph_plan import GraphPlan, GraphTarget, graph_forward, plan_graphs
+from genserve.worker.request_state import PenaltyCounts, RequestState
+from genserve.worker.runner_setup import (
+    available_ram_bytes,
+    keep_freed_memory,
+    load_weights,
+    zeros,
+)
+from genserve.worker.sampler import Sampler
+from genserve.worker.step_inputs import StepLayout, flat_inputs, layout
+from genserve.worker.step_outputs import (
+    accept,
+    grammar_rows,
+    prompt_logprob_parts,
+    prompt_logprobs,
+    sampling_rows,
+)
 
 log = structlog.get_logger("genserve.worker")
 
 # On CUDA, part of the budget stays free for activations and allocator fragmentation.
 _CUDA_ACTIVATION_RESERVE = 0.1
-# Prompt-logprob rows per LM-head call: bounds the float32 logits to ~100 MB (vocab 49152).
-_PROMPT_LOGPROB_ROWS = 512
 # Adapters prepared ahead of their first step (requests cancelled meanwhile leave entries).
 _MAX_PREPARED_ADAPTERS = 16
-
-
-@dataclass(slots=True)
-class _RequestState:
-    sampling: SamplingParams
-    num_prompt_tokens: int
-    num_tokens: int  # prompt + output tokens known so far
-    num_output_tokens: int
-    prompt_token_ids: tuple[int, ...]  # kept only when prompt logprobs are wanted
-    token_counts: torch.Tensor | None  # [vocab] float32, only with penalties
-    # [vocab] float32 occurrences in the output only, only with a presence penalty
-    output_counts: torch.Tensor | None = None
-    adapter_slot: int = -1  # LoRA slot, -1: the base model
-
-    @classmethod
-    def from_new(cls, new: NewRequestData, vocab_size: int, device: torch.device) -> _RequestState:
-        p = new.sampling
-        counts = output_counts = None
-        if p.uses_penalties:
-            ids = torch.tensor(new.all_token_ids, dtype=torch.int64, device=device)
-            counts = torch.bincount(ids, minlength=vocab_size)[:vocab_size].float()
-        if p.presence_penalty != 0.0:
-            out_ids = ids[new.num_prompt_tokens :]  # a readmission brings its output so far
-            output_counts = torch.bincount(out_ids, minlength=vocab_size)[:vocab_size].float()
-        return cls(
-            sampling=p,
-            num_prompt_tokens=new.num_prompt_tokens,
-            num_tokens=len(new.all_token_ids),
-            num_output_tokens=new.num_output_tokens,
-            prompt_token_ids=new.all_token_ids[: new.num_prompt_tokens]
-            if p.prompt_logprobs
-            else (),
-            token_counts=counts,
-            output_counts=output_counts,
-            adapter_slot=new.adapter.slot if new.adapter is not None else -1,
-        )
 
 
 class ModelRunner:
@@ -117,13 +86,24 @@ class ModelRunner:
         device: torch.device,
         parallel: ParallelContext | None = None,
         trust_remote_code: bool = False,
+        explicit_transfers: bool = False,
     ) -> None:
+        """``explicit_transfers``: on a CPU device, make every host↔device transfer an
+        explicit copy and sample without value-dependent branches — the CUDA path, run on
+        the CPU (the proof test of issue #29); no effect on CUDA."""
         self.resolved = model
         self.dtype = dtype
         self.device = device
         if device.type == "cpu":
-            _keep_freed_memory()
+            keep_freed_memory()
         self.parallel = parallel or ParallelContext.single()
+        self.io = DeviceIO(device, explicit=explicit_transfers)
+        # Native when genserve implements the architecture, else transformers' own modeling
+        # code with the paged cache (model/serving_path.py, model/transformers_backend.py).
+        self.serving = choose_serving_path(model.local_dir, trust_remote_code, model.model_impl)
+        if not self.serving.is_native:
+            self._init_fallback(model, trust_remote_code)
+            return
         self.config = load_model_config(model.local_dir, trust_remote_code)
         if model.rope_scaling is not None or model.rope_factor is not None:
             self.config = dataclasses.replace(
@@ -137,9 +117,7 @@ class ModelRunner:
             )
         with torch.inference_mode():
             self.model = build_model(self.config, self.parallel, dtype, device)
-            with SafetensorsWeights(model.local_dir) as weights:
-                self.model.load_weights(weights)
-        self.quantization = _quantize(self.model, model) if model.quantize else None
+        self.quantization = load_weights(self.model, model)
         if self.quantization is not None and device.type != "cpu":
             log.warning(
                 "quantized_weights_without_kernel",
@@ -158,8 +136,37 @@ class ModelRunner:
             with torch.inference_mode():
                 self.model.pack_weights()
         self.model.eval()
-        self.sampler = Sampler(device)
-        self._requests: dict[str, _RequestState] = {}
+        self._init_state(model)
+
+    def _init_fallback(self, model: ResolvedModel, trust_remote_code: bool) -> None:
+        """The transformers fallback: what it cannot do was switched off before (the
+        launcher, genserve.model.fallback_options); here it is refused if asked anyway."""
+        from genserve.model.transformers_backend import load_transformers_model
+
+        if model.rope_scaling is not None or model.rope_factor is not None:
+            raise UnsupportedModelError(
+                "--rope-scaling/--rope-factor apply to natively served models only; "
+                f"{self.serving.architecture} runs through the transformers fallback"
+            )
+        if model.quantize:
+            raise UnsupportedModelError(
+                f"--quantize {model.quantize} applies to natively served models only; "
+                f"{self.serving.architecture} runs through the transformers fallback"
+            )
+        if self.parallel.world_size > 1:
+            raise UnsupportedModelError("the transformers fallback runs on one shard only")
+        with torch.inference_mode():
+            self.model, self.config = load_transformers_model(  # type: ignore[assignment]
+                model.local_dir, self.serving, self.dtype, self.device, trust_remote_code
+            )
+        self.quantization = None
+        self._init_state(model)
+
+    def _init_state(self, model: ResolvedModel) -> None:
+        """Sampler, request and LoRA state (either model path), then the load log line."""
+        self.sampler = Sampler(self.device, self.io)
+        self._requests: dict[str, RequestState] = {}
+        self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
         # LoRA: hooks are attached on the first adapter request, so base-only serving pays
         # nothing; _slot_ids says which adapter each slot holds now.
         self._lora_step = StepAdapters()
@@ -179,8 +186,9 @@ class ModelRunner:
             "model_loaded",
             model_id=model.model_id,
             architecture=self.config.architecture,
-            dtype=str(dtype).removeprefix("torch."),
-            device=str(device),
+            implementation=self.serving.implementation,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
             rank=self.parallel.rank,
             world_size=self.parallel.world_size,
         )
@@ -210,7 +218,7 @@ class ModelRunner:
             budget = total * fraction - (total - free)
             graph_bytes = self._graph_plan.reserve_bytes if self._graph_plan else 0
             return max(0, int(budget * (1.0 - _CUDA_ACTIVATION_RESERVE)) - graph_bytes)
-        return max(0, int(_available_ram_bytes() * fraction))
+        return max(0, int(available_ram_bytes() * fraction))
 
     @torch.inference_mode()
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -221,6 +229,13 @@ class ModelRunner:
         self.backend = select_backend(
             self.device, block_size, self.dtype, head_dim=self.config.head_dim
         )
+        if not self.serving.is_native and not isinstance(self.backend, TorchPagedAttention):
+            from genserve.kernels import cpu as cpu_kernels
+
+            # The fallback's attention reads TorchAttentionMetadata (and its cache layout).
+            self.backend = TorchPagedAttention(
+                self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
+            )
         shape = self.backend.kv_cache_shape(
             num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
         )
@@ -228,7 +243,7 @@ class ModelRunner:
             shape = self.backend.kv_cache_shape(
                 num_blocks + 1, block_size, self.model.num_local_kv_heads, self.config.head_dim
             )
-        pool = _zeros((self.config.num_layers, *shape), self.dtype, self.device)
+        pool = zeros((self.config.num_layers, *shape), self.dtype, self.device)
         self.kv_caches = list(pool.unbind(0))
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -272,19 +287,36 @@ class ModelRunner:
         )
         self.execute_model(SchedulerOutput(-1, decode))
         self._requests.clear()
+        if self.serving.per_request_state:
+            self.model.end_requests()  # type: ignore[operator]
+        self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
         self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
         self._graphs = None
         self.initialize_kv_cache(self.num_blocks, self.block_size)
         if self._graph_plan is not None:
-            self._graphs = self._graph_plan.capture(self)
+            self._graphs = self._graph_plan.capture(
+                self.model, self.kv_caches, self.device, self._lora_targets is not None
+            )
 
     def enable_cuda_graphs(self, sizes: tuple[int, ...], max_seq_len: int, block_size: int) -> None:
         """Capture decode steps of ``sizes`` rows as CUDA graphs in :meth:`warmup`; call
         before sizing the KV cache, whose budget then leaves room for the graphs (measured by
         a trial capture).  No-op on CPU or without the Triton decode kernel (logged)."""
-        self._graph_plan = plan_graphs(self, sizes, max_seq_len, block_size)
+        if not self.serving.is_native:
+            log.info("cuda_graphs_off", reason="the transformers fallback runs eagerly")
+            return
+        target = GraphTarget(
+            self.model,
+            self.device,
+            self.dtype,
+            self.config.num_layers,
+            self.model.num_local_kv_heads,
+            self.config.head_dim,
+            self.parallel.world_size,
+        )
+        self._graph_plan = plan_graphs(target, sizes, max_seq_len, block_size)
 
     @property
     def cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -297,50 +329,41 @@ class ModelRunner:
         """Run one step as described by :class:`genserve.step.SchedulerOutput`."""
         for req_id in step.finished_req_ids:
             self._requests.pop(req_id, None)
+            self._penalties.remove(req_id)
+        if self.serving.per_request_state and step.finished_req_ids:
+            self.model.end_requests(step.finished_req_ids)  # type: ignore[operator]
         for new in step.new_requests:
             if new.adapter is not None:
                 self._ensure_adapter(new.adapter)
-            self._requests[new.req_id] = _RequestState.from_new(
-                new, self.config.vocab_size, self.device
-            )
+            self._requests[new.req_id] = RequestState.from_new(new)
+            self._penalties.remove(new.req_id)  # a readmission recounts from its tokens
+            if new.sampling.uses_penalties:
+                self._penalties.add(new)
         if not step.chunks:
             return RunnerOutput(step.step_id)
         if self.backend is None:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
 
-        # Decodes first: the attention backend batches them into one op.
-        chunks = [c for c in step.chunks if len(c.token_ids) == 1]
-        num_single = len(chunks)
-        chunks += [c for c in step.chunks if c.num_draft_tokens]
-        num_decode_chunks = len(chunks)
-        chunks += [c for c in step.chunks if not c.is_decode]
-        seqs = [SeqSpec(1, c.start_pos, c.block_ids) for c in chunks[:num_single]]
-        for c in chunks[num_single:num_decode_chunks]:
-            seqs += [SeqSpec(1, c.start_pos + j, c.block_ids) for j in range(len(c.token_ids))]
-        num_decodes = len(seqs)
-        if self._graphs is not None and num_decode_chunks == len(chunks):  # pure decode
-            hidden_or_none = graph_forward(self._graphs, self._lora_rows(chunks), chunks, seqs)
-        else:
-            hidden_or_none = None
-        seqs += [
-            SeqSpec(len(c.token_ids), c.start_pos, c.block_ids) for c in chunks[num_decode_chunks:]
-        ]
-        if hidden_or_none is not None:
-            return self._finish_step(step, chunks, hidden_or_none)
-        meta = self.backend.build(seqs, num_decodes, self.block_size)
-        token_ids = torch.tensor(
-            list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
-            dtype=torch.int64,
-            device=self.device,
-        )
-        positions = torch.from_numpy(_positions(chunks, num_single)).to(self.device)
-        if self._lora_targets is not None:
-            slots = [self._requests[c.req_id].adapter_slot for c in chunks]
-            self._lora_step.set_rows(
-                [s for c, s in zip(chunks, slots, strict=True) for _ in c.token_ids], self.device
+        plan = layout(step)
+        hidden = None
+        if self._graphs is not None and plan.pure_decode:
+            hidden = graph_forward(
+                self._graphs, self._lora_rows(plan.chunks), plan.chunks, plan.seqs
             )
-        hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        return self._finish_step(step, chunks, hidden)
+        if hidden is None:
+            meta = self.backend.build(plan.seqs, plan.num_decodes, self.block_size)
+            token_ids, positions = flat_inputs(plan, self.io)
+            if self._lora_targets is not None:
+                slots = [self._requests[c.req_id].adapter_slot for c in plan.chunks]
+                self._lora_step.set_rows(
+                    [s for c, s in zip(plan.chunks, slots, strict=True) for _ in c.token_ids],
+                    self.device,
+                )
+            if self.serving.per_request_state:  # the fallback's per-request caches
+                rows = [(c.req_id, len(c.token_ids), c.start_pos) for c in plan.chunks]
+                self.model.bind_step(rows)  # type: ignore[operator]
+            hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [tokens, hidden]
+        return self._finish_step(step, plan, hidden)
 
     def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether any chunk of the step runs under a LoRA adapter."""
@@ -349,28 +372,32 @@ class ModelRunner:
         return any(self._requests[c.req_id].adapter_slot >= 0 for c in chunks)
 
     def _finish_step(
-        self, step: SchedulerOutput, chunks: list[ScheduledChunk], hidden: torch.Tensor
+        self, step: SchedulerOutput, plan: StepLayout, hidden: torch.Tensor
     ) -> RunnerOutput:
         """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``."""
-        offsets = np.cumsum([0] + [len(c.token_ids) for c in chunks])
-        sample_chunks = [i for i, c in enumerate(chunks) if c.sample]
         sampled: tuple[SampledToken, ...] = ()
-        if sample_chunks:
-            # A speculative chunk samples after every one of its tokens.
-            rows = [
-                row
-                for i in sample_chunks
-                for row in range(
-                    int(offsets[i + 1]) - 1 - chunks[i].num_draft_tokens, int(offsets[i + 1])
-                )
-            ]
-            row_index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, row_index))  # [rows, V]
+        rows, leading = plan.sample_rows()
+        if rows:
+            # A pure decode step samples rows 0..n-1: a view, nothing to upload or gather.
+            if leading:
+                picked = hidden[: len(rows)]
+            else:
+                picked = hidden.index_select(0, self.io.upload(rows, torch.int64))
+            logits = self.model.compute_logits(picked)  # [rows, vocab]
             if self.parallel.is_driver:
-                sampled = self._sample(logits, [chunks[i] for i in sample_chunks], step)
-        prompt_parts = self._prompt_logprob_parts(chunks, offsets)
-        prompt_logprobs = self._prompt_logprobs(hidden, prompt_parts) if prompt_parts else ()
-        return RunnerOutput(step.step_id, sampled, prompt_logprobs)
+                sampled = self._sample(logits, [c for c in plan.chunks if c.sample], step)
+        parts = prompt_logprob_parts(plan.chunks, plan.offsets, self._requests)
+        prompt: tuple[PromptLogprobs, ...] = ()
+        if parts:
+            prompt = prompt_logprobs(
+                self.model.compute_logits,
+                hidden,
+                parts,
+                self.io,
+                self.parallel.is_driver,
+                [self._requests[p[0]].sampling.num_top_tokens for p in parts],
+            )
+        return RunnerOutput(step.step_id, sampled, prompt)
 
     def prepare_adapter(self, ref: AdapterRef) -> None:
         """Read, validate and lay out ``ref``'s adapter for its slot, so that the step that
@@ -416,30 +443,11 @@ class ModelRunner:
         install(prepared, ref.slot, targets, self._lora_step)
         self._slot_ids[ref.slot] = ref.adapter_id
 
-    def _state(self, req_id: str) -> _RequestState:
+    def _state(self, req_id: str) -> RequestState:
         state = self._requests.get(req_id)
         if state is None:
             raise KeyError(f"request {req_id!r} was scheduled but never registered")
         return state
-
-    @staticmethod
-    def _grammar_rows(
-        chunks: list[ScheduledChunk], step: SchedulerOutput | None
-    ) -> tuple[torch.Tensor | None, list[int]]:
-        """The step's grammar bitmask and the logits row of each of its rows (constrained
-        chunks never carry drafts, so each has one row)."""
-        if step is None or step.grammar_bitmask is None:
-            return None, []
-        first_row: dict[str, int] = {}
-        row = 0
-        for c in chunks:
-            first_row[c.req_id] = row
-            row += c.num_draft_tokens + 1
-        bitmask = step.grammar_bitmask
-        if not isinstance(bitmask, torch.Tensor):  # a PendingBitmask, filled during forward
-            bitmask = bitmask.result()  # type: ignore[attr-defined]
-        assert isinstance(bitmask, torch.Tensor)
-        return bitmask, [first_row[r] for r in step.grammar_req_ids]
 
     def _sample(
         self,
@@ -447,201 +455,34 @@ class ModelRunner:
         chunks: list[ScheduledChunk],
         step: SchedulerOutput | None = None,
     ) -> tuple[SampledToken, ...]:
-        """One row of ``logits`` per sampling position: one per chunk, ``num_draft_tokens +
-        1`` for a speculative chunk.  Drafts are accepted while each equals the token sampled
-        at the position before it; the token sampled after the last accepted draft is kept
-        too.  A draft row samples with the output index it would have had in one-token
-        steps, so seeded sampling draws the same tokens with or without speculation."""
+        """One row of ``logits`` per sampling position (``num_draft_tokens + 1`` a chunk);
+        worker/step_outputs.py says which tokens each chunk keeps.  Penalty counts are then
+        advanced from the device's token ids in one scatter."""
         if not chunks:
             return ()
         states = [self._state(c.req_id) for c in chunks]
-        rows = []
-        for c, s in zip(chunks, states, strict=True):
-            if c.num_draft_tokens and s.token_counts is not None:
-                raise ValueError(f"{c.req_id}: draft tokens for a request with penalties")
-            rows += [
-                SamplingRow(
-                    s.sampling,
-                    s.num_output_tokens + j,
-                    s.num_tokens + j,
-                    s.token_counts,
-                    s.output_counts,
-                    c.token_ids[len(c.token_ids) - c.num_draft_tokens - 1 + j],
-                )
-                for j in range(c.num_draft_tokens + 1)
-            ]
-        out = self.sampler(logits, rows, *self._grammar_rows(chunks, step))
-        result: list[SampledToken] = []
-        row = 0
-        for c, state in zip(chunks, states, strict=True):
-            drafts = c.token_ids[len(c.token_ids) - c.num_draft_tokens :]
-            num_accepted = 0
-            while num_accepted < len(drafts) and (
-                out.token_ids[row + num_accepted] == drafts[num_accepted]
-            ):
-                num_accepted += 1
-            for j in range(row, row + num_accepted + 1):
-                token_id = out.token_ids[j]
-                result.append(SampledToken(c.req_id, token_id, out.logprobs[j], out.top_tokens[j]))
-                if state.token_counts is not None:
-                    state.token_counts[token_id] += 1
-                if state.output_counts is not None:
-                    state.output_counts[token_id] += 1
-            state.num_output_tokens += num_accepted + 1
-            state.num_tokens += num_accepted + 1
-            row += c.num_draft_tokens + 1
-        return tuple(result)
-
-    def _prompt_logprob_parts(
-        self, chunks: list[ScheduledChunk], offsets: np.ndarray
-    ) -> list[tuple[str, int, int, int, tuple[int, ...]]]:
-        """For chunks of requests wanting prompt logprobs: ``(req_id, first_pos, first_row,
-        count, target_ids)``; the row at position ``p`` predicts prompt token ``p + 1``."""
-        parts = []
-        for i, c in enumerate(chunks):
-            state = self._requests.get(c.req_id)
-            if state is None or not state.sampling.prompt_logprobs:
-                continue
-            last = min(c.start_pos + len(c.token_ids), state.num_prompt_tokens - 1)
-            count = last - c.start_pos
-            if count <= 0:
-                continue
-            targets = state.prompt_token_ids[c.start_pos + 1 : last + 1]
-            parts.append((c.req_id, c.start_pos + 1, int(offsets[i]), count, targets))
-        return parts
-
-    def _prompt_logprobs(
-        self,
-        hidden: torch.Tensor,
-        parts: list[tuple[str, int, int, int, tuple[int, ...]]],
-    ) -> tuple[PromptLogprobs, ...]:
-        """Logprobs of prompt tokens, computed ``_PROMPT_LOGPROB_ROWS`` rows at a time so that
-        a long prompt chunk never materialises ``[chunk, vocab]`` float32 logits at once.
-        Every rank runs the logits (the LM head gathers across shards); only rank 0 reports."""
-        rows = list(itertools.chain.from_iterable(range(p[2], p[2] + p[3]) for p in parts))
-        targets = list(itertools.chain.from_iterable(p[4] for p in parts))
-        values: list[float] = []
-        for start in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
-            index = torch.tensor(rows[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
-            target = torch.tensor(targets[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, index))  # [rows, vocab]
-            chosen = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
-            values.extend(chosen.tolist())
-        if not self.parallel.is_driver:
-            return ()
-        result = []
-        start = 0
-        for req_id, first_pos, _, count, target_ids in parts:
-            lps = values[start : start + count]
-            start += count
-            result.append(
-                PromptLogprobs(
-                    req_id,
-                    first_pos,
-                    tuple(TokenLogprob(t, lp) for t, lp in zip(target_ids, lps, strict=True)),
-                )
-            )
-        return tuple(result)
+        rows = sampling_rows(chunks, states, self._penalties)
+        out = self.sampler(logits, rows, *grammar_rows(chunks, step))
+        accepted = accept(out, chunks, states, self._penalties)
+        if accepted.penalised_req_ids and out.device_token_ids is not None:
+            ids = out.device_token_ids
+            if len(accepted.penalised_rows) != len(rows):
+                ids = ids.index_select(0, self.io.upload(accepted.penalised_rows, torch.int64))
+            self._penalties.record(accepted.penalised_req_ids, ids)
+        return accepted.sampled
 
     def shutdown(self) -> None:
-        """Release the KV cache and request state.  Idempotent."""
+        """Release the CUDA graphs (and with them their memory pool), the KV cache and the
+        request state.  Idempotent."""
+        if self._graphs is not None:
+            self._graphs.release()
+        self._graphs = None
+        self._graph_plan = None
         self.kv_caches = []
         self._requests.clear()
+        if self.serving.per_request_state:
+            self.model.end_requests()  # type: ignore[operator]
+        self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
         self.backend = None
-
-
-def _positions(chunks: list[ScheduledChunk], num_single: int) -> np.ndarray:
-    """``[num_tokens]`` int64 positions of the flat batch (``chunks[:num_single]`` have one
-    token each)."""
-    parts = [np.fromiter((c.start_pos for c in chunks[:num_single]), np.int64, num_single)]
-    parts += [
-        np.arange(c.start_pos, c.start_pos + len(c.token_ids), dtype=np.int64)
-        for c in chunks[num_single:]
-    ]
-    return np.concatenate(parts)
-
-
-def _quantize(model: DecoderForCausalLM, resolved: ResolvedModel) -> QuantizeSummary:
-    """``--quantize``: the model's matrices in the quantized format (model/quantize_model)."""
-    from genserve.model.quantization import QuantizationError
-
-    method = str(resolved.quantize)
-    tensors = None
-    if method == "gguf":
-        from genserve.model.gguf_weights import read_gguf_quantized
-
-        if resolved.gguf_file is None:
-            raise QuantizationError(
-                "--quantize gguf keeps a GGUF file's quantization, but the model was not "
-                "loaded from a .gguf file (use --quantize int8 or int4 for other checkpoints)"
-            )
-        from genserve.model.conversion import file_digest
-        from genserve.model.quantized_cache import cache_path, load_or_build
-
-        gguf, config = resolved.gguf_file, model.config
-        digest = file_digest(gguf, resolved.local_dir.parent)
-        tensors = load_or_build(
-            cache_path(resolved.local_dir, digest),
-            lambda: read_gguf_quantized(gguf, config.num_heads, config.num_kv_heads),
-        )
-    return quantize_model(model, method, tensors)
-
-
-def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor.  On CPU it comes from calloc (numpy): the OS maps zero pages lazily, so a
-    cache of many GiB costs neither start-up time nor resident memory until blocks are used."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
-    return torch.from_numpy(raw).view(dtype)
-
-
-def _keep_freed_memory() -> None:
-    """Stop glibc from handing freed multi-megabyte blocks back to the OS.
-
-    By default blocks above the mmap threshold are unmapped on free and the heap top is
-    trimmed, so every step page-faults its logits and activations back in: measured 8 ms of
-    a 55 ms batch-32 decode step on the default model (a page fault is expensive in a VM).
-    Process-wide and harmless elsewhere: freed memory is reused by the next step."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl): nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 256 << 20)
-    libc.mallopt(m_trim_threshold, 1 << 30)
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor.  On CPU the kernel hands out zero pages on first touch, so a
-    many-gigabyte cache costs neither start-up time nor resident memory until blocks are
-    used: huge pages where THP is in ``madvise`` mode (decode attention reads each
-    sequence's blocks scattered over the pool, a TLB miss per 4 KiB block with small pages:
-    +15% attention speed at 2K-token contexts, model/huge_pages.py), else ``calloc``
-    (through numpy)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    huge = zeros_on_huge_pages(shape, dtype)
-    if huge is not None:
-        return huge
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
-def _available_ram_bytes() -> int:
-    try:
-        import psutil  # type: ignore[import-untyped]
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:  # psutil comes with accelerate, but /proc is enough on Linux
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("cannot determine available memory") from None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -3,6 +3,7 @@
 
     python -m genserve.worker.runner_bench [--model-id ID] [--dtype bfloat16]
         [--batch 1 32] [--prompt-len 40] [--new-tokens 128] [--hf] [--profile]
+        [--model-impl transformers]
 
 For each batch size: one prefill step of ``batch`` prompts, then ``new-tokens - 1`` decode
 steps of the whole batch; prints decode tokens/s and ms/step.  ``--hf`` runs padded
@@ -132,20 +133,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="decode batch sizes captured as CUDA graphs (0: eager), e.g. 1,32,64",
     )
     parser.add_argument("--quantize", choices=["int8", "int4", "gguf"], default=None)
+    parser.add_argument(
+        "--model-impl",
+        choices=["auto", "transformers"],
+        default="auto",
+        help="transformers: the transformers fallback even for a native architecture",
+    )
     parser.add_argument("--profile-out", type=Path, default=None, help="write the table here")
     parser.add_argument(
         "--disable-cpu-kernels", action="store_true", help="torch ops only (A/B the kernels)"
     )
+    parser.add_argument(
+        "--deterministic", action="store_true", help="batch-invariant kernels (A/B their cost)"
+    )
     args = parser.parse_args(argv)
-    if args.disable_cpu_kernels:
+    if args.disable_cpu_kernels or args.deterministic:
         from genserve.kernels import cpu as cpu_kernels
 
-        cpu_kernels.configure(enabled=False)
+        cpu_kernels.configure(
+            enabled=not args.disable_cpu_kernels, batch_invariant=args.deterministic
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     resolved: ResolvedModel = resolve_model(args.model_id, cache_dir=args.cache_dir)
-    resolved = dataclasses.replace(resolved, quantize=args.quantize)
+    resolved = dataclasses.replace(resolved, quantize=args.quantize, model_impl=args.model_impl)
     device = torch.device(args.device)
     runner = ModelRunner(resolved, dtype, device)
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)

@@ -16,6 +16,16 @@ vocabulary's worth of noise from a per-row generator: that cost 27 ms per step a
 
 Reported logprobs (chosen token and top alternatives) are those of the unmodified model
 distribution, ``log_softmax(logits)``, before penalties and temperature.
+
+Synchronisation (issue #29).  Per-row parameters are built on the host and uploaded through
+:class:`~genserve.worker.device_io.DeviceIO` (pinned, ``non_blocking``); row subsets are
+indexed with uploaded index tensors, never Python lists; decisions that depend on values
+(is a row's top-p mass inside the first candidates? did a draw land on a filtered token?)
+are taken on the device in the *sync-free* mode, which is the mode of any device with real
+transfers (CUDA).  The token ids, their logprobs and the top alternatives leave the device
+packed in one float32 block (token ids are exact in float32 below 2**24), in one copy: the
+step's only device → host transfer and its only wait.  On the CPU the value-dependent fast
+paths (C++ greedy stats, top-p over 64 candidates) stay: there is no device to wait for.
 """
 
 from __future__ import annotations
@@ -28,11 +38,12 @@ import torch
 
 from genserve.kernels import cpu as cpu_kernels
 from genserve.step import SamplingParams, TokenLogprob
+from genserve.worker.device_io import DeviceIO, Readback
 from genserve.worker.logits_processors import apply_logit_controls, min_p_filter
 from genserve.worker.watermark import watermark_rows
 
 if TYPE_CHECKING:
-    from genserve.engine.grammar import BitmaskApplier
+    from genserve.worker.grammar_mask import BitmaskApplier
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,6 +85,13 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_tokens: list[tuple[TokenLogprob, ...]]
+    # The same token ids, still on the device ([num_rows] int64): penalty counts are updated
+    # from them without a round trip through the host.
+    device_token_ids: torch.Tensor | None = None
+
+
+# Token ids travel in the packed float32 readback: exact below 2**24.
+_MAX_PACKED_ID = 1 << 24
 
 
 def _uses_penalty(p: SamplingParams) -> bool:
@@ -81,10 +99,20 @@ def _uses_penalty(p: SamplingParams) -> bool:
 
 
 class Sampler:
-    """Stateless but for the grammar mask's scatter buffer; one instance per runner."""
+    """Logits → tokens; one instance per runner (it keeps the grammar mask's scatter buffer
+    and the pinned readback buffer across steps).
 
-    def __init__(self, device: torch.device) -> None:
+    ``io``: how values reach the device (default: plain tensors on the CPU, pinned
+    asynchronous copies on CUDA).  ``sync_free``: take no value-dependent branch on the host
+    (default: whenever ``io`` makes real transfers)."""
+
+    def __init__(
+        self, device: torch.device, io: DeviceIO | None = None, sync_free: bool | None = None
+    ) -> None:
         self.device = device
+        self.io = io if io is not None else DeviceIO(device)
+        self.sync_free = self.io.transfers if sync_free is None else sync_free
+        self._readback = Readback(self.io)
         self._grammar_mask: BitmaskApplier | None = None  # made on the first constrained step
 
     @torch.inference_mode()
@@ -104,70 +132,103 @@ class Sampler:
         # Without top alternatives only the chosen tokens' log-probabilities are reported:
         # on CPU one C++ pass gives each row's argmax, maximum and log-sum-exp instead of a
         # [num_rows, vocab] log_softmax and argmax (32 float32 streams: 58.5 -> 56.3 ms a step).
-        stats = None if max_top else _greedy_stats(logits)
+        stats = None if max_top or self.sync_free else _greedy_stats(logits)
         # log_softmax is one vectorised pass (logsumexp + subtract measured 3x slower).
         logprobs = torch.log_softmax(logits, dim=-1) if stats is None else None
 
         # logit_bias and min_new_tokens bans come first, as vLLM applies them (a copy if any).
-        scores = apply_logit_controls(logits, params, [r.output_index for r in rows])
+        scores = apply_logit_controls(logits, params, [r.output_index for r in rows], self.io)
         scores = watermark_rows(scores, logits, rows)  # TGI: before the penalties
         penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
         if penalised:
             if scores is logits:
                 scores = logits.clone()
-            scores[penalised] = self._apply_penalties(
-                scores[penalised], [rows[i] for i in penalised]
-            )
+            if len(penalised) == num_rows:
+                scores = self._apply_penalties(scores, rows)
+            else:
+                index = self.io.upload(penalised, torch.int64)
+                part = self._apply_penalties(
+                    scores.index_select(0, index), [rows[i] for i in penalised]
+                )
+                scores.index_copy_(0, index, part)
 
         if grammar_bitmask is not None and grammar_rows:
             if scores is logits:
                 scores = logits.clone()  # logits stay the model's (prompt logprobs read them)
             if self._grammar_mask is None:
-                from genserve.engine.grammar import BitmaskApplier  # only constrained steps
+                from genserve.worker.grammar_mask import BitmaskApplier  # constrained steps
 
                 self._grammar_mask = BitmaskApplier()
             self._grammar_mask(scores, grammar_bitmask, list(grammar_rows))
 
-        # [num_rows]; kept for greedy rows (stats' own tensor: nothing else reads it)
-        token_ids = stats[0] if stats is not None and scores is logits else first_argmax(scores)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            picked = self._sample(scores[sampled], [rows[i] for i in sampled])
-            token_ids[sampled] = picked
+        if len(sampled) == num_rows:  # no argmax to overwrite
+            token_ids = self._sample(scores, rows)
+        else:
+            # [num_rows]; kept for greedy rows (stats' own tensor: nothing else reads it)
+            if stats is not None and scores is logits:
+                token_ids = stats[0]
+            else:
+                token_ids = first_argmax(scores, cpu_trick=not self.sync_free)
+            if sampled:
+                index = self.io.upload(sampled, torch.int64)
+                picked = self._sample(scores.index_select(0, index), [rows[i] for i in sampled])
+                token_ids.index_copy_(0, index, picked)
 
         if stats is not None:  # log_softmax's (x - max) - log(sum(exp(x - max)))
             chosen = (logits.gather(1, token_ids[:, None])[:, 0] - stats[1]) - stats[2]
         else:
             assert logprobs is not None
             chosen = logprobs.gather(1, token_ids[:, None])[:, 0]  # [num_rows]
-        top_tokens: list[tuple[TokenLogprob, ...]] = [()] * num_rows
+        return self._read_back(token_ids, chosen, logprobs, params, max_top)
+
+    def _read_back(
+        self,
+        token_ids: torch.Tensor,
+        chosen: torch.Tensor,
+        logprobs: torch.Tensor | None,
+        params: Sequence[SamplingParams],
+        max_top: int,
+    ) -> SamplerOutput:
+        """Everything the host needs, in one float32 block ``[rows, 2 + 2 * max_top]`` (ids,
+        their logprobs, top ids, top logprobs) and one copy."""
+        parts = [token_ids.to(torch.float32)[:, None], chosen[:, None]]
         if max_top:
             assert logprobs is not None
             top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [num_rows, max_top]
-            top_lp = top_values.tolist()
-            top_id_list = top_ids.tolist()
-            for i, p in enumerate(params):
+            parts += [top_ids.to(torch.float32), top_values]
+        if logprobs is not None and logprobs.shape[-1] > _MAX_PACKED_ID:
+            raise ValueError(f"vocabulary of {logprobs.shape[-1]} ids: too wide to pack")
+        packed = self._readback.fetch(torch.cat(parts, dim=1))
+        host = packed.tolist()
+        ids = [int(row[0]) for row in host]
+        top_tokens: list[tuple[TokenLogprob, ...]] = [()] * len(host)
+        if max_top:
+            for i, (p, row) in enumerate(zip(params, host, strict=True)):
                 n = p.num_top_tokens
                 top_tokens[i] = tuple(
-                    TokenLogprob(t, lp)
-                    for t, lp in zip(top_id_list[i][:n], top_lp[i][:n], strict=True)
+                    TokenLogprob(int(t), lp)
+                    for t, lp in zip(
+                        row[2 : 2 + n], row[2 + max_top : 2 + max_top + n], strict=True
+                    )
                 )
-        return SamplerOutput(token_ids.tolist(), chosen.tolist(), top_tokens)
+        return SamplerOutput(ids, [row[1] for row in host], top_tokens, token_ids)
 
     def _apply_penalties(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         # scores: [n, vocab] (a copy); counts: [n, vocab]
         counts = torch.stack([_counts(r) for r in rows])
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=self.device)[:, None]
+        upload = self.io.upload
+        rep = upload([r.params.repetition_penalty for r in rows], torch.float32)[:, None]
         seen = counts > 0
         # HF/TGI repetition penalty: divide positive logits, multiply negative ones.
         penalised = torch.where(scores < 0, scores * rep, scores / rep)
         scores = torch.where(seen, penalised, scores)
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=self.device)
-        if bool((freq != 0).any()):
-            lengths = torch.tensor([max(r.num_tokens, 1) for r in rows], device=self.device)
+        if any(r.params.frequency_penalty != 0.0 for r in rows):
+            freq = upload([r.params.frequency_penalty for r in rows], torch.float32)
+            lengths = upload([max(r.num_tokens, 1) for r in rows], torch.int64)
             scores = scores - counts / lengths[:, None] * freq[:, None]
-        presence = torch.tensor([r.params.presence_penalty for r in rows], device=self.device)
-        if bool((presence != 0).any()):
+        if any(r.params.presence_penalty != 0.0 for r in rows):
+            presence = upload([r.params.presence_penalty for r in rows], torch.float32)
             # OpenAI/vLLM: subtracted once for each distinct token already generated.
             present = torch.stack(
                 [
@@ -176,27 +237,40 @@ class Sampler:
                 ]
             )
             scores = scores - (present > 0).to(scores.dtype) * presence[:, None]
+        out_freq = [r.params.output_frequency_penalty for r in rows]
+        if any(f != 0.0 for f in out_freq):
+            # OpenAI/vLLM frequency_penalty: penalty x times generated so far (issue #27).
+            generated = torch.stack(
+                [
+                    _output_counts(r) if f != 0.0 else torch.zeros_like(c)
+                    for r, c, f in zip(rows, counts, out_freq, strict=True)
+                ]
+            )
+            scores = scores - generated * upload(out_freq, torch.float32)[:, None]
         return scores
 
     def _sample(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Draw one token per row from the filtered, tempered distribution."""
         params = [r.params for r in rows]
-        temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        upload = self.io.upload
+        temperature = upload([p.temperature for p in params], torch.float32)
         scores = scores / temperature[:, None]  # [n, vocab]
         if any(p.top_k > 0 for p in params):
-            scores = _top_k(scores, [p.top_k for p in params])
+            scores = _top_k(scores, [p.top_k for p in params], self.io)
         if any(p.top_p < 1.0 for p in params):
-            scores = _top_p(scores, [p.top_p for p in params])
+            top_p = [p.top_p for p in params]
+            if self.sync_free:
+                scores = _top_p_sync_free(scores, upload(top_p, torch.float32))
+            else:
+                scores = _top_p(scores, top_p)
         if any(p.min_p > 0.0 for p in params):  # transformers' order: after top-p
-            scores = min_p_filter(scores, [p.min_p for p in params])
+            scores = min_p_filter(scores, upload([p.min_p for p in params], scores.dtype))
         if any(p.typical_p < 1.0 for p in params):
-            scores = _typical_p(scores, [p.typical_p for p in params])
+            scores = _typical_p(scores, upload([p.typical_p for p in params], torch.float32))
         probs = torch.softmax(scores, dim=-1)  # [n, vocab]
         cumulative = probs.cumsum(dim=-1)
-        uniform = torch.tensor(
-            [row_uniform(r.params.seed, r.output_index) for r in rows],
-            dtype=cumulative.dtype,
-            device=self.device,
+        uniform = upload(
+            [row_uniform(r.params.seed, r.output_index) for r in rows], cumulative.dtype
         )
         # Scaled by the row's own total, so rounding in the float32 sum biases nothing.
         target = (uniform * cumulative[:, -1])[:, None]
@@ -205,6 +279,10 @@ class Sampler:
         # Filtered tokens add nothing to the sum, so the search never stops on one, except
         # when rounding puts the target at the very end: then take the last allowed token.
         stray = probs.gather(1, picked)[:, 0] == 0
+        if self.sync_free:  # the same choice for every row, decided on the device
+            ids = torch.arange(vocab, device=probs.device)
+            last_allowed = torch.where(probs > 0, ids, -1).amax(dim=-1)  # [n]
+            return torch.where(stray, last_allowed, picked[:, 0])
         if bool(stray.any()):
             for i in stray.nonzero()[:, 0].tolist():
                 picked[i, 0] = int((probs[i] > 0).nonzero()[-1, 0])
@@ -228,14 +306,17 @@ def _greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return argmax, peak, log_total
 
 
-def first_argmax(x: torch.Tensor) -> torch.Tensor:
+def first_argmax(x: torch.Tensor, cpu_trick: bool = True) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for ``[rows, vocab]`` (first index on ties), faster.
 
     PyTorch's CPU argmax is not vectorised (1 ms for 32 x 49152); the vectorised ``amax``
     over chunks finds each row's first chunk holding the maximum, and argmax then runs only
-    inside that chunk.  Falls back to argmax when the vocabulary does not split evenly."""
+    inside that chunk.  Falls back to argmax when the vocabulary does not split evenly, and
+    off the CPU (or without ``cpu_trick``: the sync-free path mirrors CUDA's ops), where
+    argmax is one kernel and the trick would cost seven."""
     rows, vocab = x.shape
-    if vocab % _ARGMAX_CHUNK or vocab < 4 * _ARGMAX_CHUNK:
+    trick = cpu_trick and x.device.type == "cpu"
+    if not trick or vocab % _ARGMAX_CHUNK or vocab < 4 * _ARGMAX_CHUNK:
         return x.argmax(dim=-1)
     chunks = x.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
     best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [rows]
@@ -251,19 +332,20 @@ def _counts(row: SamplingRow) -> torch.Tensor:
 
 def _output_counts(row: SamplingRow) -> torch.Tensor:
     if row.output_counts is None:
-        raise ValueError("a row with a presence penalty needs output_counts")
+        raise ValueError("a row with an output penalty needs output_counts")
     return row.output_counts
 
 
-def _top_k(scores: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+def _top_k(scores: torch.Tensor, top_k: list[int], io: DeviceIO | None = None) -> torch.Tensor:
     """Keep scores >= the k-th largest of their row (ties kept); ``k == 0`` keeps all."""
+    io = io if io is not None else DeviceIO(scores.device)
     vocab = scores.shape[-1]
     ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
     kth = scores.topk(max(ks), dim=-1).values  # [n, max_k], descending
-    index = torch.tensor([k - 1 for k in ks], device=scores.device)[:, None]
+    index = io.upload([k - 1 for k in ks], torch.int64)[:, None]
     threshold = kth.gather(1, index)
     # Rows with k == 0 (or k >= vocab) would otherwise cut at the max_k-th value.
-    disabled = torch.tensor([k == 0 for k in top_k], device=scores.device)[:, None]
+    disabled = io.upload([k == 0 for k in top_k], torch.bool)[:, None]
     threshold = threshold.masked_fill(disabled, float("-inf"))
     return scores.masked_fill(scores < threshold, float("-inf"))
 
@@ -285,40 +367,77 @@ def _top_p(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     for k in _TOP_P_CANDIDATES:
         if k >= vocab:
             break
-        top_probs, top_ids = probs.topk(k, dim=-1)  # descending
-        if not bool(((top_probs.sum(dim=-1) >= p) | (p >= 1.0)).all()):
+        enough, filtered = _top_p_candidates(scores, probs, p, k)
+        if not bool(enough):
             continue
-        before = top_probs.cumsum(dim=-1) - top_probs  # mass of the more likely tokens
-        keep = before < p[:, None]
-        keep[:, 0] = True
-        remove = torch.ones_like(scores, dtype=torch.bool).scatter_(1, top_ids, ~keep)
-        remove.masked_fill_((p >= 1.0)[:, None], False)
-        return scores.masked_fill(remove, float("-inf"))
-    return _top_p_sorted(scores, top_p)
+        return filtered
+    return _top_p_sorted(scores, p)
 
 
-def _top_p_sorted(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """:func:`_top_p` over the whole sorted vocabulary (HF's algorithm)."""
+def _top_p_sync_free(scores: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """:func:`_top_p` without reading anything back: every candidate count and the full
+    sort are computed, and the same one :func:`_top_p` would take is selected on the device
+    (so the two agree bit for bit).  On a GPU the sort is cheap next to a sync."""
+    vocab = scores.shape[-1]
+    probs = scores.softmax(dim=-1)
+    result = _top_p_sorted(scores, p)
+    for k in reversed(_TOP_P_CANDIDATES):
+        if k >= vocab:
+            continue
+        enough, filtered = _top_p_candidates(scores, probs, p, k)
+        result = torch.where(enough, filtered, result)
+    return result
+
+
+def _top_p_candidates(
+    scores: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p among each row's ``k`` most likely tokens: ``(enough, filtered)``, ``enough``
+    a 0-dim device bool saying whether those hold ``p`` of every row's mass (only then is
+    ``filtered`` the nucleus)."""
+    top_probs, top_ids = probs.topk(k, dim=-1)  # descending
+    enough = ((top_probs.sum(dim=-1) >= p) | (p >= 1.0)).all()
+    before = top_probs.cumsum(dim=-1) - top_probs  # mass of the more likely tokens
+    keep = before < p[:, None]
+    keep[:, 0] = True
+    remove = torch.ones_like(scores, dtype=torch.bool).scatter_(1, top_ids, ~keep)
+    remove.masked_fill_((p >= 1.0)[:, None], False)
+    return enough, scores.masked_fill(remove, float("-inf"))
+
+
+def _top_p_sorted(scores: torch.Tensor, top_p: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    """:func:`_top_p` over the whole sorted vocabulary (HF's algorithm); ``top_p``:
+    float32 ``[n]`` on the scores' device.  No value-dependent branch (the sync-free path)."""
+    top_p = _row_values(top_p, scores.device)
     sorted_scores, order = scores.sort(dim=-1)  # ascending
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    cut = 1.0 - torch.tensor(top_p, device=scores.device)[:, None]
+    cut = 1.0 - top_p[:, None]
     remove = cumulative <= cut
     remove[:, -1] = False  # always keep the most likely token
     remove.masked_fill_(cut <= 0, False)  # rows with top_p == 1
     return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
 
 
-def _typical_p(scores: torch.Tensor, mass: list[float]) -> torch.Tensor:
-    """Locally typical sampling (Meister et al.), as HF's TypicalLogitsWarper."""
+def _typical_p(scores: torch.Tensor, mass: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.), as HF's TypicalLogitsWarper; ``mass``:
+    float32 ``[n]`` on the scores' device."""
+    mass = _row_values(mass, scores.device)
     log_probs = scores.log_softmax(dim=-1)
     probs = log_probs.exp()
     entropy = -(log_probs * probs).nansum(dim=-1, keepdim=True)
     shifted = (-log_probs - entropy).abs()
     sorted_shifted, order = shifted.sort(dim=-1)
     cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
-    mass_t = torch.tensor(mass, device=scores.device)[:, None]
+    mass_t = mass[:, None]  # [n, 1] float32
     last = (cumulative < mass_t).sum(dim=1).clamp(max=scores.shape[-1] - 1)
     remove = sorted_shifted > sorted_shifted.gather(1, last[:, None])
     remove[:, 0] = False  # always keep the most typical token
     remove.masked_fill_(mass_t >= 1.0, False)
     return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+
+
+def _row_values(values: torch.Tensor | Sequence[float], device: torch.device) -> torch.Tensor:
+    """Per-row float32 parameters as a tensor (callers on the sync-free path upload them)."""
+    if isinstance(values, torch.Tensor):
+        return values
+    return torch.tensor(list(values), dtype=torch.float32, device=device)

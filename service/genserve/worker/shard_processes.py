@@ -46,6 +46,8 @@ class WorkerSpec:
     trust_remote_code: bool = False
     kernel_cache_dir: str | None = None  # genserve.kernels.cpu's build cache (None: default)
     cpu_kernels: bool = True
+    cpu_int_dot: str = "off"  # issue #28 --cpu-int-dot (auto | on | off)
+    deterministic: bool = False  # --deterministic: batch-invariant kernels
     rope_scaling: str | None = None  # issue #15 --rope-scaling / --rope-factor
     rope_factor: float | None = None
     quantize: str | None = None  # issue #14 --quantize (its canonical name)
@@ -85,6 +87,9 @@ class WorkerSpec:
             args.append(f"--kernel-cache-dir={self.kernel_cache_dir}")
         if not self.cpu_kernels:
             args.append("--disable-cpu-kernels")
+        args.append(f"--cpu-int-dot={self.cpu_int_dot}")
+        if self.deterministic:
+            args.append("--deterministic")
         return args
 
 

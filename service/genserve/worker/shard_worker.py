@@ -40,6 +40,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--kernel-cache-dir", default=None)
     p.add_argument("--disable-cpu-kernels", action="store_true")
+    p.add_argument("--cpu-int-dot", choices=("auto", "on", "off"), default="off")
+    p.add_argument("--deterministic", action="store_true")
     p.add_argument("--rope-scaling", choices=("linear", "dynamic"), default=None)
     p.add_argument("--rope-factor", type=float, default=None)
     p.add_argument("--quantize", choices=("int8", "int4", "gguf"), default=None)
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from genserve.kernels import cpu as cpu_kernels
+    from genserve.kernels import int_dot
     from genserve.logging import configure_logging
     from genserve.model.loader import ResolvedModel
     from genserve.worker.model_runner import ModelRunner
@@ -105,7 +108,10 @@ def run(args: argparse.Namespace) -> None:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     cache_dir = Path(args.kernel_cache_dir) if args.kernel_cache_dir is not None else None
-    cpu_kernels.configure(cache_dir, enabled=not args.disable_cpu_kernels)
+    cpu_kernels.configure(
+        cache_dir, enabled=not args.disable_cpu_kernels, batch_invariant=args.deterministic
+    )
+    int_dot.configure(args.cpu_int_dot)  # every rank multiplies as rank 0 does
     device = rank_device(args.rank, torch.cuda.is_available())
     group = init_shard_group(args.rank, args.world_size, args.master_addr, args.master_port, device)
     runner = ModelRunner(

@@ -185,6 +185,8 @@ class ShardSettings:
     trust_remote_code: bool
     kernel_cache_dir: Path  # where the CPU kernels are built (shared by the ranks)
     cpu_kernels: bool  # False: --disable-cpu-kernels
+    deterministic: bool = False  # --deterministic: batch-invariant kernels on every rank
+    cpu_int_dot: str = "off"  # --cpu-int-dot: every rank multiplies as rank 0 does
 
 
 def launch_sharded_runner(
@@ -217,6 +219,8 @@ def launch_sharded_runner(
         trust_remote_code=settings.trust_remote_code,
         kernel_cache_dir=str(settings.kernel_cache_dir),
         cpu_kernels=settings.cpu_kernels,
+        deterministic=settings.deterministic,
+        cpu_int_dot=settings.cpu_int_dot,
         rope_scaling=model.rope_scaling,
         rope_factor=model.rope_factor,
         quantize=model.quantize,

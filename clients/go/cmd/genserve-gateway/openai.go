@@ -80,8 +80,9 @@ func (s *samplingFields) params() (*genservev1.GenerateParameters, error) {
 		MaxNewTokens:      s.MaxTokens,
 		Stop:              s.Stop,
 		PresencePenalty:   s.PresencePenalty,
-		FrequencyPenalty:  s.FrequencyPenalty,
 		RepetitionPenalty: s.RepetitionPenalty,
+		// OpenAI's frequency_penalty (penalty x count over the output), not TGI's.
+		OutputFrequencyPenalty: s.FrequencyPenalty,
 	}
 	if s.MaxTokens != nil && *s.MaxTokens == 0 {
 		return nil, invalidArg("max_tokens", "max_tokens must be at least 1")
@@ -165,8 +166,11 @@ func newUsage(prompt, completion, cached uint32) *openAIUsage {
 
 // openAIFinishReason: OpenAI says "stop" for both an end-of-sequence token and a stop string.
 func openAIFinishReason(r genservev1.FinishReason) string {
-	if r == genservev1.FinishReason_FINISH_REASON_LENGTH {
+	switch r {
+	case genservev1.FinishReason_FINISH_REASON_LENGTH:
 		return "length"
+	case genservev1.FinishReason_FINISH_REASON_TOOL_CALLS:
+		return "tool_calls"
 	}
 	return "stop"
 }

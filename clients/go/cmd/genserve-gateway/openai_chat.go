@@ -54,14 +54,6 @@ func (m *chatMessageIn) text() (string, error) {
 
 func quote(s string) string { b, _ := json.Marshal(s); return string(b) }
 
-type responseFormatIn struct {
-	Type       string `json:"type"`
-	JSONSchema *struct {
-		Name   string          `json:"name"`
-		Schema json.RawMessage `json:"schema"`
-	} `json:"json_schema"`
-}
-
 type chatRequest struct {
 	samplingFields
 	Messages             []chatMessageIn   `json:"messages"`
@@ -69,8 +61,9 @@ type chatRequest struct {
 	Logprobs             bool              `json:"logprobs"`
 	TopLogprobs          *uint32           `json:"top_logprobs"`
 	ResponseFormat       *responseFormatIn `json:"response_format"`
-	Tools                json.RawMessage   `json:"tools"`
+	Tools                []toolIn          `json:"tools"`
 	ToolChoice           json.RawMessage   `json:"tool_choice"`
+	ParallelToolCalls    *bool             `json:"parallel_tool_calls"`
 	AddGenerationPrompt  *bool             `json:"add_generation_prompt"`
 	ContinueFinalMessage bool              `json:"continue_final_message"`
 }
@@ -79,10 +72,6 @@ type chatRequest struct {
 func (r *chatRequest) toProto() (*genservev1.ChatRequest, error) {
 	if len(r.Messages) == 0 {
 		return nil, invalidArg("messages", "messages must hold at least one message")
-	}
-	if tools := bytes.TrimSpace(r.Tools); len(tools) > 0 && string(tools) != "null" && string(tools) != "[]" &&
-		strings.Trim(string(bytes.TrimSpace(r.ToolChoice)), `"`) != "none" {
-		return nil, invalidArg("tools", "tool calling is not supported by this server")
 	}
 	if r.MaxTokens == nil {
 		r.MaxTokens = r.MaxCompletionTokens
@@ -102,26 +91,33 @@ func (r *chatRequest) toProto() (*genservev1.ChatRequest, error) {
 		Model:                r.Model,
 		AddGenerationPrompt:  r.AddGenerationPrompt,
 		ContinueFinalMessage: r.ContinueFinalMessage,
+		ParallelToolCalls:    r.ParallelToolCalls,
+	}
+	if out.Tools, err = toolsToProto(r.Tools); err != nil {
+		return nil, err
+	}
+	if out.ToolChoice, err = parseToolChoice(r.ToolChoice); err != nil {
+		return nil, err
 	}
 	if r.N != nil {
 		out.N = &n
 	}
 	for i := range r.Messages {
 		m := &r.Messages[i]
-		if calls := bytes.TrimSpace(m.ToolCalls); len(calls) > 0 && string(calls) != "null" && string(calls) != "[]" {
-			return nil, invalidArg("messages", "messages with tool_calls are not supported by this server")
+		calls, err := toolCallsToProto(m.ToolCalls)
+		if err != nil {
+			return nil, err
 		}
 		text, err := m.text()
 		if err != nil {
 			return nil, err
 		}
 		out.Messages = append(out.Messages, &genservev1.ChatMessage{
-			Role: m.Role, Content: text, Name: m.Name, ToolCallId: m.ToolCallID})
+			Role: m.Role, Content: text, Name: m.Name, ToolCallId: m.ToolCallID, ToolCalls: calls})
 	}
-	if f := r.ResponseFormat; f != nil && f.Type != "" {
-		out.ResponseFormat = &genservev1.ResponseFormat{Type: f.Type}
-		if f.JSONSchema != nil && len(f.JSONSchema.Schema) > 0 {
-			out.ResponseFormat.JsonSchema = string(f.JSONSchema.Schema)
+	if f := r.ResponseFormat; f != nil {
+		if err := f.apply(out); err != nil {
+			return nil, err
 		}
 	}
 	return out, nil
@@ -132,6 +128,7 @@ func streamRequest(r *genservev1.ChatRequest) *genservev1.ChatStreamRequest {
 		Messages: r.Messages, Parameters: r.Parameters, N: r.N, Logprobs: r.Logprobs,
 		TopLogprobs: r.TopLogprobs, ResponseFormat: r.ResponseFormat, Model: r.Model,
 		AddGenerationPrompt: r.AddGenerationPrompt, ContinueFinalMessage: r.ContinueFinalMessage,
+		Tools: r.Tools, ToolChoice: r.ToolChoice, ParallelToolCalls: r.ParallelToolCalls,
 	}
 }
 
@@ -171,9 +168,31 @@ func toTokenLogprob(t *genservev1.Token, top []*genservev1.Token) tokenLogprob {
 	return out
 }
 
+// assistantMessage: content is null when the reply is only tool calls (as OpenAI sends);
+// reasoning_content (vLLM, SGLang) and reasoning (newer vLLM) carry --reasoning-parser's part.
 type assistantMessage struct {
-	Role    string `json:"role"`
-	Content string `json:"content"`
+	Role             string        `json:"role"`
+	Content          *string       `json:"content"`
+	ReasoningContent *string       `json:"reasoning_content,omitempty"`
+	Reasoning        *string       `json:"reasoning,omitempty"`
+	ToolCalls        []toolCallOut `json:"tool_calls,omitempty"`
+}
+
+func toAssistantMessage(m *genservev1.ChatMessage) assistantMessage {
+	content := m.GetContent()
+	out := assistantMessage{Role: "assistant", Content: &content}
+	if len(m.GetToolCalls()) > 0 {
+		if content == "" {
+			out.Content = nil
+		}
+		for _, c := range m.GetToolCalls() {
+			out.ToolCalls = append(out.ToolCalls, toToolCallOut(c))
+		}
+	}
+	if r := m.GetReasoningContent(); r != "" {
+		out.ReasoningContent, out.Reasoning = &r, &r
+	}
+	return out
 }
 
 type chatChoice struct {
@@ -195,10 +214,11 @@ type chatCompletion struct {
 
 func toChatCompletion(resp *genservev1.ChatResponse, logprobs bool) chatCompletion {
 	out := chatCompletion{ID: resp.GetId(), Object: "chat.completion", Created: resp.GetCreated(),
-		Model: resp.GetModel(), Choices: make([]chatChoice, 0, len(resp.GetChoices()))}
+		Model: resp.GetModel(), Choices: make([]chatChoice, 0, len(resp.GetChoices())),
+		SystemFingerprint: fingerprint(resp.GetSystemFingerprint())}
 	for _, c := range resp.GetChoices() {
 		choice := chatChoice{Index: c.GetIndex(),
-			Message:      assistantMessage{Role: "assistant", Content: c.GetMessage().GetContent()},
+			Message:      toAssistantMessage(c.GetMessage()),
 			FinishReason: openAIFinishReason(c.GetFinishReason())}
 		if logprobs {
 			choice.Logprobs = &choiceLogprobs{Content: make([]tokenLogprob, 0, len(c.GetLogprobs()))}
@@ -214,8 +234,11 @@ func toChatCompletion(resp *genservev1.ChatResponse, logprobs bool) chatCompleti
 }
 
 type chatDelta struct {
-	Role    string  `json:"role,omitempty"`
-	Content *string `json:"content,omitempty"`
+	Role             string             `json:"role,omitempty"`
+	Content          *string            `json:"content,omitempty"`
+	ReasoningContent *string            `json:"reasoning_content,omitempty"`
+	Reasoning        *string            `json:"reasoning,omitempty"`
+	ToolCalls        []toolCallDeltaOut `json:"tool_calls,omitempty"`
 }
 
 type chunkChoice struct {
@@ -253,6 +276,10 @@ func (c *chatChunker) chunk(msg *genservev1.ChatStreamResponse) *chatChunk {
 	if delta != "" || choice.Delta.Role != "" {
 		choice.Delta.Content = &delta
 	}
+	if r := msg.GetReasoningDelta(); r != "" {
+		choice.Delta.ReasoningContent, choice.Delta.Reasoning = &r, &r
+	}
+	choice.Delta.ToolCalls = toToolCallDeltas(msg.GetToolCalls())
 	if c.logprobs && msg.GetToken() != nil {
 		choice.Logprobs = &choiceLogprobs{Content: []tokenLogprob{toTokenLogprob(msg.GetToken(), msg.GetTopLogprobs())}}
 	}
@@ -260,7 +287,8 @@ func (c *chatChunker) chunk(msg *genservev1.ChatStreamResponse) *chatChunk {
 		reason := openAIFinishReason(msg.GetFinishReason())
 		choice.FinishReason = &reason
 	}
-	if choice.Delta.Content == nil && choice.Logprobs == nil && choice.FinishReason == nil {
+	if choice.Delta.Content == nil && choice.Delta.ReasoningContent == nil && choice.Delta.ToolCalls == nil &&
+		choice.Logprobs == nil && choice.FinishReason == nil {
 		return nil
 	}
 	out := c.frame(msg)
@@ -269,7 +297,8 @@ func (c *chatChunker) chunk(msg *genservev1.ChatStreamResponse) *chatChunk {
 }
 
 func (c *chatChunker) frame(msg *genservev1.ChatStreamResponse) *chatChunk {
-	out := &chatChunk{ID: msg.GetId(), Object: "chat.completion.chunk", Created: msg.GetCreated(), Model: msg.GetModel()}
+	out := &chatChunk{ID: msg.GetId(), Object: "chat.completion.chunk", Created: msg.GetCreated(), Model: msg.GetModel(),
+		SystemFingerprint: fingerprint(msg.GetSystemFingerprint())}
 	if c.includeUsage {
 		out.Usage = json.RawMessage("null")
 	}

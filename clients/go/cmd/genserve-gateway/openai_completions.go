@@ -58,14 +58,16 @@ type completionPlan struct {
 
 	// Token-id prompts (then prompts holds one empty string per prompt); nil for text.
 	promptIDs [][]uint32
+	// scoreOnly: max_tokens 0 with echo (how lm-eval scores): the prompt's logprobs only; one
+	// token is generated (the server always generates one) and left out of the answer.
+	scoreOnly bool
+	// suffix: fill in the middle (the server refuses it for models without FIM tokens).
+	suffix *string
 }
 
 func (r *completionRequest) plan() (*completionPlan, error) {
 	if r.BestOf != nil && *r.BestOf > 1 {
 		return nil, invalidArg("best_of", "best_of > 1 is not supported by this server's /v1/completions; use n")
-	}
-	if r.Suffix != nil && *r.Suffix != "" {
-		return nil, invalidArg("suffix", "suffix is not supported by this server")
 	}
 	promptIDs, isIDs, err := tokenPrompts(r.Prompt)
 	if err != nil {
@@ -73,12 +75,23 @@ func (r *completionRequest) plan() (*completionPlan, error) {
 	}
 	var prompts []string
 	if isIDs {
-		if r.Echo {
-			return nil, invalidArg("echo", "echo is not supported with a token-id prompt")
+		if r.Echo && r.Stream {
+			return nil, invalidArg("echo", "echo with a token-id prompt is not available when streaming")
 		}
-		prompts = make([]string, len(promptIDs))
+		prompts = make([]string, len(promptIDs)) // filled from the server's prompt_text
 	} else if prompts, err = r.prompts(); err != nil {
 		return nil, err
+	}
+	scoreOnly := r.MaxTokens != nil && *r.MaxTokens == 0
+	if scoreOnly {
+		if !r.Echo {
+			return nil, invalidArg("max_tokens", "max_tokens 0 is only meaningful with echo (scoring the prompt)")
+		}
+		if r.Stream {
+			return nil, invalidArg("max_tokens", "max_tokens 0 with echo is not available when streaming")
+		}
+		one := uint32(1)
+		r.MaxTokens = &one
 	}
 	n, err := r.choices()
 	if err != nil {
@@ -100,7 +113,15 @@ func (r *completionRequest) plan() (*completionPlan, error) {
 		}
 		params.DecoderInputDetails = r.Echo
 	}
-	return &completionPlan{prompts: prompts, promptIDs: promptIDs, n: n, params: params}, nil
+	if r.Echo && isIDs {
+		params.DecoderInputDetails = true // the server's prompt_text is the echoed text
+	}
+	var suffix *string
+	if r.Suffix != nil && *r.Suffix != "" {
+		suffix = r.Suffix
+	}
+	return &completionPlan{prompts: prompts, promptIDs: promptIDs, n: n, params: params,
+		scoreOnly: scoreOnly, suffix: suffix}, nil
 }
 
 // paramsFor is the parameters of choice j: with a seed, choice j samples with seed+j, so the
@@ -170,11 +191,17 @@ type completionChunk struct {
 }
 
 // toCompletionChoice builds choice index from a finished generation of prompt.
-func toCompletionChoice(index uint32, prompt string, res *genservev1.GenerateResult, echo, logprobs bool) completionChoice {
+func toCompletionChoice(index uint32, prompt string, res *genservev1.GenerateResult, echo, logprobs, scoreOnly bool) completionChoice {
 	d := res.GetDetails()
 	reason := openAIFinishReason(d.GetFinishReason())
 	text := res.GetGeneratedText()
+	if scoreOnly {
+		text, reason = "", "length"
+	}
 	if echo {
+		if prompt == "" {
+			prompt = res.GetPromptText() // a token-id prompt, decoded by the server
+		}
 		text = prompt + text
 	}
 	choice := completionChoice{Index: index, Text: text, FinishReason: &reason}
@@ -182,13 +209,22 @@ func toCompletionChoice(index uint32, prompt string, res *genservev1.GenerateRes
 		lp := &completionLogprobs{}
 		offset := 0
 		if echo {
-			for _, t := range d.GetPrefill() {
-				lp.add(offset, t, nil, false)
+			// The prompt's alternatives too (lm-eval reads them to tell greedy answers).
+			prefillTops := d.GetPrefillTopTokens()
+			for i, t := range d.GetPrefill() {
+				var top []*genservev1.Token
+				if i < len(prefillTops) {
+					top = prefillTops[i].GetTokens()
+				}
+				lp.add(offset, t, top, len(top) > 0)
 				offset += len(t.GetText())
 			}
 		}
 		tops := d.GetTopTokens()
 		for i, t := range d.GetTokens() {
+			if scoreOnly {
+				break
+			}
 			var top []*genservev1.Token
 			if i < len(tops) {
 				top = tops[i].GetTokens()
@@ -240,26 +276,45 @@ func (h openAIHandlers) completions(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, resp)
 }
 
-// unaryCompletions makes one Generate call per choice number j (all prompts batched), in
-// parallel; choice i*n+j is prompt i's j-th completion.
+// unaryCompletions makes, per choice number j, Generate calls of at most the server's
+// max_client_batch_size prompts each (so a client may send as many prompts as the
+// server runs at once, as lm-eval's batch_size does), all in parallel; choice i*n+j is
+// prompt i's j-th completion.
 func (h openAIHandlers) unaryCompletions(ctx context.Context, req *completionRequest, plan *completionPlan) (*completionResponse, error) {
+	batch := len(plan.prompts)
+	if info, err := h.b.serverInfo(ctx); err == nil && info.GetMaxClientBatchSize() > 0 {
+		batch = int(info.GetMaxClientBatchSize())
+	}
 	results := make([][]*genservev1.GenerateResult, plan.n)
-	errs := make([]error, plan.n)
+	var errs []error
+	var mu sync.Mutex
 	var wg sync.WaitGroup
+	ids := plan.tokenIDs()
 	for j := range plan.n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			req := &genservev1.GenerateRequest{Inputs: plan.prompts, Parameters: plan.paramsFor(j)}
-			if ids := plan.tokenIDs(); ids != nil {
-				req.Inputs, req.InputIds = nil, ids
-			}
-			resp, err := h.b.svc.Generate(ctx, req)
-			if err == nil && len(resp.GetResults()) != len(plan.prompts) {
-				err = errors.New("the server answered with a wrong number of results")
-			}
-			results[j], errs[j] = resp.GetResults(), err
-		}()
+		results[j] = make([]*genservev1.GenerateResult, len(plan.prompts))
+		for start := 0; start < len(plan.prompts); start += batch {
+			end := min(start+batch, len(plan.prompts))
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				req := &genservev1.GenerateRequest{Inputs: plan.prompts[start:end], Parameters: plan.paramsFor(j),
+					Suffix: plan.suffix}
+				if ids != nil {
+					req.Inputs, req.InputIds = nil, ids[start:end]
+				}
+				resp, err := h.b.svc.Generate(ctx, req)
+				if err == nil && len(resp.GetResults()) != end-start {
+					err = errors.New("the server answered with a wrong number of results")
+				}
+				mu.Lock()
+				defer mu.Unlock()
+				if err != nil {
+					errs = append(errs, err)
+					return
+				}
+				copy(results[j][start:end], resp.GetResults())
+			}()
+		}
 	}
 	wg.Wait()
 	if err := firstError(errs); err != nil {
@@ -270,8 +325,10 @@ func (h openAIHandlers) unaryCompletions(ctx context.Context, req *completionReq
 	for i, p := range plan.prompts {
 		for j := range plan.n {
 			res := results[j][i]
-			out.Choices = append(out.Choices, toCompletionChoice(uint32(i)*plan.n+j, p, res, req.Echo, req.Logprobs != nil))
-			completion += res.GetDetails().GetGeneratedTokens()
+			out.Choices = append(out.Choices, toCompletionChoice(uint32(i)*plan.n+j, p, res, req.Echo, req.Logprobs != nil, plan.scoreOnly))
+			if !plan.scoreOnly {
+				completion += res.GetDetails().GetGeneratedTokens()
+			}
 		}
 		// A prompt is counted once, however many choices it has (as vLLM counts).
 		prompt += results[0][i].GetDetails().GetInputLength()
@@ -348,7 +405,7 @@ func (h openAIHandlers) streamCompletions(ctx context.Context, w http.ResponseWr
 	for i, p := range plan.prompts {
 		for j := range plan.n {
 			choice := uint32(i)*plan.n + j
-			req := &genservev1.GenerateStreamRequest{Inputs: p, Parameters: plan.paramsFor(j)}
+			req := &genservev1.GenerateStreamRequest{Inputs: p, Parameters: plan.paramsFor(j), Suffix: plan.suffix}
 			if plan.promptIDs != nil {
 				req.Inputs, req.InputIds = "", plan.promptIDs[i]
 			}

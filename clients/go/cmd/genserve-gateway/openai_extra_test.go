@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"google.golang.org/protobuf/proto"
 	"reflect"
 	"testing"
 )
@@ -55,9 +56,23 @@ func TestCompletionTokenPrompts(t *testing.T) {
 			t.Errorf("accepted %s", bad)
 		}
 	}
+	// lm-eval scores token-id prompts with echo (the server sends the prompt's text back)
+	// and max_tokens 0; only a streamed echo of token ids is refused.
 	r := completionRequest{Prompt: json.RawMessage(`[1,2]`), Echo: true}
+	r.MaxTokens = proto.Uint32(0)
+	if plan, err := r.plan(); err != nil || !plan.scoreOnly || !plan.params.GetDecoderInputDetails() ||
+		plan.params.GetMaxNewTokens() != 1 {
+		t.Errorf("echo with token ids and max_tokens 0: %v %v", plan, err)
+	}
+	r = completionRequest{Prompt: json.RawMessage(`[1,2]`), Echo: true}
+	r.Stream = true
 	if _, err := r.plan(); err == nil {
-		t.Error("echo with a token-id prompt must be refused")
+		t.Error("a streamed echo of a token-id prompt must be refused")
+	}
+	r = completionRequest{Prompt: json.RawMessage(`"x"`)}
+	r.MaxTokens = proto.Uint32(0)
+	if _, err := r.plan(); err == nil {
+		t.Error("max_tokens 0 without echo must be refused")
 	}
 	if plan, err := (&completionRequest{Prompt: json.RawMessage(`"text"`)}).plan(); err != nil || plan.promptIDs != nil {
 		t.Errorf("text prompt: %v %v", plan, err)

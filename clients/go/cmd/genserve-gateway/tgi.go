@@ -39,6 +39,7 @@ type tgiRequest struct {
 func tgiParameters(raw json.RawMessage) (*genservev1.GenerateParameters, error) {
 	params := &genservev1.GenerateParameters{}
 	if len(bytes.TrimSpace(raw)) == 0 || string(bytes.TrimSpace(raw)) == "null" {
+		params.IncludeStopStrInOutput = true // TGI keeps the stop sequence (see below)
 		return params, nil
 	}
 	var fields map[string]json.RawMessage
@@ -60,6 +61,10 @@ func tgiParameters(raw json.RawMessage) (*genservev1.GenerateParameters, error) 
 	}
 	if grammar != nil {
 		params.Grammar = grammar
+	}
+	// TGI keeps the stop sequence that ended generation in generated_text (issue #27).
+	if _, set := fields["include_stop_str_in_output"]; !set {
+		params.IncludeStopStrInOutput = true
 	}
 	return params, nil
 }

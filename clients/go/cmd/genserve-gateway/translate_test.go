@@ -31,7 +31,9 @@ func TestTGIParametersDropNullsAndRefuseUnknown(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := &genservev1.GenerateParameters{MaxNewTokens: proto.Uint32(5), Stop: []string{"x"}, Details: true}
+	// TGI keeps the stop sequence in generated_text: include_stop_str_in_output by default.
+	want := &genservev1.GenerateParameters{MaxNewTokens: proto.Uint32(5), Stop: []string{"x"}, Details: true,
+		IncludeStopStrInOutput: true}
 	if !proto.Equal(p, want) {
 		t.Errorf("got %v, want %v", p, want)
 	}
@@ -39,7 +41,7 @@ func TestTGIParametersDropNullsAndRefuseUnknown(t *testing.T) {
 	if code, _, msg := errorCode(err); code != codes.InvalidArgument || !strings.Contains(msg, "no_such_option") || strings.Contains(msg, "line 1") {
 		t.Errorf("unknown field: got %v %q", code, msg)
 	}
-	if p, err := tgiParameters(nil); err != nil || !proto.Equal(p, &genservev1.GenerateParameters{}) {
+	if p, err := tgiParameters(nil); err != nil || !proto.Equal(p, &genservev1.GenerateParameters{IncludeStopStrInOutput: true}) {
 		t.Errorf("absent parameters: %v %v", p, err)
 	}
 }
@@ -172,7 +174,7 @@ func TestStringOrList(t *testing.T) {
 func TestChatRequestToProto(t *testing.T) {
 	var req chatRequest
 	body := `{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
-		"max_completion_tokens":9,"n":2,"logprobs":true,"top_logprobs":3,"tool_choice":"none","tools":[{"type":"function"}],
+		"max_completion_tokens":9,"n":2,"logprobs":true,"top_logprobs":3,"tool_choice":"none","tools":[{"type":"function","function":{"name":"f"}}],
 		"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"object"}}},"user":"u","store":false}`
 	if err := json.Unmarshal([]byte(body), &req); err != nil {
 		t.Fatal(err)
@@ -210,7 +212,7 @@ func TestChatChunker(t *testing.T) {
 		return &genservev1.ChatStreamResponse{Id: "chatcmpl-1", Model: "m", Created: 5, Index: index, Delta: delta}
 	}
 	first := c.chunk(frame(0, "He"))
-	if got := mustJSON(t, first); got != `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"He"},"logprobs":null,"finish_reason":null}],"system_fingerprint":null,"usage":null}` {
+	if got := mustJSON(t, first); got != `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"He"},"logprobs":null,"finish_reason":null}],"system_fingerprint":"fp_genserve","usage":null}` {
 		t.Errorf("first chunk: %s", got)
 	}
 	if c.chunk(frame(1, "x")).Choices[0].Delta.Role != "assistant" {
@@ -356,7 +358,7 @@ func TestCompletionChoiceEchoAndLogprobs(t *testing.T) {
 		},
 	}}
 	// The generated text starts like the prompt: echo still prepends the prompt.
-	c := toCompletionChoice(3, "ab", res, true, true)
+	c := toCompletionChoice(3, "ab", res, true, true, false)
 	want := `{"index":3,"text":"abab","logprobs":{"text_offset":[0,2,3],"token_logprobs":[null,-1,-2],` +
 		`"tokens":["ab","a","b"],"top_logprobs":[null,{"a":-1,"c":-3},{"b":-2}]},"finish_reason":"length"}`
 	if got := mustJSON(t, c); got != want {

@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from genserve.client.params import CHAT_FIELDS, build_parameters
+from genserve.client.params import CHAT_FIELDS, build_parameters, token_ids_batch
 from genserve.v1 import generate_pb2 as pb
 
 DEFAULT_TARGET = "localhost:50051"
@@ -33,19 +33,51 @@ class Deadline:
         return None if self._end is None else max(0.0, self._end - time.monotonic())
 
 
+TokenIds = Sequence[int] | Sequence[Sequence[int]]
+
+
 def generate_request(
-    inputs: str | Sequence[str], parameters: Any | None, params: Mapping[str, Any]
+    inputs: str | Sequence[str] | None,
+    parameters: Any | None,
+    params: Mapping[str, Any],
+    input_ids: TokenIds | None = None,
 ) -> Any:
-    """A ``pb.GenerateRequest``; a single string becomes a batch of one."""
+    """A ``pb.GenerateRequest``; a single string (or one list of ids) becomes a batch of one.
+    ``input_ids`` replaces ``inputs``: prompts as token ids, used as they are."""
+    built = build_parameters(parameters, params)
+    if input_ids is not None:
+        if inputs:
+            raise TypeError("give inputs or input_ids, not both")
+        batch_ids = [pb.TokenIds(ids=ids) for ids in token_ids_batch(input_ids)]
+        return pb.GenerateRequest(input_ids=batch_ids, parameters=built)
+    if inputs is None:
+        raise TypeError("generate needs inputs (text) or input_ids (token ids)")
     batch = [inputs] if isinstance(inputs, str) else list(inputs)
-    return pb.GenerateRequest(inputs=batch, parameters=build_parameters(parameters, params))
+    return pb.GenerateRequest(inputs=batch, parameters=built)
 
 
-def stream_request(inputs: str, parameters: Any | None, params: Mapping[str, Any]) -> Any:
-    """A ``pb.GenerateStreamRequest``."""
+def single_input(inputs: str | Sequence[str] | None, input_ids: TokenIds | None) -> bool:
+    """Whether a generate() call names one prompt (its answer is one result, not a list)."""
+    if input_ids is not None:
+        return bool(input_ids) and all(isinstance(i, int) for i in input_ids)
+    return isinstance(inputs, str)
+
+
+def stream_request(
+    inputs: str | None,
+    parameters: Any | None,
+    params: Mapping[str, Any],
+    input_ids: Sequence[int] | None = None,
+) -> Any:
+    """A ``pb.GenerateStreamRequest`` for one prompt, as text or as token ids."""
+    built = build_parameters(parameters, params)
+    if input_ids is not None:
+        if inputs:
+            raise TypeError("give inputs or input_ids, not both")
+        return pb.GenerateStreamRequest(input_ids=[int(i) for i in input_ids], parameters=built)
     if not isinstance(inputs, str):
-        raise TypeError("generate_stream takes one prompt (a str)")
-    return pb.GenerateStreamRequest(inputs=inputs, parameters=build_parameters(parameters, params))
+        raise TypeError("generate_stream takes one prompt (a str, or input_ids)")
+    return pb.GenerateStreamRequest(inputs=inputs, parameters=built)
 
 
 ChatMessageLike = Mapping[str, str] | Any  # {"role", "content"[, "name", "tool_call_id"]} or pb

@@ -19,8 +19,10 @@ from genserve.client._common import (
     ChatMessageLike,
     Deadline,
     Metadata,
+    TokenIds,
     chat_request,
     generate_request,
+    single_input,
     stream_request,
     tokenize_request,
 )
@@ -95,24 +97,38 @@ class AsyncClient:
         **params: Unpack[GenerateParams],
     ) -> list[Any]: ...
 
+    @overload
     async def generate(
         self,
-        inputs: str | Sequence[str],
+        inputs: None = None,
         *,
+        input_ids: TokenIds,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
+    ) -> Any: ...
+
+    async def generate(
+        self,
+        inputs: str | Sequence[str] | None = None,
+        *,
+        input_ids: TokenIds | None = None,
         parameters: Any | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
     ) -> Any:
         """See :meth:`genserve.client.Client.generate`."""
-        request = generate_request(inputs, parameters, params)
+        request = generate_request(inputs, parameters, params, input_ids)
         response = await self._unary(self._stub.Generate, request, timeout)
         results = list(response.results)
-        return results[0] if isinstance(inputs, str) else results
+        # n > 1: a prompt's n results, as a list.
+        return results[0] if single_input(inputs, input_ids) and len(results) == 1 else results
 
     def generate_stream(
         self,
-        inputs: str,
+        inputs: str | None = None,
         *,
+        input_ids: Sequence[int] | None = None,
         parameters: Any | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
@@ -121,7 +137,7 @@ class AsyncClient:
         :meth:`genserve.client.Client.generate_stream`).  Leaving the loop early cancels the
         call when the iterator is closed (at once with ``contextlib.aclosing``, otherwise when
         asyncio finalizes it)."""
-        request = stream_request(inputs, parameters, params)
+        request = stream_request(inputs, parameters, params, input_ids)
         return self._stream(request, timeout)
 
     async def chat(

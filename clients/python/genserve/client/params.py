@@ -39,6 +39,14 @@ class GenerateParams(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None  # token id -> bias added to its logit
     skip_special_tokens: bool | None
     include_stop_str_in_output: bool | None
+    # OpenAI's frequency_penalty: penalty x count over the output (issue #27)
+    output_frequency_penalty: float | None
+    # Results per input (vLLM / OpenAI n; not for streams).  In chat() it is the
+    # ChatRequest's n (replies), with the same meaning.
+    n: int | None
+    # Structured output: a pb.Grammar, or one of its fields as a dict, e.g.
+    # {"json_schema": "{...}"}, {"regex": "[0-9]+"}.
+    grammar: Any | None
 
 
 _FIELDS = frozenset(GenerateParams.__annotations__)
@@ -49,7 +57,6 @@ class ChatParams(GenerateParams, total=False):
     OpenAI's chat fields.  ``response_format`` is "text", "json_object" or a
     ``pb.ResponseFormat``."""
 
-    n: int | None
     logprobs: bool | None
     top_logprobs: int | None
     response_format: Any | None
@@ -58,7 +65,16 @@ class ChatParams(GenerateParams, total=False):
     continue_final_message: bool | None
 
 
-CHAT_FIELDS = frozenset(ChatParams.__annotations__) - _FIELDS
+# Chat's own request fields; n is the ChatRequest's (the number of replies).
+CHAT_FIELDS = (frozenset(ChatParams.__annotations__) - _FIELDS) | {"n"}
+
+
+def token_ids_batch(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
+    """One prompt's ids (``[1, 2, 3]``) or a batch of them (``[[1, 2], [3]]``) as a batch."""
+    ids: list[Any] = list(input_ids)
+    if ids and all(isinstance(i, int) for i in ids):
+        return [[int(i) for i in ids]]
+    return [[int(i) for i in prompt] for prompt in ids]
 
 
 def build_parameters(base: Any | None, overrides: Mapping[str, Any]) -> Any:
@@ -82,6 +98,9 @@ def build_parameters(base: Any | None, overrides: Mapping[str, Any]) -> Any:
         elif name == "logit_bias":
             msg.logit_bias.clear()
             msg.logit_bias.update({int(k): float(v) for k, v in value.items()})
+        elif name == "grammar":
+            grammar = pb.Grammar(**value) if isinstance(value, Mapping) else value
+            msg.grammar.CopyFrom(grammar)
         else:
             setattr(msg, name, value)
     return msg

@@ -14,8 +14,10 @@ from genserve.client._common import (
     ChatMessageLike,
     Deadline,
     Metadata,
+    TokenIds,
     chat_request,
     generate_request,
+    single_input,
     stream_request,
     tokenize_request,
 )
@@ -93,10 +95,22 @@ class Client:
         **params: Unpack[GenerateParams],
     ) -> list[Any]: ...
 
+    @overload
     def generate(
         self,
-        inputs: str | Sequence[str],
+        inputs: None = None,
         *,
+        input_ids: TokenIds,
+        parameters: Any | None = None,
+        timeout: float | None = None,
+        **params: Unpack[GenerateParams],
+    ) -> Any: ...
+
+    def generate(
+        self,
+        inputs: str | Sequence[str] | None = None,
+        *,
+        input_ids: TokenIds | None = None,
         parameters: Any | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
@@ -104,16 +118,21 @@ class Client:
         """Complete ``inputs``.  One string gives one ``pb.GenerateResult``; a sequence (at most
         the server's max_client_batch_size) gives a list of them in input order.  Parameters
         come from ``parameters`` (a ``pb.GenerateParameters``) overridden by keyword arguments
-        with TGI's names (max_new_tokens=..., temperature=..., stop=[...], details=True...)."""
-        request = generate_request(inputs, parameters, params)
+        with TGI's names (max_new_tokens=..., temperature=..., stop=[...], details=True...).
+        ``input_ids`` instead of ``inputs``: prompts as token ids (one list, or a list of
+        them), used as they are (no BOS added).  With ``n > 1`` a prompt has ``n`` results,
+        returned as a list (prompt by prompt)."""
+        request = generate_request(inputs, parameters, params, input_ids)
         response = self._unary(self._stub.Generate, request, timeout)
         results = list(response.results)
-        return results[0] if isinstance(inputs, str) else results
+        # n > 1: a prompt's n results, as a list.
+        return results[0] if single_input(inputs, input_ids) and len(results) == 1 else results
 
     def generate_stream(
         self,
-        inputs: str,
+        inputs: str | None = None,
         *,
+        input_ids: Sequence[int] | None = None,
         parameters: Any | None = None,
         timeout: float | None = None,
         **params: Unpack[GenerateParams],
@@ -121,7 +140,7 @@ class Client:
         """Complete one prompt, yielding one ``pb.GenerateStreamResponse`` per token; the last
         also has ``generated_text`` and ``details``.  Closing the iterator early (``break``)
         cancels the call.  Retried on UNAVAILABLE only until the first message arrives."""
-        request = stream_request(inputs, parameters, params)
+        request = stream_request(inputs, parameters, params, input_ids)
         return self._stream(request, timeout)
 
     def chat(

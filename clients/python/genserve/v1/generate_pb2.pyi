@@ -13,13 +13,15 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 
 class GenerateParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "seed", "stop", "truncate", "return_full_text", "details", "decoder_input_details", "top_n_tokens", "best_of", "watermark", "presence_penalty", "grammar", "min_p", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "n", "adapter_id")
+    __slots__ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "frequency_penalty", "seed", "stop", "truncate", "return_full_text", "details", "decoder_input_details", "top_n_tokens", "best_of", "watermark", "presence_penalty", "grammar", "min_p", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "n", "adapter_id", "output_frequency_penalty")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,7 @@ class GenerateParameters(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     do_sample: bool
     temperature: float
@@ -83,7 +86,8 @@ class GenerateParameters(_message.Message):
     include_stop_str_in_output: bool
     n: int
     adapter_id: str
-    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., min_p: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    output_frequency_penalty: float
+    def __init__(self, max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., truncate: _Optional[int] = ..., return_full_text: _Optional[bool] = ..., details: _Optional[bool] = ..., decoder_input_details: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., watermark: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., min_p: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., adapter_id: _Optional[str] = ..., output_frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "text", "logprob", "special")
@@ -104,7 +108,7 @@ class TopTokens(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class Details(_message.Message):
-    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "input_length", "cached_tokens", "stop_token_id", "best_of_sequences")
+    __slots__ = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens", "input_length", "cached_tokens", "stop_token_id", "best_of_sequences", "prefill_top_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +119,7 @@ class Details(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     generated_tokens: int
     seed: int
@@ -125,25 +130,30 @@ class Details(_message.Message):
     cached_tokens: int
     stop_token_id: int
     best_of_sequences: _containers.RepeatedCompositeFieldContainer[BestOfSequence]
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., input_length: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., best_of_sequences: _Optional[_Iterable[_Union[BestOfSequence, _Mapping]]] = ...) -> None: ...
+    prefill_top_tokens: _containers.RepeatedCompositeFieldContainer[TopTokens]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ..., input_length: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stop_token_id: _Optional[int] = ..., best_of_sequences: _Optional[_Iterable[_Union[BestOfSequence, _Mapping]]] = ..., prefill_top_tokens: _Optional[_Iterable[_Union[TopTokens, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("inputs", "parameters", "input_ids")
+    __slots__ = ("inputs", "parameters", "input_ids", "suffix")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedScalarFieldContainer[str]
     parameters: GenerateParameters
     input_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
-    def __init__(self, inputs: _Optional[_Iterable[str]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+    suffix: str
+    def __init__(self, inputs: _Optional[_Iterable[str]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
-    __slots__ = ("generated_text", "details")
+    __slots__ = ("generated_text", "details", "prompt_text")
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     generated_text: str
     details: Details
-    def __init__(self, generated_text: _Optional[str] = ..., details: _Optional[_Union[Details, _Mapping]] = ...) -> None: ...
+    prompt_text: str
+    def __init__(self, generated_text: _Optional[str] = ..., details: _Optional[_Union[Details, _Mapping]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("results",)
@@ -152,14 +162,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[GenerateResult, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("inputs", "parameters", "input_ids")
+    __slots__ = ("inputs", "parameters", "input_ids", "suffix")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
     inputs: str
     parameters: GenerateParameters
     input_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., input_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    suffix: str
+    def __init__(self, inputs: _Optional[str] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., input_ids: _Optional[_Iterable[int]] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class StreamDetails(_message.Message):
     __slots__ = ("finish_reason", "generated_tokens", "seed", "input_length", "cached_tokens", "stop_token_id")
@@ -204,7 +216,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "vocab_size", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id", "watermark_gamma", "watermark_delta", "cuda_graph_batch_sizes", "quantize", "model_weight_bytes")
+    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "vocab_size", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id", "watermark_gamma", "watermark_delta", "cuda_graph_batch_sizes", "quantize", "model_weight_bytes", "tool_call_parser", "reasoning_parser", "fill_in_middle", "architecture", "implementation", "disabled_features")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +248,12 @@ class InfoResponse(_message.Message):
     CUDA_GRAPH_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
+    REASONING_PARSER_FIELD_NUMBER: _ClassVar[int]
+    FILL_IN_MIDDLE_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
+    DISABLED_FEATURES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_dtype: str
@@ -267,7 +285,13 @@ class InfoResponse(_message.Message):
     cuda_graph_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     quantize: str
     model_weight_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ..., watermark_gamma: _Optional[float] = ..., watermark_delta: _Optional[float] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., quantize: _Optional[str] = ..., model_weight_bytes: _Optional[int] = ...) -> None: ...
+    tool_call_parser: str
+    reasoning_parser: str
+    fill_in_middle: bool
+    architecture: str
+    implementation: str
+    disabled_features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ..., watermark_gamma: _Optional[float] = ..., watermark_delta: _Optional[float] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., quantize: _Optional[str] = ..., model_weight_bytes: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., fill_in_middle: _Optional[bool] = ..., architecture: _Optional[str] = ..., implementation: _Optional[str] = ..., disabled_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "add_special_tokens")
@@ -296,16 +320,74 @@ class TokenizeResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[SimpleToken, _Mapping]]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "name", "tool_call_id")
+    __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     name: str
     tool_call_id: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    reasoning_content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "type", "function")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    type: str
+    function: FunctionCall
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., function: _Optional[_Union[FunctionCall, _Mapping]] = ...) -> None: ...
+
+class FunctionCall(_message.Message):
+    __slots__ = ("name", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("type", "function")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    function: FunctionDefinition
+    def __init__(self, type: _Optional[str] = ..., function: _Optional[_Union[FunctionDefinition, _Mapping]] = ...) -> None: ...
+
+class FunctionDefinition(_message.Message):
+    __slots__ = ("name", "description", "parameters", "strict")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    strict: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "function_name")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    function_name: str
+    def __init__(self, mode: _Optional[str] = ..., function_name: _Optional[str] = ...) -> None: ...
+
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "call")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    call: ToolCall
+    def __init__(self, index: _Optional[int] = ..., call: _Optional[_Union[ToolCall, _Mapping]] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema")
@@ -316,7 +398,7 @@ class ResponseFormat(_message.Message):
     def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("messages", "parameters", "n", "logprobs", "top_logprobs", "response_format", "model", "add_generation_prompt", "continue_final_message")
+    __slots__ = ("messages", "parameters", "n", "logprobs", "top_logprobs", "response_format", "model", "add_generation_prompt", "continue_final_message", "tools", "tool_choice", "parallel_tool_calls")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +408,9 @@ class ChatRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     parameters: GenerateParameters
     n: int
@@ -335,7 +420,10 @@ class ChatRequest(_message.Message):
     model: str
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., model: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., model: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
@@ -370,21 +458,23 @@ class ChatChoice(_message.Message):
     def __init__(self, index: _Optional[int] = ..., message: _Optional[_Union[ChatMessage, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ChatResponse(_message.Message):
-    __slots__ = ("id", "model", "created", "choices", "usage")
+    __slots__ = ("id", "model", "created", "choices", "usage", "system_fingerprint")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     created: int
     choices: _containers.RepeatedCompositeFieldContainer[ChatChoice]
     usage: Usage
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    system_fingerprint: str
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., system_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ChatStreamRequest(_message.Message):
-    __slots__ = ("messages", "parameters", "n", "logprobs", "top_logprobs", "response_format", "model", "add_generation_prompt", "continue_final_message")
+    __slots__ = ("messages", "parameters", "n", "logprobs", "top_logprobs", "response_format", "model", "add_generation_prompt", "continue_final_message", "tools", "tool_choice", "parallel_tool_calls")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +484,9 @@ class ChatStreamRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     parameters: GenerateParameters
     n: int
@@ -403,10 +496,13 @@ class ChatStreamRequest(_message.Message):
     model: str
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., model: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., parameters: _Optional[_Union[GenerateParameters, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., model: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class ChatStreamResponse(_message.Message):
-    __slots__ = ("id", "model", "created", "index", "delta", "token", "top_logprobs", "finish_reason", "usage")
+    __slots__ = ("id", "model", "created", "index", "delta", "token", "top_logprobs", "finish_reason", "usage", "tool_calls", "reasoning_delta", "system_fingerprint")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +512,9 @@ class ChatStreamResponse(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_DELTA_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     id: str
     model: str
     created: int
@@ -425,7 +524,10 @@ class ChatStreamResponse(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[Token]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., index: _Optional[int] = ..., delta: _Optional[str] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    reasoning_delta: str
+    system_fingerprint: str
+    def __init__(self, id: _Optional[str] = ..., model: _Optional[str] = ..., created: _Optional[int] = ..., index: _Optional[int] = ..., delta: _Optional[str] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., reasoning_delta: _Optional[str] = ..., system_fingerprint: _Optional[str] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "ebnf", "choice")

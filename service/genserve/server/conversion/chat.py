@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from genserve.chat_template import ROLES, ChatRenderer, ChatTemplateError, NoChatTemplateError
+from genserve.server.chat_reply import ChatFeatures
+from genserve.server.chat_tools import ChatToolsError, ChatToolsPlan, plan_chat_tools
 from genserve.server.conversion.errors import ModelNotFoundError, NoTemplateError, ValidationError
 from genserve.server.conversion.limits import Limits
 from genserve.v1 import generate_pb2 as pb
@@ -32,6 +34,8 @@ class ChatPlan:
     logprobs: bool
     num_top_logprobs: int  # alternatives per token in the reply (0 without logprobs)
     model: str
+    # Issue #27: tools, reasoning and fingerprint (server/chat_tools.py).
+    extras: ChatToolsPlan
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -41,6 +45,7 @@ def plan_chat(
     limits: Limits,
     served_model_name: str,
     model_id: str,
+    features: ChatFeatures | None = None,
 ) -> ChatPlan:
     """Check and render; raises ValidationError, ModelNotFoundError or NoTemplateError."""
     if request.model and request.model not in (served_model_name, model_id):
@@ -96,6 +101,16 @@ def plan_chat(
         top_n = max(top_n, request.top_logprobs)
     if chat is None or not chat.has_template:
         raise NoTemplateError(str(NoChatTemplateError(model_id)))
+    try:
+        extras = plan_chat_tools(
+            request,
+            features,
+            chat.template,
+            constrained_elsewhere=fmt in ("json_object", "json_schema")
+            or params.HasField("grammar"),
+        )
+    except ChatToolsError as exc:
+        raise ValidationError(str(exc)) from None
     add_prompt = (
         request.add_generation_prompt
         if request.HasField("add_generation_prompt")
@@ -103,9 +118,10 @@ def plan_chat(
     )
     try:
         rendered = chat.render(
-            [_message_dict(m) for m in request.messages],
+            extras.messages(request.messages),
             add_generation_prompt=add_prompt,
             continue_final_message=request.continue_final_message,
+            tools=extras.template_tools,
         )
     except ChatTemplateError as exc:
         raise ValidationError(str(exc)) from None
@@ -123,6 +139,10 @@ def plan_chat(
             choice.grammar.json_object = True
         elif fmt == "json_schema":
             choice.grammar.json_schema = request.response_format.json_schema
+        if extras.tools.grammar_schema is not None:  # tool_choice required / named
+            choice.grammar.json_schema = extras.tools.grammar_schema
+        if extras.tools.mode == "auto" and extras.tools.parser.needs_special_tokens:
+            choice.skip_special_tokens = False  # the call marker is a special token
         choices.append(choice)
     return ChatPlan(
         prompt_text=rendered.text,
@@ -131,13 +151,5 @@ def plan_chat(
         logprobs=request.logprobs,
         num_top_logprobs=top_n if request.logprobs else 0,
         model=served_model_name,
+        extras=extras,
     )
-
-
-def _message_dict(m: pb.ChatMessage) -> dict[str, str]:
-    message = {"role": m.role, "content": m.content}
-    if m.name:
-        message["name"] = m.name
-    if m.tool_call_id:
-        message["tool_call_id"] = m.tool_call_id
-    return message

@@ -25,8 +25,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from genserve.chat_template import ChatRenderer
 from genserve.engine.outputs import GenerationRequest
+from genserve.server.chat_reply import ChatFeatures
 from genserve.server.conversion import fan_out
 from genserve.server.conversion.chat import ChatPlan, ChatRequestPb, plan_chat
+from genserve.server.conversion.errors import ValidationError
+from genserve.server.conversion.fim import FimUnsupportedError, fim_prompts
 from genserve.server.conversion.generation import validate
 from genserve.server.conversion.grammar import attach_grammar
 from genserve.server.conversion.limits import Limits
@@ -78,12 +81,17 @@ class RequestConverter:
     chat_renderer: ChatRenderer | None = None  # None: Chat answers FAILED_PRECONDITION
     served_model_name: str = ""
     model_id: str = ""
+    chat_features: ChatFeatures | None = None  # tool-call / reasoning parsers (#27)
 
     async def generate(self, request: pb.GenerateRequest, base_id: str) -> Conversion:
         """One or more prompts, each fanned out to best_of / n sequences; sequence ids are
         ``base_id`` (one prompt) or ``base_id-i``, followers ``…/seqK``."""
         validate_batch_size(len(request.inputs) or len(request.input_ids), self.limits)
-        prompts = self._prompts(request.inputs, [t.ids for t in request.input_ids])
+        prompts = self._prompts(
+            request.inputs,
+            [t.ids for t in request.input_ids],
+            request.suffix if request.HasField("suffix") else None,
+        )
         params = request.parameters
         num = len(prompts)
         reqs = [
@@ -102,6 +110,7 @@ class RequestConverter:
         (prompt,) = self._prompts(
             [request.inputs] if request.inputs or not request.input_ids else [],
             [request.input_ids] if request.input_ids else [],
+            request.suffix if request.HasField("suffix") else None,
         )
         req = self._validate(req_id, prompt, params)
         req = await attach_grammar(req, params, self.grammars)
@@ -116,6 +125,7 @@ class RequestConverter:
             self.limits,
             self.served_model_name or self.model_id,
             self.model_id,
+            self.chat_features,
         )
         prompt = Prompt(plan.prompt_text, plan.prompt_ids)
         num = len(plan.choice_params)
@@ -131,8 +141,16 @@ class RequestConverter:
         return Conversion((prompt,), tuple(reqs), num, request.parameters, chat=plan)
 
     # ------------------------------------------------------------------ helpers
-    def _prompts(self, texts: Sequence[str], id_lists: Sequence[Sequence[int]]) -> list[Prompt]:
+    def _prompts(
+        self, texts: Sequence[str], id_lists: Sequence[Sequence[int]], suffix: str | None = None
+    ) -> list[Prompt]:
+        """With a ``suffix``, text prompts become fill-in-the-middle prompts (fim.py)."""
         vocab = self.limits.vocab_size or self.tokenizer.vocab_size
+        if suffix is not None:
+            try:
+                texts = fim_prompts(self.tokenizer, texts, bool(id_lists), suffix)
+            except FimUnsupportedError as exc:
+                raise ValidationError(str(exc)) from None
         return prompt_inputs(texts, id_lists, self.tokenizer, vocab)
 
     def _validate(

@@ -58,8 +58,9 @@ def validate(
         raise ValidationError("`inputs` tokenizes to no tokens")
     if num_input > limits.max_input_tokens:
         raise ValidationError(
-            f"`inputs` must have less than {limits.max_input_tokens} tokens "
-            f"(--max-input-tokens); given: {num_input}. Shorten the prompt or set `truncate`"
+            f"`inputs` must have at most {limits.max_input_tokens} tokens "
+            f"({limits.input_limit_source}); given: {num_input}. Shorten the prompt or set "
+            "`truncate`"
         )
     room = limits.max_total_tokens - num_input
     if params.HasField("max_new_tokens"):
@@ -71,7 +72,7 @@ def validate(
     if max_new_tokens > room or room <= 0:
         raise ValidationError(
             f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens} "
-            f"(--max-total-tokens); given: {num_input} input tokens and {max_new_tokens} "
+            f"({limits.total_limit_source}); given: {num_input} input tokens and {max_new_tokens} "
             "`max_new_tokens`"
         )
     request = GenerationRequest(

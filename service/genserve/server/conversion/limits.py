@@ -16,3 +16,6 @@ class Limits:
     vocab_size: int = 0  # the model's logits width; 0: the tokenizer's vocabulary size
     watermark_gamma: float = 0.5  # --watermark-gamma
     watermark_delta: float = 2.0  # --watermark-delta
+    # The flag (or cause) that set max_input_tokens / max_total_tokens, cited when refusing.
+    input_limit_source: str = "--max-input-tokens"
+    total_limit_source: str = "--max-total-tokens"

@@ -50,6 +50,10 @@ def sampling_params(
     _check_penalty("frequency_penalty", frequency_penalty)
     presence_penalty = params.presence_penalty if params.HasField("presence_penalty") else 0.0
     _check_penalty("presence_penalty", presence_penalty)
+    output_frequency_penalty = (
+        params.output_frequency_penalty if params.HasField("output_frequency_penalty") else 0.0
+    )
+    _check_penalty("output_frequency_penalty", output_frequency_penalty)
     top_n = params.top_n_tokens if params.HasField("top_n_tokens") else 0
     if top_n > limits.max_top_n_tokens:
         raise ValidationError(
@@ -80,6 +84,7 @@ def sampling_params(
         repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty,
+        output_frequency_penalty=output_frequency_penalty,
         seed=seed or 0,
         num_top_tokens=top_n,
         prompt_logprobs=params.decoder_input_details,

@@ -1,0 +1,145 @@
+"""Quantized weights in the layout of the integer dot-product kernel
+(``kernels/int_dot_cpu.cpp``, ``--cpu-int-dot``).
+
+The column panels of :mod:`genserve.model.weight_panels` (32 output features per panel) with
+``k`` grouped in quads: within a panel, for each quad of 4 consecutive input features, the 32
+features' 4 weights are consecutive bytes, the operand of one VPDPBUSD (16 features x 4
+bytes per 512-bit register).  ``K`` is padded to a multiple of 32 with zero weights.
+
+* 8-bit: ``data`` uint8 ``[P, Kp / 4, 128]``, each byte ``q + 128``.
+* 4-bit: ``data`` uint8 ``[P, Kp / 4, 64]``; byte ``j`` of a quad holds feature ``j // 4``
+  (input ``j % 4`` of the quad) in its low nibble and feature ``16 + j // 4`` in its high one.
+* ``scales`` (and 4-bit ``mins``) float16 ``[P, Kp / 32, 32]``: the weight's scale (and min)
+  for every block of 32 inputs, also where the weight has one scale per row (``--quantize
+  int8``), so the kernel reads one per block of activations.
+
+Packing is exact (the same integers and float16 scales): the weights are
+those of the :class:`QuantizedWeight`; only the activations are rounded (to int8 per block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from genserve.kernels.int_dot import Isa
+from genserve.model.quantization import QuantizedWeight
+
+PANEL = 32  # output features per panel
+BLOCK = 32  # inputs per activation scale
+# decode_layer_cpu.cpp's code for a projection in this layout: bits + this.
+FUSED_BITS_OFFSET = 100
+
+
+def _padded_k(k: int) -> int:
+    return -(-k // BLOCK) * BLOCK
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int, value: int | float = 0) -> torch.Tensor:
+    out = torch.full((rows, cols), value, dtype=t.dtype)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def _block_params(t: torch.Tensor, group: int, k: int, n_pad: int, blocks: int) -> torch.Tensor:
+    """Per-group float16 ``[N, groups]`` -> ``[P, blocks, 32]``, one per block of 32."""
+    index = torch.clamp(torch.arange(blocks) * BLOCK // group, max=t.shape[1] - 1)
+    per_block = _pad(t[:, index], n_pad, blocks)
+    return per_block.view(n_pad // PANEL, PANEL, blocks).transpose(1, 2).contiguous()
+
+
+@dataclass(frozen=True, slots=True)
+class IntDotPanels:
+    """A :class:`QuantizedWeight` as ``genserve::int_dot_linear`` reads it (module docstring)."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bits: int
+    in_features: int
+    out_features: int
+
+    @staticmethod
+    def supports(quant: QuantizedWeight) -> bool:
+        """Scales per block of 32 inputs (or one per row): Q8_0, Q4_0, Q4_1, --quantize."""
+        return quant.bits in (8, 4) and (
+            quant.group % BLOCK == 0 or quant.group == quant.in_features
+        )
+
+    @classmethod
+    def pack(cls, quant: QuantizedWeight) -> IntDotPanels:
+        n, k = quant.out_features, quant.in_features
+        kp, n_pad = _padded_k(k), -(-n // PANEL) * PANEL
+        p, blocks = n_pad // PANEL, kp // BLOCK
+        if quant.bits == 8:
+            u8 = (quant.data.to(torch.int16) + 128).to(torch.uint8)
+            q = _pad(u8, n_pad, kp, 128)  # padding: weight 0
+            # [P, 32, Kp/4, 4] -> [P, Kp/4, 32, 4]
+            data = q.view(p, PANEL, kp // 4, 4).permute(0, 2, 1, 3).reshape(p, kp // 4, 128)
+        else:
+            low = (quant.data & 0x0F).view(n, k // 32, 16)
+            high = (quant.data >> 4).view(n, k // 32, 16)
+            q = _pad(torch.cat((low, high), dim=-1).reshape(n, k), n_pad, kp)  # 0..15
+            quads = q.view(p, PANEL, kp // 4, 4).permute(0, 2, 1, 3)  # [P, Kp/4, 32, 4]
+            data = (quads[:, :, : PANEL // 2] | (quads[:, :, PANEL // 2 :] << 4)).reshape(
+                p, kp // 4, 64
+            )
+        scales = _block_params(quant.scales, quant.group, k, n_pad, blocks)
+        mins = None
+        if quant.mins is not None:
+            mins = _block_params(quant.mins, quant.group, k, n_pad, blocks)
+        return cls(data.contiguous(), scales, mins, quant.bits, k, n)
+
+    @property
+    def nbytes(self) -> int:
+        mins = 0 if self.mins is None else self.mins.nbytes
+        return int(self.data.nbytes + self.scales.nbytes + mins)
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale as the kernel reads them (every block of 32 has its own)."""
+        return BLOCK
+
+    @property
+    def fused_bits(self) -> int:
+        """This layout's code in ``genserve::decode_layer``'s ``bits`` list."""
+        return self.bits + FUSED_BITS_OFFSET
+
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None, isa: Isa = Isa.AUTO
+    ) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.genserve.int_dot_linear(
+            x, self.data, self.scales, self.mins, self.bits, self.out_features, bias, int(isa)
+        )
+        return out
+
+    def quantized_values(self) -> torch.Tensor:
+        """The integer weights ``[N, K]`` as int32 (8-bit: -128..127; 4-bit: 0..15)."""
+        p, kp = self.data.shape[0], self.data.shape[1] * 4
+        if self.bits == 8:
+            q = self.data.view(p, kp // 4, PANEL, 4).to(torch.int32) - 128
+        else:
+            half = self.data.view(p, kp // 4, PANEL // 2, 4)
+            q = torch.cat((half & 0x0F, half >> 4), dim=2).to(torch.int32)  # [P, Kp/4, 32, 4]
+        q = q.permute(0, 2, 1, 3).reshape(p * PANEL, kp)
+        return q[: self.out_features, : self.in_features]
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the matrix, dequantized (``scale * q (+ min)``, as the
+        :class:`QuantizedWeight` reference does); for an embedding tied to the head."""
+        panel, col = ids // PANEL, ids % PANEL
+        kp = self.data.shape[1] * 4
+        if self.bits == 8:
+            q = self.data.view(self.data.shape[0], kp // 4, PANEL, 4)[panel, :, col]
+            q = q.to(torch.int32) - 128
+        else:
+            half = self.data.view(self.data.shape[0], kp // 4, PANEL // 2, 4)
+            byte = half[panel, :, col % (PANEL // 2)]  # [n, Kp/4, 4]
+            high = (col >= PANEL // 2)[:, None, None]
+            q = torch.where(high, byte >> 4, byte & 0x0F).to(torch.int32)
+        w = q.reshape(-1, kp // BLOCK, BLOCK).to(torch.float32)
+        w = w * self.scales[panel, :, col].to(torch.float32)[..., None]
+        if self.mins is not None:
+            w = w + self.mins[panel, :, col].to(torch.float32)[..., None]
+        return w.reshape(-1, kp)[:, : self.in_features].to(dtype)

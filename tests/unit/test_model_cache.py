@@ -1,0 +1,170 @@
+"""The model cache: one entry per GGUF content whatever the file is called, interrupted builds
+cleaned up at the next start, and ``genserve cache list`` / ``prune``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from genserve import cache_cli
+from genserve.model import model_cache
+from genserve.model.loader import resolve_model
+from genserve.testing.tiny_gguf import make_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "Q8_0", seed=5)
+
+
+def test_same_gguf_under_two_names_is_one_entry(tiny_gguf: Path, tmp_path: Path) -> None:
+    other = tmp_path / "renamed-copy.gguf"
+    shutil.copyfile(tiny_gguf, other)
+    cache = tmp_path / "models"
+    first = resolve_model(str(tiny_gguf), cache_dir=cache)
+    record = cache / first.local_dir.name / model_cache.ENTRY_FILE
+    built = record.stat().st_mtime_ns
+    second = resolve_model(str(other), cache_dir=cache)
+    assert second.local_dir == first.local_dir and second.revision == first.revision
+    assert first.local_dir.name == f"gguf-{first.revision.removeprefix('sha256:')}"
+    (entry,) = model_cache.list_entries(cache)
+    assert set(entry.sources) == {str(tiny_gguf.resolve()), str(other.resolve())}
+    assert json.loads(record.read_text())["created"] * 1e9 <= built  # not rebuilt
+
+
+_KILLED_BUILD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from genserve.model import model_cache
+
+    def build(out: Path) -> None:
+        (out / "model.safetensors").write_bytes(b"half a file")
+        print("building", flush=True)
+        time.sleep(600)
+
+    model_cache.build_once(Path(sys.argv[1]), build, "src")
+    """
+)
+
+
+def _start_build(entry: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_BUILD, str(entry)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # log lines first
+        if line.strip() == "building":
+            return proc
+    raise AssertionError(f"the build exited ({proc.wait()}) before building")
+
+
+def test_killed_build_is_cleaned_up_at_the_next_start(tmp_path: Path) -> None:
+    cache = tmp_path / "models"
+    entry = cache / "gguf-0123456789abcdef"
+    proc = _start_build(entry)
+    try:
+        # While the builder lives, its work is left alone.
+        assert model_cache.clean_interrupted(cache) == []
+        assert len(list((cache / ".tmp").iterdir())) == 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert (cache / ".locks" / f"{entry.name}.lock").is_file()  # what a kill leaves
+    # The next start removes the temporary directory and the stale lock.
+    removed = model_cache.clean_interrupted(cache)
+    assert {p.parent.name for p in removed} == {".tmp", ".locks"}
+    assert list((cache / ".tmp").iterdir()) == []
+    assert list((cache / ".locks").iterdir()) == []
+    # ...and a build of the same entry goes through.
+    done = model_cache.build_once(entry, lambda out: (out / "config.json").write_text("{}"), "s")
+    assert model_cache.is_complete(done)
+
+
+def test_start_cleans_leftovers(tiny_gguf: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "models"
+    proc = _start_build(cache / "gguf-fedcba9876543210")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # Leftovers of older genserve versions (temporary directory and lock beside entries).
+    (cache / ".tiny-0123456789abcdef.abc123").mkdir()
+    (cache / ".tiny-0123456789abcdef.lock").write_text("")
+    resolve_model(str(tiny_gguf), cache_dir=cache)
+    assert sorted(p.name for p in cache.iterdir()) == [
+        ".digests",
+        ".locks",
+        ".tmp",
+        model_cache.list_entries(cache)[0].name,
+    ]
+    assert list((cache / ".tmp").iterdir()) == [] and list((cache / ".locks").iterdir()) == []
+
+
+def _entry(cache: Path, name: str, size: int, age_days: float) -> Path:
+    path = cache / name
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "blob").write_bytes(b"x" * size)
+    (path / model_cache.ENTRY_FILE).write_text(json.dumps({"sources": [f"/m/{name}.gguf"]}))
+    then = time.time() - age_days * 86400
+    os.utime(path / model_cache.ENTRY_FILE, (then, then))
+    return path
+
+
+def test_cache_list_and_prune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cache = tmp_path / "models"
+    _entry(cache, "gguf-aaaa000000000000", 3000, age_days=40)
+    _entry(cache, "gguf-bbbb000000000000", 2000, age_days=1)
+    _entry(cache, "bin-cccc000000000000", 1000, age_days=10)
+    root = ["--genserve-cache", str(tmp_path)]
+
+    assert cache_cli.main([*root, "list", "--json"]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [e["name"] for e in listed] == [
+        "gguf-aaaa000000000000",
+        "gguf-bbbb000000000000",
+        "bin-cccc000000000000",
+    ]
+    assert all(e["size_bytes"] > 1000 for e in listed)
+    assert listed[0]["sources"] == ["/m/gguf-aaaa000000000000.gguf"]
+    assert cache_cli.main([*root, "list"]) == 0
+    table = capsys.readouterr().out
+    assert "gguf-aaaa000000000000" in table and "3 entries" in table
+
+    assert cache_cli.main([*root, "prune", "--older-than", "30", "--dry-run"]) == 0
+    assert "would remove gguf-aaaa000000000000" in capsys.readouterr().out
+    assert (cache / "gguf-aaaa000000000000").is_dir()
+    assert cache_cli.main([*root, "prune", "--older-than", "30"]) == 0
+    assert not (cache / "gguf-aaaa000000000000").exists()
+    assert cache_cli.main([*root, "prune", "cccc"]) == 0  # a digest prefix
+    assert not (cache / "bin-cccc000000000000").exists()
+    with pytest.raises(SystemExit, match="no entry match"):
+        cache_cli.main([*root, "prune", "dddd"])
+    capsys.readouterr()
+    assert cache_cli.main([*root, "prune", "--all", "--json"]) == 0
+    (gone,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert gone["name"] == "gguf-bbbb000000000000" and gone["removed"] is True
+    assert model_cache.list_entries(cache) == []
+
+
+def test_genserve_cache_command(tmp_path: Path) -> None:
+    _entry(tmp_path / "models", "gguf-eeee000000000000", 10, age_days=0)
+    run = subprocess.run(
+        [sys.executable, "-m", "genserve.cli", "cache", "--genserve-cache", str(tmp_path), "list"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        check=True,
+    )
+    assert "gguf-eeee000000000000" in run.stdout
