@@ -1,6 +1,8 @@
 """The transformers fallback (issue #25/#26): every architecture genserve does not implement
 natively is served through transformers' modeling code with genserve's paged KV cache and
-continuous batching, and gives transformers' own greedy output.
+continuous batching, and gives transformers' own greedy output.  The checkpoints of the
+families that are native now (``NATIVE``, model/families) must take the native path and
+give the same output.
 
 Per architecture (tests/e2e/fallback_models.py): a tiny random-weight checkpoint, one real
 server over real gRPC, prompts sent concurrently (they share steps; most are longer than the
@@ -45,7 +47,24 @@ SERVER_ARGS = (
     # keeps these tests quick (the kernel's decode path is covered by the native tests).
     "--disable-cpu-kernels",
 )
-SEQUENTIAL = {"falcon", "stablelm", "qwen3_5_text"}
+SEQUENTIAL = {"falcon", "qwen3_5_text"}
+# Served by genserve's own model (model/families); every other entry by the fallback.
+NATIVE = {
+    "cohere",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "gpt_neox",
+    "granite",
+    "olmo2",
+    "phi",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "stablelm",
+    "starcoder2",
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +127,22 @@ def test_fallback_matches_transformers(
             # Again, alone: on the paged path its prompt's blocks now come from the prefix
             # cache, and only the rest is computed.
             served[-1] = call(prompts[-1])
-            # LoRA is off on the fallback: an adapter is refused, not ignored.
-            lora = pb.GenerateParameters(max_new_tokens=2, adapter_id=str(tmp_path / "adapter"))
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.Generate(pb.GenerateRequest(inputs=["hello"], parameters=lora))
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "transformers fallback" in str(refused.value.details())
+            if model_type not in NATIVE:
+                # LoRA is off on the fallback: an adapter is refused, not ignored.
+                lora = pb.GenerateParameters(max_new_tokens=2, adapter_id=str(tmp_path / "adapter"))
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Generate(pb.GenerateRequest(inputs=["hello"], parameters=lora))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "transformers fallback" in str(refused.value.details())
         server.wait_all_blocks_free()
-    path = "transformers-sequential" if model_type in SEQUENTIAL else "transformers"
-    assert info.implementation == path
     assert info.architecture.endswith("ForCausalLM")
-    assert any(f.startswith("lora:") for f in info.disabled_features)
+    if model_type in NATIVE:
+        assert info.implementation == "native"
+        assert not info.disabled_features
+    else:
+        path = "transformers-sequential" if model_type in SEQUENTIAL else "transformers"
+        assert info.implementation == path
+        assert any(f.startswith("lora:") for f in info.disabled_features)
     lengths = [r.details.input_length for r in served]
     assert max(lengths) > 3 * WINDOW, lengths
     for prompt, result, (ids, logprobs) in zip(prompts, served, expected, strict=True):
@@ -165,8 +189,9 @@ def test_unservable_config_exits_with_message(tmp_path: Path) -> None:
 
 
 def test_fallback_with_speculation(tokenizer_dir: Path, tmp_path: Path) -> None:
-    """n-gram speculation on the paged fallback (Gemma 2: soft-cap and sliding window): the
-    draft tokens are verified as decode rows, and the output is still generate()'s."""
+    """n-gram speculation on the paged fallback (Gemma 2, native by default, forced onto the
+    fallback: soft-cap and sliding window): the draft tokens are verified as decode rows,
+    and the output is still generate()'s."""
     model_dir = make_fallback_model(tmp_path / "gemma2", "gemma2", tokenizer_dir, seed=5)
     # Repetitive prompts, so the n-gram proposer finds drafts.
     prompts = [" ".join(["the quick brown fox jumps"] * n) for n in (4, 9, 15)]
@@ -175,11 +200,14 @@ def test_fallback_with_speculation(tokenizer_dir: Path, tmp_path: Path) -> None:
         max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, details=True
     )
     with (
-        inproc_server(model_dir, *SERVER_ARGS, "--speculate", "2") as server,
+        inproc_server(
+            model_dir, *SERVER_ARGS, "--speculate", "2", "--model-impl", "transformers"
+        ) as server,
         grpc.insecure_channel(server.address) as channel,
     ):
         stub = pb_grpc.TextGenerationServiceStub(channel)
-        assert stub.Info(pb.InfoRequest()).speculate == 2
+        info = stub.Info(pb.InfoRequest())
+        assert (info.speculate, info.implementation) == (2, "transformers")
 
         def call(prompt: str) -> pb.GenerateResult:
             request = pb.GenerateRequest(inputs=[prompt], parameters=params)

@@ -14,7 +14,7 @@ import pytest
 
 from genserve.engine.adapter_manager import AdapterManager
 from genserve.model.adapter_files import AdapterNotFoundError, resolve_adapter_dir
-from genserve.model.config import ModelConfig
+from genserve.model.config import load_model_config
 from genserve.model.lora import AdapterError
 from tests.conftest import TinyModelFactory
 
@@ -83,7 +83,7 @@ def test_manager_loads_a_cached_hub_adapter_on_demand(
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
 
     async def scenario() -> None:
-        m = AdapterManager(ModelConfig.from_pretrained(base), source="hub", max_active=2)
+        m = AdapterManager(load_model_config(base), source="hub", max_active=2)
         ref = await m.acquire("org/tiny-lora")
         assert ref.path == str(snapshot.resolve())
         m.release(ref)

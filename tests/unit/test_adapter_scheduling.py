@@ -15,7 +15,7 @@ from genserve.adapter_metrics import AdapterCollector
 from genserve.engine.adapter_manager import AdapterManager, parse_lora_adapters
 from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.model.adapter_files import AdapterNotFoundError
-from genserve.model.config import ModelConfig
+from genserve.model.config import ModelConfig, load_model_config
 from genserve.step import AdapterRef
 from tests.conftest import TinyModelFactory
 
@@ -102,7 +102,7 @@ def adapters(
         name: str(make_lora_adapter(base, tmp_path_factory.mktemp(name), rank=2, seed=i))
         for i, name in enumerate(("a", "b", "c"))
     }
-    return ModelConfig.from_pretrained(base), dirs
+    return load_model_config(base), dirs
 
 
 def test_manager_evicts_the_least_recently_used_idle_adapter(

@@ -155,7 +155,7 @@ def test_backend_decodes_agree_with_the_torch_path(window: int | None) -> None:
 def test_fused_ops_round_like_the_torch_ops(dtype: torch.dtype, num_tokens: int) -> None:
     """Each fused op against the torch ops it replaces in the model (same roundings)."""
     from genserve.model.config import RopeConfig
-    from genserve.model.layers import RotaryEmbedding, apply_rotary
+    from genserve.model.rotary import RotaryEmbedding, apply_rotary
 
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, 576, generator=gen).to(dtype)
@@ -273,13 +273,13 @@ def test_model_with_fused_ops_and_kernel_matches_the_torch_path(
     """A tiny Qwen2 (biases, untied head) over a prefill step and a decode step of three
     sequences: the fused ops + decode kernel + matvec projections against the plain torch
     ops."""
-    from genserve.model.config import ModelConfig
+    from genserve.model.config import load_model_config
     from genserve.model.registry import build_model
     from genserve.model.weights import SafetensorsWeights
     from genserve.parallel import ParallelContext
 
     model_dir = tiny_model_factory("qwen2")
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=gen) for n in (37, 5, 20)]
@@ -375,14 +375,14 @@ def test_decode_layer_op_equals_the_layer_by_layer_step(
     """``genserve::decode_layer`` (one op per layer of a decode-only step) runs the same ops
     as the Python layer, so the hidden states are bit-identical; the KV it writes too.  Qwen2
     adds Q/K/V biases."""
-    from genserve.model.config import ModelConfig
+    from genserve.model.config import load_model_config
     from genserve.model.quantize_model import quantize_model
     from genserve.model.registry import build_model
     from genserve.model.weights import SafetensorsWeights
     from genserve.parallel import ParallelContext
 
     model_dir = tiny_model_factory(arch)
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     cpu = torch.device("cpu")
     with torch.inference_mode():
         model = build_model(config, ParallelContext.single(), dtype, cpu)

@@ -49,7 +49,7 @@ MiB = 1 << 20
     reason="not met yet: measured +461 MiB peak for a 98 MiB Q8_0 file (AMD EPYC Zen 4, "
     "2 vCPUs). The weights served are the file's size and no float32 safetensors copy is "
     "made, but loading still peaks above 1.3x: the huge-page copy of the streamed weights "
-    "(model/llama.py) holds them twice at its end, and the rest is not located yet (#28)",
+    "(model/causal_lm.py) holds them twice at its end, and the rest is not located yet (#28)",
 )
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no CPU kernels: GGUF blocks are dequantized")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from genserve.model import huge_pages
+from genserve.model.causal_lm import DecoderForCausalLM
 from genserve.model.huge_pages import HugePageRegion, huge_page_region, thp_mode
-from genserve.model.llama import LlamaForCausalLM
 from tests.conftest import TinyModelFactory
 
 madvise_only = pytest.mark.skipif(
@@ -97,14 +97,14 @@ def test_the_cpu_kv_pool_takes_huge_pages_where_it_can(monkeypatch: pytest.Monke
     assert plain.shape == shape and not plain.any()
 
 
-def _fused_model(model_dir: Path, dtype: torch.dtype, quantize: str | None) -> LlamaForCausalLM:
-    from genserve.model.config import ModelConfig
+def _fused_model(model_dir: Path, dtype: torch.dtype, quantize: str | None) -> DecoderForCausalLM:
+    from genserve.model.config import load_model_config
     from genserve.model.quantize_model import quantize_model
     from genserve.model.registry import build_model
     from genserve.model.weights import SafetensorsWeights
     from genserve.parallel import ParallelContext
 
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     with torch.inference_mode():
         model = build_model(config, ParallelContext.single(), dtype, torch.device("cpu"))
         with SafetensorsWeights(model_dir) as weights:
@@ -115,7 +115,7 @@ def _fused_model(model_dir: Path, dtype: torch.dtype, quantize: str | None) -> L
     return model
 
 
-def _streamed(model: LlamaForCausalLM) -> list[torch.Tensor]:
+def _streamed(model: DecoderForCausalLM) -> list[torch.Tensor]:
     holders = [lin for layer in model._layers for lin in model._linears(layer)]
     holders.append(model.lm_head)
     return [t for holder in holders for t in holder.streamed_weights()]

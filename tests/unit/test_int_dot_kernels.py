@@ -191,14 +191,14 @@ def test_decode_layer_op_runs_int_dot_projections_like_the_layers(
     integer kernel (the down projection adding into the residual as it stores), bit-identical
     to the layer-by-layer step; and the logits stay close to the float path's."""
     from genserve.model.attention import SeqSpec, TorchPagedAttention
-    from genserve.model.config import ModelConfig
+    from genserve.model.config import load_model_config
     from genserve.model.quantize_model import quantize_model
     from genserve.model.registry import build_model
     from genserve.model.weights import SafetensorsWeights
     from genserve.parallel import ParallelContext
 
     model_dir = tiny_model_factory("qwen2")  # Q/K/V biases
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     cpu = torch.device("cpu")
     backend = TorchPagedAttention(cpu, use_cpu_kernel=True)
     lens, tables = (37, 5, 20), [(4, 2, 6), (9,), (11, 12)]

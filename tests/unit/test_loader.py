@@ -13,7 +13,7 @@ import torch
 
 from genserve.config import load_config
 from genserve.model import model_cache
-from genserve.model.config import ModelConfig, UnsupportedModelError
+from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import DEFAULT_GGUF_NAME, ModelNotFoundError, resolve_model
 from genserve.model.weight_files import has_weights, weight_files
 from genserve.model.weights import MissingWeightError, SafetensorsWeights
@@ -36,7 +36,7 @@ def test_embedded_default_is_converted_once_and_cached() -> None:
     assert resolved.local_dir.name.startswith("gguf-")  # keyed by content, not file name
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (resolved.local_dir / name).is_file()
-    config = ModelConfig.from_pretrained(resolved.local_dir)
+    config = load_model_config(resolved.local_dir)
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)
     started = time.monotonic()
     assert resolve_model(None, cache_dir=cache) == resolved
@@ -154,9 +154,9 @@ def test_weight_slices(tiny_model_factory: TinyModelFactory) -> None:
 
 
 def test_config_parsing(tmp_path: Path, tiny_model_factory: TinyModelFactory) -> None:
-    qwen = ModelConfig.from_pretrained(tiny_model_factory("qwen2"))
-    assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_windows == (None, None)
-    mistral = ModelConfig.from_pretrained(tiny_model_factory("mistral"))
+    qwen = load_model_config(tiny_model_factory("qwen2"))
+    assert qwen.qkv_bias and not qwen.attention.o_bias and qwen.sliding_windows == (None, None)
+    mistral = load_model_config(tiny_model_factory("mistral"))
     assert mistral.sliding_windows == (32, 32) and not mistral.tie_word_embeddings
 
     legacy = {
@@ -172,13 +172,13 @@ def test_config_parsing(tmp_path: Path, tiny_model_factory: TinyModelFactory) ->
         "rope_scaling": {"type": "linear", "factor": 2.0},
     }
     (tmp_path / "config.json").write_text(__import__("json").dumps(legacy))
-    rope = ModelConfig.from_pretrained(tmp_path).rope
+    rope = load_model_config(tmp_path).rope
     assert (rope.rope_type, rope.theta, dict(rope.params)) == ("linear", 5000.0, {"factor": 2.0})
 
     legacy.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (tmp_path / "config.json").write_text(__import__("json").dumps(legacy))
     with pytest.raises(UnsupportedModelError, match="not supported"):
-        ModelConfig.from_pretrained(tmp_path)
+        load_model_config(tmp_path)
 
 
 def test_only_the_models_own_safetensors_are_weights(

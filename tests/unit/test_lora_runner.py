@@ -146,9 +146,9 @@ def test_wrong_shape_and_corrupt_adapters_are_rejected(
     tiny_model_factory: TinyModelFactory,
     tmp_path: Path,
 ) -> None:
-    from genserve.model.config import ModelConfig
+    from genserve.model.config import load_model_config
 
-    config = ModelConfig.from_pretrained(base_dir)
+    config = load_model_config(base_dir)
     other = tiny_model_factory("qwen2", hidden_size=96, num_attention_heads=6,
                                num_key_value_heads=3)  # fmt: skip
     wrong = make_lora_adapter(other, tmp_path / "wrong", rank=4)

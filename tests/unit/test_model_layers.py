@@ -3,14 +3,22 @@ tensor-parallel ranks, the slot mapping of the paged cache."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from genserve.model.attention import SeqSpec, TorchPagedAttention, slot_mapping
-from genserve.model.config import ModelConfig, UnsupportedModelError
-from genserve.model.layers import local_kv_heads, rope_inv_freq
+from genserve.model.config import (
+    RopeConfig,
+    UnsupportedModelError,
+    config_from_hf,
+    load_model_config,
+)
+from genserve.model.layers import local_kv_heads
+from genserve.model.rotary import attention_factor, rope_inv_freq
 from genserve.parallel import ParallelContext
 from tests.conftest import TinyModelFactory
 
@@ -27,20 +35,30 @@ from tests.conftest import TinyModelFactory
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+         "original_max_position_embeddings": 1024},
+        {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "beta_fast": 16.0,
+         "mscale": 0.7, "mscale_all_dim": 1.0, "original_max_position_embeddings": 512},
+        {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0,
+         "short_factor": [1.0 + i / 64 for i in range(64)],
+         "long_factor": [2.0 + i / 16 for i in range(64)],
+         "original_max_position_embeddings": 1024},
     ],
-)
-def test_rope_inv_freq_matches_transformers(rope: dict[str, float | str]) -> None:
+)  # fmt: skip
+def test_rope_inv_freq_matches_transformers(rope: dict[str, Any]) -> None:
     hf = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=dict(rope))
     expected, scaling = ROPE_INIT_FUNCTIONS[str(rope["rope_type"])](hf, None)
-    ours = rope_inv_freq(ModelConfig.from_hf(hf).rope, 128)
-    assert scaling == 1.0 and torch.equal(ours, expected)
+    ours = config_from_hf(hf).rope
+    assert torch.equal(rope_inv_freq(ours, 128), expected)
+    assert attention_factor(ours) == pytest.approx(scaling, rel=1e-12)
+    if rope["rope_type"] == "longrope":  # past the original context: the long factors
+        long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, None, seq_len=2000)
+        assert torch.equal(rope_inv_freq(ours, 128, long=True), long)
 
 
 def test_unsupported_rope_type_is_reported() -> None:
-    # dynamic is supported since issue #15 (model/rope_scaling.py); yarn is not.
-    hf = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        rope_inv_freq(ModelConfig.from_hf(hf).rope, 64)
+    with pytest.raises(UnsupportedModelError, match="mrope"):
+        rope_inv_freq(RopeConfig(rope_type="mrope"), 64)
 
 
 def kv_heads(num_heads: int, num_kv: int, world: int) -> list[tuple[int, ...]]:
@@ -117,7 +135,7 @@ def test_prepacked_bf16_weights_give_the_same_logits(tiny_model_factory: TinyMod
     from genserve.model.weights import SafetensorsWeights
 
     model_dir = tiny_model_factory("qwen2")  # untied head and biases: every packed path
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     cpu = torch.device("cpu")
     with torch.inference_mode():
         model = build_model(config, ParallelContext.single(), torch.bfloat16, cpu)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from genserve.model.attention import SeqSpec, TorchPagedAttention
-from genserve.model.config import ModelConfig
+from genserve.model.config import load_model_config
 from genserve.model.registry import build_model
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 def run_model(model_dir: Path, ctx: ParallelContext) -> torch.Tensor:
     """Prefill two sequences, then one decode step for both; logits of every sampled row."""
     torch.manual_seed(0)
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     with torch.inference_mode():
         model = build_model(config, ctx, torch.float32, CPU)
         with SafetensorsWeights(model_dir) as weights:

@@ -32,8 +32,18 @@ def _config_dir(tmp_path: Path, model_type: str, **fields: Any) -> Path:
     ("model_type", "fields", "implementation", "architecture"),
     [
         ("llama", {}, NATIVE, "LlamaForCausalLM"),
-        ("qwen3", {}, TRANSFORMERS, "Qwen3ForCausalLM"),
+        # Native families (model/families) since wave 3; a config.json without
+        # ``architectures`` is native only for the model types families/__init__.py maps.
+        ("qwen3", {}, NATIVE, "Qwen3ForCausalLM"),
+        ("gemma2", {"architectures": ["Gemma2ForCausalLM"]}, NATIVE, "Gemma2ForCausalLM"),
+        (
+            "starcoder2",
+            {"architectures": ["Starcoder2ForCausalLM"]},
+            NATIVE,
+            "Starcoder2ForCausalLM",
+        ),
         ("gemma2", {}, TRANSFORMERS, "Gemma2ForCausalLM"),
+        ("mixtral", {}, TRANSFORMERS, "MixtralForCausalLM"),
         ("gpt_oss", {}, TRANSFORMERS, "GptOssForCausalLM"),
         ("falcon", {}, TRANSFORMERS_SEQUENTIAL, "FalconForCausalLM"),
         ("qwen3_5_text", {}, TRANSFORMERS_SEQUENTIAL, "Qwen3_5ForCausalLM"),
@@ -69,7 +79,7 @@ def test_sequential_path_switches_off_prefix_caching_and_speculation(tmp_path: P
 
 
 def test_paged_path_keeps_prefix_caching(tmp_path: Path) -> None:
-    path = choose_serving_path(_config_dir(tmp_path, "qwen3"))
+    path = choose_serving_path(_config_dir(tmp_path, "mixtral"))
     config = restrict_for_fallback(load_config([], environ={}), path)
     assert not config.disable_prefix_caching
     assert "prefix_caching" not in {f.split(":")[0] for f in disabled_features(path)}
@@ -80,7 +90,7 @@ def test_paged_path_keeps_prefix_caching(tmp_path: Path) -> None:
     [["--quantize", "int8"], ["--lora-adapters", "a=/x"], ["--rope-scaling", "linear"]],
 )
 def test_fallback_refuses_what_it_cannot_honour(tmp_path: Path, args: list[str]) -> None:
-    path = choose_serving_path(_config_dir(tmp_path, "qwen3"))
+    path = choose_serving_path(_config_dir(tmp_path, "mixtral"))
     with pytest.raises(UnsupportedModelError, match="transformers fallback"):
         restrict_for_fallback(load_config(args, environ={}), path)
 

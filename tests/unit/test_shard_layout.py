@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from genserve.model.config import ModelConfig, UnsupportedModelError
+from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.layers import local_kv_heads
 from genserve.model.registry import build_model
 from genserve.model.weights import SafetensorsWeights
@@ -49,7 +49,7 @@ class RecordingWeights:
 
 
 def load_rank(model_dir: Path, rank: int, world_size: int) -> RecordingWeights:
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     model = build_model(
         config, ParallelContext(rank, world_size), torch.float32, torch.device("cpu")
     )

@@ -103,12 +103,12 @@ def check_model(model_dir: str) -> None:
     """Prefill three prompts (SDPA), then one decode step through both decode paths: the
     logits of the Triton path equal the SDPA path's."""
     from genserve.model.attention import SeqSpec, TorchPagedAttention
-    from genserve.model.config import ModelConfig
+    from genserve.model.config import load_model_config
     from genserve.model.registry import build_model
     from genserve.model.weights import SafetensorsWeights
     from genserve.parallel import ParallelContext
 
-    config = ModelConfig.from_pretrained(Path(model_dir))
+    config = load_model_config(Path(model_dir))
     cpu = torch.device("cpu")
     block_size = 16
     with torch.inference_mode():

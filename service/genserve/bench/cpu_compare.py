@@ -154,13 +154,13 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def run_compare(args: argparse.Namespace) -> dict[str, object]:
-    from genserve.model.config import ModelConfig
+    from genserve.model.config import load_model_config
     from genserve.model.loader import default_gguf_path, resolve_model
     from genserve.worker.runner_bench import random_prompts
 
     torch.set_num_threads(args.threads)
     resolved = resolve_model(None, cache_dir=args.cache_dir)
-    config = ModelConfig.from_pretrained(resolved.local_dir)
+    config = load_model_config(resolved.local_dir)
     cost = machine_limits.model_cost(
         config.hidden_size,
         config.intermediate_size,

@@ -115,6 +115,9 @@ def read_adapter(adapter_id: str, directory: Path, config: ModelConfig) -> Adapt
         raise AdapterError(f"adapter {adapter_id!r}: cannot read it: {exc}") from exc
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"adapter {adapter_id!r}: not a LoRA adapter config")
+    if config.lora_blocker is not None:
+        raise AdapterError(f"adapter {adapter_id!r}: this model takes no LoRA adapters: "
+                           f"{config.lora_blocker}")  # fmt: skip
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise AdapterError(f"adapter {adapter_id!r}: rank_pattern/alpha_pattern unsupported")
     alpha = float(cfg.get("lora_alpha", 8))

@@ -70,6 +70,11 @@ class AttentionMetadata(Protocol):
         backend's layout on CPU with the kernels loaded), else None (call ``write_kv``)."""
         ...
 
+    def sequence_lengths(self) -> torch.Tensor:
+        """``[num_tokens]``: for each token, its sequence's length once this step is done
+        (the context rotary kinds that depend on it see: dynamic NTK, longrope)."""
+        ...
+
     def attend(
         self,
         q: torch.Tensor,
@@ -78,9 +83,11 @@ class AttentionMetadata(Protocol):
         kv_cache: torch.Tensor,
         scale: float,
         window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """``q``: ``[num_tokens, num_heads, head_dim]`` → ``[num_tokens, num_heads *
-        head_dim]``; ``k``/``v`` are this step's new keys/values (already in the cache)."""
+        head_dim]``; ``k``/``v`` are this step's new keys/values (already in the cache).
+        ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2)."""
         ...
 
 
@@ -169,6 +176,12 @@ class TorchAttentionMetadata:
         # The CPU kernels' layout is this one: [2, kv_heads, blocks, block_size, head_dim].
         return self.slots if self.use_cpu_kernel else None
 
+    def sequence_lengths(self) -> torch.Tensor:
+        ends = [self.decode_context_lens]
+        for p in self.prefills:
+            ends.append(torch.full((p.num_tokens,), p.start_pos + p.num_tokens, device=self.device))
+        return torch.cat(ends)
+
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # kv_cache: [2, kv_heads, num_blocks, block_size, head_dim]; k, v: [T, kv_heads, hd]
         two, heads, num_blocks, block_size, head_dim = kv_cache.shape
@@ -193,12 +206,18 @@ class TorchAttentionMetadata:
         return mask
 
     def _attend_decodes(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, window: int | None
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """All decode tokens in one batched op → ``[num_decodes, num_heads * head_dim]``."""
         d = self.num_decodes
         _, num_heads, head_dim = q.shape
-        if self.use_cpu_kernel:
+        # Neither kernel caps scores: soft-capped layers take the gathered eager path.
+        if self.use_cpu_kernel and softcap is None:
             out: torch.Tensor = torch.ops.genserve.paged_decode_attention(
                 q[:d],
                 kv_cache,
@@ -208,7 +227,7 @@ class TorchAttentionMetadata:
                 -1 if window is None else window,
             )
             return out.view(d, num_heads * head_dim)
-        if self.use_triton_decode:
+        if self.use_triton_decode and softcap is None:
             from genserve.kernels import triton_attention
 
             out = triton_attention.paged_decode_attention(
@@ -228,7 +247,10 @@ class TorchAttentionMetadata:
         # Fold the query heads of a KV group into the query-length axis:
         # [d, heads, hd] -> [kv_heads, d, group, hd]; one op over all (kv_head, seq) pairs.
         q_dec = q[:d].view(d, num_kv_heads, group, head_dim).transpose(0, 1)
-        if q.dtype == torch.float32 or d < _MIN_DECODES_FOR_MATMUL:
+        if softcap is not None:
+            mask = self._decode_mask(window, block_size, torch.float32)
+            o = eager_attention(q_dec, ctx[0], ctx[1], mask, scale, softcap)
+        elif q.dtype == torch.float32 or d < _MIN_DECODES_FOR_MATMUL:
             mask = self._decode_mask(window, block_size, q.dtype)
             o = F.scaled_dot_product_attention(q_dec, ctx[0], ctx[1], attn_mask=mask, scale=scale)
         else:
@@ -248,21 +270,24 @@ class TorchAttentionMetadata:
         kv_cache: torch.Tensor,
         scale: float,
         window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[1]
         group = num_heads // num_kv_heads
         d = self.num_decodes
         if not self.prefills:  # decode-only step: no output buffer to assemble
-            return self._attend_decodes(q, kv_cache, scale, window)
+            return self._attend_decodes(q, kv_cache, scale, window, softcap)
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if d:
-            out[:d] = self._attend_decodes(q, kv_cache, scale, window)
+            out[:d] = self._attend_decodes(q, kv_cache, scale, window, softcap)
         for p in self.prefills:
             s, n = p.token_start, p.num_tokens
             q_p = q[s : s + n].transpose(0, 1)[None]  # [1, heads, n, hd]
             prefill_mask = p.mask(window, self.device)
-            if prefill_mask is None:  # whole prompt from position 0: attend to the fresh K/V
+            if softcap is not None:
+                o = self._capped_prefill(p, q_p, k, v, kv_cache, scale, window, softcap)
+            elif prefill_mask is None:  # whole prompt from position 0: attend to the fresh K/V
                 k_p = k[s : s + n].transpose(0, 1)[None]
                 v_p = v[s : s + n].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(
@@ -278,6 +303,61 @@ class TorchAttentionMetadata:
                 )  # fmt: skip
             out[s : s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return out
+
+    def _capped_prefill(
+        self,
+        p: _Prefill,
+        q_p: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float,
+    ) -> torch.Tensor:
+        """One prefill chunk through :func:`eager_attention` → ``[1, heads, n, head_dim]``."""
+        _, num_heads, n, head_dim = q_p.shape
+        num_kv_heads = kv_cache.shape[1]
+        ctx_len = p.start_pos + n
+        if p.start_pos == 0:  # the whole context is this step's K/V
+            keys, values = (
+                k[p.token_start : p.token_start + n],
+                v[p.token_start : p.token_start + n],
+            )
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [kvh, n, hd]
+        else:
+            ctx = kv_cache.index_select(2, p.block_ids)
+            ctx = ctx.view(2, num_kv_heads, -1, head_dim)[:, :, :ctx_len]
+            keys, values = ctx[0], ctx[1]
+        q_pos = torch.arange(p.start_pos, ctx_len, device=self.device)
+        k_pos = torch.arange(ctx_len, device=self.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - window
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        group = num_heads // num_kv_heads
+        # [kvh, group * n, hd]: the query heads of a KV group share its keys.
+        q_g = q_p[0].reshape(num_kv_heads, group, n, head_dim).reshape(num_kv_heads, group * n, -1)
+        o = eager_attention(q_g, keys, values, mask.repeat(group, 1), scale, softcap)
+        return o.view(num_kv_heads, group, n, head_dim).reshape(1, num_heads, n, head_dim)
+
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """transformers' eager attention with score soft-capping: ``softmax(cap * tanh(q kᵀ *
+    scale / cap) + mask) v``, the softmax in float32.  ``q`` ``[..., m, hd]``, ``k``/``v``
+    ``[..., L, hd]``, ``mask`` additive, broadcastable to ``[..., m, L]``."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 class TorchPagedAttention:
@@ -364,6 +444,10 @@ class FlashAttentionMetadata:
     def fused_kv_slots(self) -> torch.Tensor | None:
         return None  # a CUDA layout: write_kv stores K/V
 
+    def sequence_lengths(self) -> torch.Tensor:
+        q_lens = self.cu_seqlens_q.diff().long()
+        return torch.repeat_interleave(self.cu_seqlens_k.diff().long(), q_lens)
+
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
         two, num_blocks, block_size, heads, head_dim = kv_cache.shape
@@ -379,6 +463,7 @@ class FlashAttentionMetadata:
         kv_cache: torch.Tensor,
         scale: float,
         window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
 
@@ -395,6 +480,7 @@ class FlashAttentionMetadata:
             causal=True,
             # HF's sliding window keeps keys with q_pos - k_pos < window.
             window_size=(window - 1, 0) if window is not None else (-1, -1),
+            softcap=0.0 if softcap is None else softcap,
             block_table=self.block_table,
         )
         return out.reshape(num_tokens, num_heads * head_dim)  # type: ignore[no-any-return]

@@ -1,4 +1,5 @@
-"""Building blocks of the Llama family, written for a flat token batch and tensor parallelism.
+"""Linear and embedding parts of the native decoder, for a flat token batch and tensor
+parallelism.
 
 Every activation is ``[num_tokens, features]``: the sequences of a step are concatenated, never
 padded.  Linear layers follow the Megatron split:
@@ -20,7 +21,6 @@ left to it so that the module is not rewritten twice.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
@@ -28,12 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from genserve.kernels import int_dot
-from genserve.model import rope_scaling
-from genserve.model.config import RopeConfig, UnsupportedModelError
 from genserve.model.huge_pages import HugePageRegion
 from genserve.model.int_dot_panels import IntDotPanels
 from genserve.model.lora import LoraHook
 from genserve.model.quantization import QuantizedWeight
+from genserve.model.spec import UnsupportedModelError
 from genserve.model.weight_panels import QuantizedPanels, float_panel_rows, pack_float
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
@@ -106,7 +105,7 @@ class _Packable(nn.Module):
     weight: torch.Tensor
     packed: torch.Tensor | None = None
     # Steps of at most this many rows use genserve's weight-streaming CPU matvec (set by
-    # LlamaForCausalLM.use_fused_cpu_ops; 0: never).
+    # DecoderForCausalLM.use_fused_cpu_ops; 0: never).
     matvec_rows: int = 0
     # --quantize: the weight in a quantized format (model/quantization.py), used instead of
     # ``weight`` (moved to ``qpanels`` where genserve's CPU kernels run).
@@ -198,113 +197,6 @@ class _Packable(nn.Module):
         self.quant = quant.to(self.weight.device)
         self.packed = None
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-
-class RMSNorm(nn.Module):
-    """RMS normalisation computed in float32 and cast back before the weight, as transformers
-    does, so float32 and half-precision results match the reference bit for bit in layout."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _empty(size, dtype=dtype, device=device)
-        self.eps = eps
-        self.shape = (size,)
-
-    # Set by LlamaForCausalLM.use_fused_cpu_ops: genserve's one-pass CPU op (same roundings).
-    fused: bool = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden].  F.rms_norm without weight computes exactly transformers'
-        # x * rsqrt(mean(x^2) + eps) (checked bit for bit in float32) with one Python call
-        # instead of five: Python dispatch, not arithmetic, is the cost at small batches.
-        if self.fused:
-            out: torch.Tensor = torch.ops.genserve.rms_norm(x, self.weight, self.eps)
-            return out
-        normed = F.rms_norm(x.float(), self.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + residual, norm(x + residual))``: the residual add and the norm in one pass
-        when fused."""
-        if self.fused:
-            summed, normed = torch.ops.genserve.add_rms_norm(x, residual, self.weight, self.eps)
-            return summed, normed
-        summed = residual + x
-        return summed, self.forward(summed)
-
-    def load(self, weights: WeightSource, name: str) -> None:
-        _copy_in(self.weight, weights.get(name), name)
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (float32) as transformers computes them."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type in ("default", "dynamic"):  # dynamic: per step, see cos_sin
-        return inv_freq
-    if rope.rope_type == "linear":
-        return inv_freq / rope.params["factor"]
-    if rope.rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope.params)
-    raise UnsupportedModelError(
-        f"rope type {rope.rope_type!r} is not supported (default, linear, dynamic, llama3 are)"
-    )
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, float] | object) -> torch.Tensor:
-    assert isinstance(params, dict)
-    factor = params["factor"]
-    low_freq_factor = params["low_freq_factor"]
-    high_freq_factor = params["high_freq_factor"]
-    old_context_len = params["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, "rotate half" convention (Llama/Mistral/Qwen2 in HF)."""
-
-    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
-        super().__init__()
-        self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim).to(device), persistent=False)
-        self.rope, self.head_dim = rope, head_dim
-
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype, num_decodes: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and *signed* ``sin`` of shape ``[num_tokens, 1, head_dim]``, computed once
-        per step and shared by every layer.  The first half of ``sin`` is negated so that
-        :func:`apply_rotary` needs a flip instead of transformers' ``cat(-x2, x1)``.
-        ``num_decodes``: the leading decode rows, one sequence each (dynamic NTK reads it)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim/2]
-        if self.rope.rope_type == "dynamic":  # issue #15 --rope-scaling dynamic
-            freqs = rope_scaling.dynamic_freqs(positions, self.rope, self.head_dim, num_decodes)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        sin = emb.sin()
-        sin[:, : freqs.shape[1]].neg_()
-        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[num_tokens, num_heads, head_dim]``) by the position angles
-    (``cos``/``signed_sin`` from :meth:`RotaryEmbedding.cos_sin`).
-
-    Equal, bit for bit, to transformers' ``x * cos + cat(-x2, x1) * sin``: ``flip`` of the
-    halves gives ``[x2, x1]`` and the sign lives in ``signed_sin`` (negation is exact).  Q
-    and K heads can be rotated in one call by concatenating them."""
-    swapped = x.view(*x.shape[:-1], 2, -1).flip(-2).view(x.shape)  # [x2, x1]
-    rotated: torch.Tensor = (x * cos) + (swapped * signed_sin)
-    return rotated
 
 
 class ColumnParallelLinear(_Packable):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
+from genserve.model.causal_lm import DecoderForCausalLM
 from genserve.model.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -27,7 +28,6 @@ from genserve.model.layers import (
     VocabParallelEmbedding,
     _Packable,
 )
-from genserve.model.llama import LlamaForCausalLM
 from genserve.model.quantization import (
     QuantizationError,
     QuantizedWeight,
@@ -48,7 +48,7 @@ class QuantizeSummary:
 
 
 def quantize_model(
-    model: LlamaForCausalLM,
+    model: DecoderForCausalLM,
     method: str,
     gguf_tensors: Mapping[str, QuantizedWeight] | None = None,
 ) -> QuantizeSummary:
@@ -73,7 +73,7 @@ def quantize_model(
     return summary
 
 
-def model_weight_bytes(model: LlamaForCausalLM) -> int:
+def model_weight_bytes(model: DecoderForCausalLM) -> int:
     """Bytes of weights ``model`` holds: its parameters (a quantized or panel-packed layer's
     plain weight is empty) plus each quantized or packed matrix once (a tied embedding and
     head share one)."""
@@ -91,7 +91,7 @@ def model_weight_bytes(model: LlamaForCausalLM) -> int:
     return int(total)
 
 
-def _from_float(model: LlamaForCausalLM, method: str, summary: QuantizeSummary) -> None:
+def _from_float(model: DecoderForCausalLM, method: str, summary: QuantizeSummary) -> None:
     for layer in model._layers:
         for linear in model._linears(layer):
             linear.set_quantized(quantize(linear.weight, method))
@@ -106,7 +106,7 @@ def _from_float(model: LlamaForCausalLM, method: str, summary: QuantizeSummary) 
 
 
 def _from_gguf(
-    model: LlamaForCausalLM, tensors: Mapping[str, QuantizedWeight], summary: QuantizeSummary
+    model: DecoderForCausalLM, tensors: Mapping[str, QuantizedWeight], summary: QuantizeSummary
 ) -> None:
     plan: list[tuple[_Packable, list[str]]] = []
     for i, layer in enumerate(model._layers):

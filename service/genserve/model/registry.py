@@ -1,26 +1,19 @@
-"""Architecture name (``config.json`` ``architectures``) → native model class."""
+"""Native model construction: every native family is the one spec-assembled decoder."""
 
 from __future__ import annotations
 
 import torch
 
-from genserve.model.config import ModelConfig, UnsupportedModelError
-from genserve.model.llama import LlamaForCausalLM
+from genserve.model.causal_lm import DecoderForCausalLM
+from genserve.model.families import FAMILIES
+from genserve.model.spec import ModelConfig, UnsupportedModelError
 from genserve.parallel import ParallelContext
-
-# Llama, Mistral and Qwen2 differ only in configuration (biases, sliding window).
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
 
 
 def build_model(
     config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device: torch.device
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     """An uninitialised model (weights allocated, not loaded) for ``config``."""
-    cls = MODEL_CLASSES.get(config.architecture)
-    if cls is None:
+    if config.architecture not in FAMILIES:
         raise UnsupportedModelError(f"no native implementation of {config.architecture}")
-    return cls(config, ctx, dtype, device)
+    return DecoderForCausalLM(config, ctx, dtype, device)

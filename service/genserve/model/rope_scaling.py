@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from genserve.model.config import RopeConfig
+from genserve.model.spec import RopeConfig
 
 
 def override(
@@ -59,7 +59,9 @@ def sequence_lengths(positions: torch.Tensor, num_decodes: int = 0) -> torch.Ten
     neighbours' positions are (two requests at positions 10 and 11 are two sequences, not one
     chunk).  The remaining tokens are prefill chunks, told apart as runs of consecutive
     positions.  No device→host synchronisation (the run buffer has ``num_tokens`` entries, an
-    upper bound on the number of runs), so CUDA graphs can capture it."""
+    upper bound on the number of runs), so CUDA graphs can capture it.  The model itself reads
+    the lengths from its attention metadata (``AttentionMetadata.sequence_lengths``, which
+    knows each sequence); this is the default for callers that have positions only."""
     n = positions.shape[0]
     lengths = positions + 1
     if num_decodes >= n:
@@ -75,13 +77,15 @@ def sequence_lengths(positions: torch.Tensor, num_decodes: int = 0) -> torch.Ten
 
 
 def dynamic_freqs(
-    positions: torch.Tensor, rope: RopeConfig, head_dim: int, num_decodes: int = 0
+    positions: torch.Tensor, rope: RopeConfig, head_dim: int, lengths: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``positions [num_tokens]`` → angles ``[num_tokens, head_dim // 2]`` under dynamic NTK
-    (``num_decodes``: as :func:`sequence_lengths`)."""
+    """``positions [num_tokens]`` → angles ``[num_tokens, head_dim // 2]`` under dynamic NTK;
+    ``lengths``: each token's sequence length (default: :func:`sequence_lengths`)."""
     max_pos = rope.params["original_max_position_embeddings"]
     factor = rope.params["factor"]
-    lengths = sequence_lengths(positions, num_decodes).float().clamp(min=max_pos)  # [num_tokens]
+    if lengths is None:
+        lengths = sequence_lengths(positions)
+    lengths = lengths.float().clamp(min=max_pos)  # [num_tokens]
     base = rope.theta * ((factor * lengths / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
     exponents = exponents / head_dim  # [head_dim/2], as transformers (float32 exponents)

@@ -2,9 +2,10 @@
 
 Three paths, decided from ``config.json`` alone (cheap: no weights are read):
 
-- ``native``: the architecture is implemented in ``genserve.model`` (``ModelConfig`` accepts
-  it).  Everything the server has (fused CPU kernels, quantization, sharding, LoRA, CUDA
-  graphs) applies.
+- ``native``: the architecture is one of the native families (``model/families``) and its
+  config reduces to a spec the native model builds (``load_model_config`` accepts it, and
+  the rotary code has its rope kind).  Everything the server has (fused CPU kernels,
+  quantization, sharding, LoRA, CUDA graphs) applies.
 - ``transformers``: any other ``*ForCausalLM`` whose attention goes through transformers'
   attention interface (``_supports_attention_backend``) and whose layers are all attention
   layers: transformers' modeling code runs with genserve's paged KV cache and continuous
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from genserve.model.config import ModelConfig, UnsupportedModelError
+from genserve.model.config import ModelConfig, UnsupportedModelError, load_model_config
 
 NATIVE = "native"
 TRANSFORMERS = "transformers"
@@ -64,7 +65,7 @@ def choose_serving_path(
     native_refusal = "--model-impl transformers"
     try:
         if model_impl == "auto":
-            native = ModelConfig.from_pretrained(model_dir, trust_remote_code)
+            native = load_model_config(model_dir, trust_remote_code)
             _check_native_build(native)
             return ServingPath(native.architecture, NATIVE, "implemented natively")
     except UnsupportedModelError as exc:
@@ -98,12 +99,16 @@ def choose_serving_path(
 
 
 def _check_native_build(config: ModelConfig) -> None:
-    """Raise :class:`UnsupportedModelError` for what ``ModelConfig`` accepts but building the
-    native model would refuse (a rope scaling kind it lacks, e.g. YaRN), so such a model takes
-    the fallback instead of failing at load."""
-    from genserve.model.layers import rope_inv_freq
+    """Raise :class:`UnsupportedModelError` for what the family's config reduction accepts but
+    building the native model would refuse (a rope kind or rotary layout the rotary code
+    lacks), so such a model takes the fallback instead of failing at load."""
+    from genserve.model.rotary import head_permutation, rope_inv_freq
 
-    rope_inv_freq(config.rope, config.head_dim)
+    attn = config.attention
+    for rope in (config.rope, config.local_rope):
+        if rope is not None:
+            rope_inv_freq(rope, attn.rotary_dim or config.head_dim)
+    head_permutation(config.head_dim, attn.rotary_dim or config.head_dim, attn.interleaved_rotary)
 
 
 def causal_lm_class(hf: Any, model_dir: Path, trust_remote_code: bool) -> type | None:

@@ -44,6 +44,7 @@ from genserve.model.config import ModelConfig, RopeConfig
 from genserve.model.loader import transformers_weights_kwargs
 from genserve.model.lora import AdapterError
 from genserve.model.serving_path import ServingPath
+from genserve.model.spec import NormSpec
 from genserve.model.transformers_attention import (
     ATTENTION_NAME,
     PagedStep,
@@ -258,12 +259,9 @@ def load_transformers_model(
         num_heads=num_heads,
         num_kv_heads=geometry.num_kv_heads,
         head_dim=geometry.head_dim,
-        rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6),
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096) or 4096),
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-        qkv_bias=False,
-        o_bias=False,
-        mlp_bias=False,
+        norm=NormSpec(eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6)),
         rope=RopeConfig(),
         sliding_windows=(None,) * len(geometry.layer_slots),
         eos_token_ids=_eos_ids(getattr(text, "eos_token_id", None)),

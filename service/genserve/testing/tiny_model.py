@@ -1,9 +1,9 @@
-"""Tiny random-weight Llama-family models for tests (and for client tests that need a real
-server): a few layers, hidden size 64, grouped-query attention, saved with transformers'
-``save_pretrained`` (safetensors) next to the embedded default model's tokenizer, so prompts
-tokenize exactly as they would for the real model (vocabulary 49152).
+"""Tiny random-weight models of every native family for tests (and for client tests that
+need a real server): a few layers, hidden size 64, grouped-query attention, saved with
+transformers' ``save_pretrained`` (safetensors) next to the embedded default model's
+tokenizer, so prompts tokenize exactly as they would for the real model (vocabulary 49152).
 
-    python -m genserve.testing.tiny_model OUT_DIR [--arch llama|mistral|qwen2] [--seed N]
+    python -m genserve.testing.tiny_model OUT_DIR [--arch llama|mistral|qwen2|...] [--seed N]
 """
 
 from __future__ import annotations
@@ -13,7 +13,109 @@ import os
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Families beyond the first three: each config sets the family's own features to values
+# that matter at this size (short sliding windows, strong soft-caps, scaled rotary with a
+# short original context, multipliers far from 1), and every norm weight and bias is
+# randomized (transformers initialises them to 1/0, which would hide a skipped one).
+_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + i / 8 for i in range(6)],
+    "long_factor": [2.0 + i / 2 for i in range(6)],
+    "partial_rotary_factor": 0.75,
+}
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("qwen3", {"tie_word_embeddings": False}),
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "use_sliding_window": False,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "gemma": ("gemma", {"hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": (
+        "gemma2",
+        {
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 6.0,
+        },
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+            },
+        },
+    ),
+    "phi3": (
+        "phi3",
+        # 128: the test prompts are either longer from the start or stay shorter while they
+        # generate (see docs/models/architectures.md on crossing it).
+        {"original_max_position_embeddings": 128, "rope_parameters": _LONGROPE},
+    ),
+    "granite": (
+        "granite",
+        {
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.4,
+            "attention_multiplier": 0.15,
+            "logits_scaling": 2.5,
+            "attention_bias": True,
+        },
+    ),
+    "olmo2": ("olmo2", {}),
+    "stablelm": (
+        "stablelm",
+        {
+            "use_qkv_bias": True,
+            "layer_norm_eps": 1e-5,
+            "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
+    ),
+    "phi": (
+        "phi",
+        {
+            "num_key_value_heads": 4,
+            "hidden_act": "gelu_new",
+            "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        },
+    ),
+    "gpt_neox": (
+        "gpt_neox",
+        {
+            "num_key_value_heads": 4,
+            "hidden_act": "gelu",
+            "use_parallel_residual": True,
+            "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
+    ),
+    "starcoder2": (
+        "starcoder2",
+        {"sliding_window": 32, "use_bias": True, "hidden_act": "gelu_pytorch_tanh"},
+    ),
+    "cohere": ("cohere", {"use_qk_norm": True, "logit_scale": 0.5, "layer_norm_eps": 1e-5}),
+    "smollm3": (
+        "smollm3",
+        {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "tie_word_embeddings": False},
+    ),
+}
+NATIVE_FAMILIES = tuple(FAMILY_CONFIGS)
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", *NATIVE_FAMILIES)
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 64,
@@ -78,10 +180,11 @@ def make_tiny_model(
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or default_tokenizer_dir()))
-    fields = {**_COMMON, **_PER_ARCH[arch], **overrides}
+    model_type, family = FAMILY_CONFIGS.get(arch, (arch, {}))
+    fields = {**_COMMON, **_PER_ARCH.get(arch, {}), **family, **overrides}
     fields.setdefault("vocab_size", len(tokenizer))
     config = AutoConfig.for_model(
-        arch,
+        model_type,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -90,10 +193,26 @@ def make_tiny_model(
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if arch in FAMILY_CONFIGS:
+        _randomize_norms_and_biases(model, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
+
+
+def _randomize_norms_and_biases(model: Any, seed: int) -> None:
+    """Norm weights around 1 and biases around 0, each different (see FAMILY_CONFIGS)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen).to(param.dtype) * 0.2
+            if name.endswith(".bias"):
+                param.copy_(noise)
+            elif "norm" in name:
+                param.copy_(param + noise)
 
 
 def main(argv: list[str] | None = None) -> None:

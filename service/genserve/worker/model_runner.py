@@ -25,7 +25,7 @@ import torch
 
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
-from genserve.model.config import ModelConfig, UnsupportedModelError
+from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.quantize_model import model_weight_bytes
@@ -104,7 +104,7 @@ class ModelRunner:
         if not self.serving.is_native:
             self._init_fallback(model, trust_remote_code)
             return
-        self.config = ModelConfig.from_pretrained(model.local_dir, trust_remote_code)
+        self.config = load_model_config(model.local_dir, trust_remote_code)
         if model.rope_scaling is not None or model.rope_factor is not None:
             self.config = dataclasses.replace(
                 self.config,

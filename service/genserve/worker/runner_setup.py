@@ -11,15 +11,15 @@ import sys
 import numpy as np
 import torch
 
+from genserve.model.causal_lm import DecoderForCausalLM
 from genserve.model.huge_pages import zeros_on_huge_pages
-from genserve.model.llama import LlamaForCausalLM
 from genserve.model.loader import ResolvedModel
 from genserve.model.quantize_model import QuantizeSummary, quantize_model
 from genserve.model.weight_files import has_weights
 from genserve.model.weights import SafetensorsWeights
 
 
-def load_weights(model: LlamaForCausalLM, resolved: ResolvedModel) -> QuantizeSummary | None:
+def load_weights(model: DecoderForCausalLM, resolved: ResolvedModel) -> QuantizeSummary | None:
     """Load ``model``'s weights and apply ``--quantize``; the summary when quantized.
 
     A GGUF model is read from the file itself (model/gguf_weights.py): with ``--quantize

@@ -1,0 +1,325 @@
+"""The native decoder: a causal LM assembled from parts as a :class:`ModelConfig` spec says.
+
+Every dense family genserve serves natively (``model/families``) is this one module with a
+different spec: norm kind, attention options (biases, q/k norm, soft-cap, scale, sliding
+window and rotary per layer), MLP kind, how the sublayers meet the residual stream, and the
+embedding / logit multipliers.  Weight names are the family's (``spec.WeightNames``).
+
+Submodules are invoked with ``.forward(...)``: no hooks are ever registered on them, and
+``nn.Module.__call__`` would add a few microseconds to each of the ~10 calls per layer per
+step, which on a small model is a visible share of a decode step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
+from genserve.model.fused_decode import FusedDecodeArgs
+from genserve.model.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from genserve.model.norms import Norm, RMSNorm, make_norm
+from genserve.model.rotary import apply_rotary, head_permutation
+from genserve.model.spec import Activation, ModelConfig, QKNorm, QKVLayout, UnsupportedModelError
+from genserve.model.weight_views import RowView, RowViews, head_rows
+from genserve.model.weights import WeightSource
+from genserve.parallel import ParallelContext
+
+log = structlog.get_logger("genserve.model")
+
+
+class Attention(nn.Module):
+    fused = False  # genserve's CPU rotary op (see DecoderForCausalLM.use_fused_cpu_ops)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        spec = config.attention
+        d = config.head_dim
+        self.config = config
+        self.head_dim = d
+        self.scale = spec.scale if spec.scale is not None else d**-0.5
+        self.softcap = spec.softcap
+        self.window = config.sliding_windows[layer_idx]
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, d, config.num_heads, config.num_kv_heads, spec.qkv_bias,
+            ctx, dtype, device,
+        )  # fmt: skip
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        q_start, q_stop = self.qkv_proj.q_range
+        self.o_proj = RowParallelLinear(
+            config.num_heads * d, config.hidden_size, spec.o_bias, ctx, dtype, device,
+            in_range=(q_start, q_stop),
+        )  # fmt: skip
+        self.perm = head_permutation(d, spec.rotary_dim or d, spec.interleaved_rotary)
+        self.qk_norm = spec.qk_norm
+        self.q_norm: Norm | None = None
+        self.k_norm: Norm | None = None
+        if spec.qk_norm is QKNorm.FULL_WIDTH:
+            if ctx.world_size > 1:
+                raise UnsupportedModelError("a full-width q/k norm cannot be sharded")
+            self.q_norm = make_norm(spec.qk_norm_spec, (self.num_heads * d,), dtype, device)
+            self.k_norm = make_norm(spec.qk_norm_spec, (self.num_kv_heads * d,), dtype, device)
+        elif spec.qk_norm is QKNorm.PER_HEAD:
+            # Cohere keeps one weight row per head; the others share one over head_dim.
+            per_head = spec.qk_norm_weights_per_head
+            q_shape = (self.num_heads, d) if per_head else (d,)
+            k_shape = (self.num_kv_heads, d) if per_head else (d,)
+            self.q_norm = make_norm(spec.qk_norm_spec, q_shape, dtype, device)
+            self.k_norm = make_norm(spec.qk_norm_spec, k_shape, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj.forward(x)  # [num_tokens, (h + 2 * kvh) * d]
+        # Q and K are rotated together: one set of elementwise ops instead of two.
+        if self.q_norm is None or self.k_norm is None:
+            qk_in = qkv[:, : (h + kvh) * d].view(num_tokens, h + kvh, d)
+        elif self.qk_norm is QKNorm.FULL_WIDTH:
+            q = self.q_norm.forward(qkv[:, : h * d])
+            k = self.k_norm.forward(qkv[:, h * d : (h + kvh) * d])
+            qk_in = torch.cat((q, k), dim=1).view(num_tokens, h + kvh, d)
+        else:
+            q = self.q_norm.forward(qkv[:, : h * d].view(num_tokens, h, d))
+            k = self.k_norm.forward(qkv[:, h * d : (h + kvh) * d].view(num_tokens, kvh, d))
+            qk_in = torch.cat((q, k), dim=1)  # [num_tokens, h + kvh, d]
+        v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)
+        slots = meta.fused_kv_slots if self.fused else None
+        if slots is not None:  # CPU kernels: rotary and the K/V store in one op
+            qk = torch.ops.genserve.rotary_write_kv(qk_in, cos, sin, v, kv_cache, slots)
+        else:
+            qk = (torch.ops.genserve.rotary if self.fused else apply_rotary)(qk_in, cos, sin)
+        q, k = qk[:, :h], qk[:, h:]  # [num_tokens, h, d], [num_tokens, kvh, d]
+        if slots is None:
+            meta.write_kv(kv_cache, k, v)
+        out = meta.attend(q, k, v, kv_cache, self.scale, self.window, self.softcap)
+        return self.o_proj.forward(out)  # out: [num_tokens, h * d]
+
+    def load(self, weights: WeightSource, prefix: str) -> None:
+        n, d = self.config.names, self.head_dim
+        num_heads, num_kv = self.config.num_heads, self.config.num_kv_heads
+        q, k, v = (f"{prefix}.{name}" for name in (n.q, n.k, n.v))
+        perm = self.perm
+        if n.qkv_layout is QKVLayout.SEPARATE:
+            parts = [(q, head_rows(num_heads, d, perm)), (k, head_rows(num_kv, d, perm)),
+                     (v, None)]  # fmt: skip
+        elif n.qkv_layout is QKVLayout.FUSED:  # [q | k | v] rows
+            kv_at = num_heads * d
+            parts = [(q, head_rows(num_heads, d, perm)), (q, head_rows(num_kv, d, perm, kv_at)),
+                     (q, head_rows(num_kv, d, None, kv_at + num_kv * d))]  # fmt: skip
+        else:  # per head [q k v]: head i's q rows start at 3 i d, its k at 3 i d + d, ...
+            starts = torch.arange(num_heads)[:, None] * 3 * d
+            parts = []
+            for j, order in enumerate((perm, perm, None)):
+                inner = torch.tensor(order) if order else torch.arange(d)
+                parts.append((q, (starts + j * d + inner[None, :]).reshape(-1)))
+        views = {}
+        for role, (source, rows) in zip("qkv", parts, strict=True):
+            for suffix in ("weight", "bias"):
+                views[f"{role}.{suffix}"] = RowView(f"{source}.{suffix}", rows)
+        self.qkv_proj.load(RowViews(weights, views), ["q", "k", "v"])
+        self.o_proj.load(weights, f"{prefix}.{n.o}")
+        if self.q_norm is not None and self.k_norm is not None:
+            self._load_qk_norms(weights, prefix)
+
+    def _load_qk_norms(self, weights: WeightSource, prefix: str) -> None:
+        n, d = self.config.names, self.head_dim
+        cols = torch.tensor(self.perm) if self.perm else None
+        q_heads = torch.arange(*self.qkv_proj.q_range)[::d] // d  # local query heads
+        kv_heads = torch.tensor(self.qkv_proj.kv_heads)
+        views = {}
+        for role, name, heads in (("q", n.q_norm, q_heads), ("k", n.k_norm, kv_heads)):
+            rows = heads if self.config.attention.qk_norm_weights_per_head else None
+            for suffix in ("weight", "bias"):
+                views[f"{role}.{suffix}"] = RowView(f"{prefix}.{name}.{suffix}", rows, cols)
+        viewed = RowViews(weights, views)
+        assert self.q_norm is not None and self.k_norm is not None
+        self.q_norm.load(viewed, "q.weight")
+        self.k_norm.load(viewed, "k.weight")
+
+
+class MLP(nn.Module):
+    fused = False  # genserve's CPU silu_and_mul op
+
+    def __init__(
+        self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        spec = config.mlp
+        size, hidden = config.intermediate_size, config.hidden_size
+        self.config = config
+        self.gated = spec.gated
+        self.activation = spec.activation
+        sizes = [size, size] if spec.gated else [size]
+        self.gate_up_proj: ColumnParallelLinear = MergedColumnParallelLinear(
+            hidden, sizes, spec.bias, ctx, dtype, device
+        )
+        self.local_size = self.gate_up_proj.weight.shape[0] // len(sizes)
+        self.down_proj = RowParallelLinear(size, hidden, spec.bias, ctx, dtype, device)
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation is Activation.SILU:
+            return F.silu(x)
+        approximate = "tanh" if self.activation is Activation.GELU_TANH else "none"
+        return F.gelu(x, approximate=approximate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x)  # [num_tokens, (1 or 2) * local_intermediate]
+        if not self.gated:
+            return self.down_proj.forward(self._act(gate_up))
+        if self.fused and self.activation is Activation.SILU:
+            return self.down_proj.forward(torch.ops.genserve.silu_and_mul(gate_up))
+        gate, up = gate_up[:, : self.local_size], gate_up[:, self.local_size :]
+        return self.down_proj.forward(self._act(gate) * up)
+
+    def load(self, weights: WeightSource, prefix: str) -> None:
+        n = self.config.names
+        up = f"{prefix}.{n.up}"
+        if not self.gated:
+            self.gate_up_proj.load(weights, [up])
+        elif n.gate:
+            self.gate_up_proj.load(weights, [f"{prefix}.{n.gate}", up])
+        else:  # one [gate | up] matrix (Phi-3's gate_up_proj)
+            size = self.config.intermediate_size
+            views = {
+                f"{role}.{suffix}": RowView(
+                    f"{up}.{suffix}", torch.arange(i * size, (i + 1) * size)
+                )
+                for i, role in enumerate(("gate", "up"))
+                for suffix in ("weight", "bias")
+            }
+            self.gate_up_proj.load(RowViews(weights, views), ["gate", "up"])
+        self.down_proj.load(weights, f"{prefix}.{n.down}")
+
+
+class DecoderLayer(nn.Module):
+    # Set by DecoderForCausalLM.use_fused_cpu_ops (unsharded models), through set_fused_decode.
+    fused_decode: FusedDecodeArgs | None = None
+    _fused_decode_call: tuple[Any, tuple[Any, ...], tuple[Any, ...]]
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.block = config.block
+        self.llama_block = config.block.is_llama
+        self.rope_index = config.rope_index(layer_idx)
+        self.self_attn = Attention(config, layer_idx, ctx, dtype, device)
+        self.mlp = MLP(config, ctx, dtype, device)
+        hidden = (config.hidden_size,)
+        b = config.block
+
+        def norm(present: bool) -> Norm | None:
+            return make_norm(config.norm, hidden, dtype, device) if present else None
+
+        self.pre_attn_norm = norm(b.pre_attn_norm)
+        self.post_attn_norm = norm(b.post_attn_norm)
+        self.pre_mlp_norm = norm(b.pre_mlp_norm)
+        self.post_mlp_norm = norm(b.post_mlp_norm)
+
+    def norms(self) -> list[Norm]:
+        held = (self.pre_attn_norm, self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm)
+        return [n for n in held if n is not None]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn, mlp = self.self_attn, self.mlp
+        if self.llama_block:  # the common case, with the residual add fused into the norm
+            assert self.pre_attn_norm is not None and self.pre_mlp_norm is not None
+            h = attn.forward(self.pre_attn_norm.forward(x), cos, sin, kv_cache, meta)
+            x, normed = self.pre_mlp_norm.add_forward(h, x)
+            return x + mlp.forward(normed)
+        attn_in = x if self.pre_attn_norm is None else self.pre_attn_norm.forward(x)
+        h = attn.forward(attn_in, cos, sin, kv_cache, meta)
+        if self.block.parallel:
+            mlp_in = attn_in if self.pre_mlp_norm is None else self.pre_mlp_norm.forward(x)
+            return x + h + mlp.forward(mlp_in)
+        scale = self.block.residual_multiplier
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm.forward(h)
+        x = x + (h if scale == 1.0 else h * scale)
+        m = mlp.forward(x if self.pre_mlp_norm is None else self.pre_mlp_norm.forward(x))
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm.forward(m)
+        return x + (m if scale == 1.0 else m * scale)
+
+    def decode_forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` of a decode-only CPU step as one C++ op (the same ops in the same
+        order, minus their Python: kernels/decode_layer_cpu.cpp)."""
+        op, head, tail = self._fused_decode_call
+        out: torch.Tensor = op(
+            x, *head, cos, sin, kv_cache, meta.slots, block_table, meta.decode_context_lens, *tail
+        )
+        return out
+
+    def set_fused_decode(self, args: FusedDecodeArgs | None) -> None:
+        """Use ``genserve::decode_layer`` with ``args`` (None: not at all).  The arguments
+        that do not change from step to step are gathered here once: at one stream the op
+        runs in ~330 us, and collecting them from the modules each step cost ~10 us."""
+        self.fused_decode = args
+        if args is None:
+            return
+        attn = self.self_attn
+        assert isinstance(self.pre_attn_norm, RMSNorm) and isinstance(self.pre_mlp_norm, RMSNorm)
+        head = (self.pre_attn_norm.weight, self.pre_mlp_norm.weight, self.pre_attn_norm.eps)
+        tail = (attn.scale, -1 if attn.window is None else attn.window, attn.num_heads,
+                attn.num_kv_heads, args.weights, args.bits, args.groups, args.outs, args.biases,
+                args.matvec_rows)  # fmt: skip
+        # The overload itself: torch.ops' packet would resolve it again on every call.
+        self._fused_decode_call = (torch.ops.genserve.decode_layer.default, head, tail)
+
+    def load(self, weights: WeightSource, prefix: str) -> None:
+        n = self.config.names
+        self.self_attn.load(weights, prefix)
+        self.mlp.load(weights, prefix)
+        for norm, name in (
+            (self.pre_attn_norm, n.pre_attn_norm),
+            (self.post_attn_norm, n.post_attn_norm),
+            (self.pre_mlp_norm, n.pre_mlp_norm),
+            (self.post_mlp_norm, n.post_mlp_norm),
+        ):
+            if norm is not None:
+                norm.load(weights, f"{prefix}.{name}.weight")

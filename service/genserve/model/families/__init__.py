@@ -1,0 +1,73 @@
+"""The native families: each module maps one family's transformers config to a
+:class:`~genserve.model.spec.ModelConfig` (and, through its ``names``, its checkpoint's
+weight names to the decoder's parts).  Adding a family is adding a module here and a line to
+``FAMILIES``; nothing outside ``model/`` learns its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from genserve.model.families import (
+    cohere,
+    gemma,
+    gemma2,
+    gemma3,
+    gpt_neox,
+    granite,
+    llama,
+    olmo2,
+    phi,
+    phi3,
+    qwen3,
+    smollm3,
+    stablelm,
+    starcoder2,
+)
+from genserve.model.spec import ModelConfig, UnsupportedModelError
+
+_MODULES = (
+    llama, qwen3, gemma, gemma2, gemma3, phi3, granite, olmo2, stablelm, phi, gpt_neox,
+    starcoder2, cohere, smollm3,
+)  # fmt: skip
+
+FAMILIES: dict[str, Callable[[Any, str], ModelConfig]] = {
+    arch: module.config for module in _MODULES for arch in module.ARCHITECTURES
+}
+
+# config.json files that name no architecture: the model_type's usual one.
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+NATIVE_ARCHITECTURES = tuple(FAMILIES)
+
+
+def config_from_hf(hf: Any) -> ModelConfig:
+    """The native spec of a transformers config; raises :class:`UnsupportedModelError`
+    (naming the architecture or the feature) where no native family serves it."""
+    archs: list[str] = list(getattr(hf, "architectures", None) or [])
+    arch = next((a for a in archs if a in FAMILIES), None)
+    if arch is None:
+        arch = _BY_MODEL_TYPE.get(getattr(hf, "model_type", ""))
+    if arch is None:
+        named = archs or str(getattr(hf, "model_type", ""))
+        raise UnsupportedModelError(
+            f"architecture {named!r} is not supported "
+            f"natively; genserve implements {', '.join(NATIVE_ARCHITECTURES)}"
+        )
+    return FAMILIES[arch](hf, arch)
+
+
+def load_model_config(model_dir: Path, trust_remote_code: bool = False) -> ModelConfig:
+    """Read ``model_dir/config.json`` (through transformers' ``AutoConfig``, which knows
+    every historical spelling of its fields) into the native spec."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    return config_from_hf(hf)

@@ -1,0 +1,210 @@
+"""The typed description a native decoder is assembled from.
+
+A family module (``model/families/<name>.py``) reduces a transformers config to one
+:class:`ModelConfig`: the dimensions every runner needs, plus which *parts* each layer is made
+of — the norm kind (:class:`NormSpec`), the attention options (:class:`AttentionSpec`), the MLP
+kind (:class:`MlpSpec`), how the sublayers are wired (:class:`BlockSpec`), the rotary
+embeddings (:class:`RopeConfig`, one per distinct base, chosen per layer), and where each part's
+weights live in the checkpoint (:class:`WeightNames`).  Nothing here names an architecture: the
+decoder (``model/decoder.py``) and the CPU fast paths read only these fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not a model this server implements natively."""
+
+
+class NormKind(StrEnum):
+    RMS = "rms"  # w * x / rms(x) (Llama)
+    RMS_ONE_PLUS = "rms_one_plus"  # (1 + w) * x / rms(x), in float32 (Gemma)
+    LAYER = "layer"  # LayerNorm, with or without a bias
+
+
+@dataclass(frozen=True, slots=True)
+class NormSpec:
+    kind: NormKind = NormKind.RMS
+    eps: float = 1e-6
+    bias: bool = False  # LayerNorm only
+
+
+class QKNorm(StrEnum):
+    NONE = "none"
+    PER_HEAD = "per_head"  # a norm over each head's head_dim (Qwen3, Gemma 3, Cohere)
+    FULL_WIDTH = "full_width"  # over all heads' features at once (OLMo-2)
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters (transformers' ``rope_parameters``)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    # Extra numeric keys of the scaling kind, e.g. ``factor``, ``low_freq_factor`` (llama3).
+    params: Mapping[str, float] = field(default_factory=dict)
+    # longrope: the per-frequency divisors for short and long contexts.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # Softmax scale (head_dim ** -0.5 unless the family says otherwise).
+    scale: float | None = None
+    # Gemma 2: scores become ``cap * tanh(scores / cap)`` before the softmax.
+    softcap: float | None = None
+    qk_norm: QKNorm = QKNorm.NONE
+    qk_norm_spec: NormSpec = NormSpec()
+    # Cohere: the per-head norm has one weight row per head (else one shared row).
+    qk_norm_weights_per_head: bool = False
+    # Leading features of each head that rotate (partial rotary: Phi-2, GPT-NeoX, StableLM).
+    rotary_dim: int | None = None  # None: the whole head
+    # Cohere rotates adjacent pairs (x0, x1) instead of the two halves.
+    interleaved_rotary: bool = False
+
+
+class Activation(StrEnum):
+    SILU = "silu"
+    GELU = "gelu"  # exact (erf)
+    GELU_TANH = "gelu_tanh"  # the tanh approximation (gelu_new, gelu_pytorch_tanh)
+
+
+@dataclass(frozen=True, slots=True)
+class MlpSpec:
+    activation: Activation = Activation.SILU
+    gated: bool = True  # down(act(gate) * up); else down(act(up))
+    bias: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    """Which norms a layer has and how its two sublayers meet the residual stream.
+
+    Sequential: ``x += post_attn(attn(pre_attn(x)))``, then the same for the MLP.  Parallel
+    (Phi-2, GPT-NeoX, Cohere): ``x += attn(pre_attn(x)) + mlp(pre_mlp(x) or pre_attn(x))``.
+    """
+
+    pre_attn_norm: bool = True
+    post_attn_norm: bool = False
+    pre_mlp_norm: bool = True
+    post_mlp_norm: bool = False
+    parallel: bool = False
+    # Granite: each sublayer's output is scaled before it joins the residual.
+    residual_multiplier: float = 1.0
+
+    @property
+    def is_llama(self) -> bool:
+        """The sequential pre-norm block the fused CPU decode layer implements."""
+        return (
+            self.pre_attn_norm
+            and self.pre_mlp_norm
+            and not (self.post_attn_norm or self.post_mlp_norm or self.parallel)
+            and self.residual_multiplier == 1.0
+        )
+
+
+class QKVLayout(StrEnum):
+    SEPARATE = "separate"  # q_proj, k_proj, v_proj
+    FUSED = "fused"  # one [q | k | v] matrix (Phi-3 qkv_proj)
+    PER_HEAD = "per_head"  # [head0 q k v | head1 q k v | ...] (GPT-NeoX query_key_value)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightNames:
+    """Checkpoint names of each part (without ``.weight``/``.bias``); ``{i}`` is the layer.
+
+    ``q``/``k``/``v`` name the separate projections, or (``qkv_layout`` fused/per-head) ``q``
+    names the one fused matrix.  ``gate`` empty with a gated MLP means ``up`` holds
+    ``[gate | up]`` (Phi-3 ``gate_up_proj``)."""
+
+    embed: str = "model.embed_tokens"
+    layer: str = "model.layers.{i}"
+    q: str = "self_attn.q_proj"
+    k: str = "self_attn.k_proj"
+    v: str = "self_attn.v_proj"
+    qkv_layout: QKVLayout = QKVLayout.SEPARATE
+    o: str = "self_attn.o_proj"
+    q_norm: str = "self_attn.q_norm"
+    k_norm: str = "self_attn.k_norm"
+    gate: str = "mlp.gate_proj"
+    up: str = "mlp.up_proj"
+    down: str = "mlp.down_proj"
+    pre_attn_norm: str = "input_layernorm"
+    post_attn_norm: str = "post_attention_layernorm"
+    pre_mlp_norm: str = "post_attention_layernorm"
+    post_mlp_norm: str = "post_feedforward_layernorm"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    lm_head_bias: bool = False  # Phi-2
+
+    def projection_names(self) -> tuple[str, ...]:
+        return (self.layer, self.q, self.k, self.v, self.o, self.gate, self.up, self.down)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Everything the native decoder is built from (see the module docstring)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # The rotary embedding of the global layers (the one --rope-scaling rewrites).
+    rope: RopeConfig
+    # Per layer: attend only to the last ``w`` positions (Mistral, sliding layers).
+    sliding_windows: tuple[int | None, ...]
+    eos_token_ids: tuple[int, ...] = ()
+    norm: NormSpec = NormSpec()
+    attention: AttentionSpec = AttentionSpec()
+    mlp: MlpSpec = MlpSpec()
+    block: BlockSpec = BlockSpec()
+    names: WeightNames = WeightNames()
+    # Per layer: which rotary embedding it uses (0: ``rope``; 1: ``local_rope``), None: none
+    # (SmolLM3's no-rope layers).  Empty: every layer uses ``rope``.
+    layer_ropes: tuple[int | None, ...] = ()
+    # Gemma 3's sliding layers rotate with their own base.
+    local_rope: RopeConfig | None = None
+    # Token embeddings are multiplied by this (Gemma: sqrt(hidden); Granite's multiplier).
+    embed_scale: float = 1.0
+    # Logits are multiplied by ``logit_scale`` (Cohere), divided by ``logit_divisor``
+    # (Granite's logits_scaling), then soft-capped (Gemma 2).
+    logit_scale: float = 1.0
+    logit_divisor: float = 1.0
+    final_softcap: float | None = None
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention.qkv_bias
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return self.norm.eps
+
+    @property
+    def lora_blocker(self) -> str | None:
+        """Why LoRA adapters cannot be applied to this model (None: they can): the
+        adapter paths name Llama's separate projections, unpermuted."""
+        n, attn = self.names, self.attention
+        if n.qkv_layout is not QKVLayout.SEPARATE or not n.gate or not self.mlp.gated:
+            return "its checkpoint fuses the q/k/v or gate/up projections"
+        if (attn.rotary_dim or self.head_dim) != self.head_dim or attn.interleaved_rotary:
+            return "its partial or interleaved rotary permutes the q/k projections"
+        if n.projection_names() != WeightNames().projection_names():
+            return "its projections are not named as Llama's"
+        return None
+
+    def rope_index(self, layer: int) -> int | None:
+        return self.layer_ropes[layer] if self.layer_ropes else 0
