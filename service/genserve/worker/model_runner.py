@@ -54,6 +54,7 @@ from genserve.worker.runner_setup import (
     zeros,
 )
 from genserve.worker.sampler import Sampler
+from genserve.worker.sampling_table import SamplingTable
 from genserve.worker.step_inputs import StepLayout, flat_inputs, layout
 from genserve.worker.step_outputs import (
     accept,
@@ -167,6 +168,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, self.io)
         self._requests: dict[str, RequestState] = {}
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
+        # Sampling parameters on the device, one slot per request, kept across steps.
+        self._table = SamplingTable(self.device, self.io)
         # LoRA: hooks are attached on the first adapter request, so base-only serving pays
         # nothing; _slot_ids says which adapter each slot holds now.
         self._lora_step = StepAdapters()
@@ -182,6 +185,10 @@ class ModelRunner:
         self.backend: AttentionBackend | None = None
         self._graph_plan: GraphPlan | None = None  # CUDA graphs for decode steps (#12)
         self._graphs: DecodeGraphs | None = None
+        # The last sampling step's token ids on the device and each request's row in them:
+        # a placeholder chunk of the next step reads its input token there (issue #29).
+        self._last_ids: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         log.info(
             "model_loaded",
             model_id=model.model_id,
@@ -290,6 +297,8 @@ class ModelRunner:
         if self.serving.per_request_state:
             self.model.end_requests()  # type: ignore[operator]
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
+        self._table = SamplingTable(self.device, self.io)
+        self._last_ids, self._last_rows = None, {}
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
         self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
@@ -324,18 +333,26 @@ class ModelRunner:
         return self._graphs.captured_sizes if self._graphs is not None else ()
 
     # ------------------------------------------------------------------------- steps
+    @property
+    def supports_token_from_last_step(self) -> bool:
+        """Whether chunks may carry a placeholder token (overlapped scheduling): one rank
+        only; shard workers never see rank 0's sampled ids."""
+        return self.parallel.world_size == 1
+
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
         """Run one step as described by :class:`genserve.step.SchedulerOutput`."""
         for req_id in step.finished_req_ids:
             self._requests.pop(req_id, None)
             self._penalties.remove(req_id)
+            self._table.remove(req_id)
         if self.serving.per_request_state and step.finished_req_ids:
             self.model.end_requests(step.finished_req_ids)  # type: ignore[operator]
         for new in step.new_requests:
             if new.adapter is not None:
                 self._ensure_adapter(new.adapter)
             self._requests[new.req_id] = RequestState.from_new(new)
+            self._table.add(new.req_id, new.sampling, new.num_prompt_tokens, new.num_output_tokens)
             self._penalties.remove(new.req_id)  # a readmission recounts from its tokens
             if new.sampling.uses_penalties:
                 self._penalties.add(new)
@@ -345,14 +362,20 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
 
         plan = layout(step)
+        placeholders = [
+            i for i, c in enumerate(plan.chunks[: plan.num_single]) if c.token_from_last_step
+        ]
         hidden = None
         if self._graphs is not None and plan.pure_decode:
-            hidden = graph_forward(
-                self._graphs, self._lora_rows(plan.chunks), plan.chunks, plan.seqs
-            )
+            # The graph's inputs are staged on the host: placeholders take the host's copy
+            # of the last tokens (the step before has been read back by now).
+            chunks = self._with_host_tokens(plan.chunks) if placeholders else plan.chunks
+            hidden = graph_forward(self._graphs, self._lora_rows(plan.chunks), chunks, plan.seqs)
         if hidden is None:
             meta = self.backend.build(plan.seqs, plan.num_decodes, self.block_size)
             token_ids, positions = flat_inputs(plan, self.io)
+            if placeholders:
+                self._fill_placeholders(token_ids, placeholders, plan.chunks)
             if self._lora_targets is not None:
                 slots = [self._requests[c.req_id].adapter_slot for c in plan.chunks]
                 self._lora_step.set_rows(
@@ -365,6 +388,33 @@ class ModelRunner:
             hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [tokens, hidden]
         return self._finish_step(step, plan, hidden)
 
+    def _fill_placeholders(
+        self, token_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]
+    ) -> None:
+        """Write into ``token_ids[rows]`` (placeholders are one-token decode chunks, laid
+        out first: ``chunks[i]`` is flat row ``i``) the token each one's request got in the
+        last step, copied on the device from that step's sampled ids: no round trip through
+        the host."""
+        req_ids = [chunks[i].req_id for i in rows]
+        missing = [r for r in req_ids if r not in self._last_rows]
+        if missing or self._last_ids is None:
+            raise RuntimeError(f"placeholder tokens without a token sampled last step: {missing}")
+        # A steady batch reads the same rows step after step: uploaded once.
+        src = self.io.upload_cached("placeholder_src", [self._last_rows[r] for r in req_ids])
+        dst = self.io.upload_cached("placeholder_dst", rows)
+        token_ids.index_copy_(0, dst, self._last_ids.index_select(0, src))
+
+    def _with_host_tokens(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """``chunks`` with each placeholder replaced by the host's copy of the token."""
+        return [
+            dataclasses.replace(
+                c, token_ids=(self._state(c.req_id).last_token,), token_from_last_step=False
+            )
+            if c.token_from_last_step
+            else c
+            for c in chunks
+        ]
+
     def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether any chunk of the step runs under a LoRA adapter."""
         if self._lora_targets is None:
@@ -376,6 +426,7 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``."""
         sampled: tuple[SampledToken, ...] = ()
+        self._last_ids, self._last_rows = None, {}
         rows, leading = plan.sample_rows()
         if rows:
             # A pure decode step samples rows 0..n-1: a view, nothing to upload or gather.
@@ -462,8 +513,20 @@ class ModelRunner:
             return ()
         states = [self._state(c.req_id) for c in chunks]
         rows = sampling_rows(chunks, states, self._penalties)
-        out = self.sampler(logits, rows, *grammar_rows(chunks, step))
+        speculative = any(c.num_draft_tokens for c in chunks)
+        table = self._table.rows(
+            [c.req_id for c in chunks for _ in range(c.num_draft_tokens + 1)],
+            [j for c in chunks for j in range(c.num_draft_tokens + 1)] if speculative else None,
+        )
+        out = self.sampler(logits, rows, *grammar_rows(chunks, step), table=table)
         accepted = accept(out, chunks, states, self._penalties)
+        if speculative:  # how many tokens each chunk kept is known on the host only
+            self._table.set_output_counts(
+                [c.req_id for c in chunks], [s.num_output_tokens for s in states]
+            )
+        else:
+            self._table.advance(table)
+        self._last_ids, self._last_rows = out.device_token_ids, accepted.last_rows
         if accepted.penalised_req_ids and out.device_token_ids is not None:
             ids = out.device_token_ids
             if len(accepted.penalised_rows) != len(rows):
@@ -483,6 +546,8 @@ class ModelRunner:
         if self.serving.per_request_state:
             self.model.end_requests()  # type: ignore[operator]
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
+        self._table = SamplingTable(self.device, self.io)
+        self._last_ids, self._last_rows = None, {}
         self.backend = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
