@@ -128,7 +128,7 @@ def evaluate(model: str, model_args: dict[str, Any], task_dir: Path) -> dict[str
         model_args=model_args,
         tasks=["genserve_mc", "genserve_gen"],
         task_manager=TaskManager(include_path=str(task_dir)),
-        batch_size=8,
+        batch_size=8,  # given to the model: one /v1/completions call of 8 prompts
         log_samples=True,
         random_seed=0,
         numpy_random_seed=0,
@@ -156,7 +156,6 @@ def test_local_completions_scores_equal_hf(
             "tokenizer": str(tiny_model),
             "tokenizer_backend": "huggingface",
             "tokenized_requests": True,
-            "batch_size": 8,
             "max_retries": 1,
             "num_concurrent": 1,
         },
@@ -164,7 +163,7 @@ def test_local_completions_scores_equal_hf(
     )
     reference = evaluate(
         "hf",
-        {"pretrained": str(tiny_model), "dtype": "float32", "device": "cpu", "batch_size": 8},
+        {"pretrained": str(tiny_model), "dtype": "float32", "device": "cpu"},
         task_dir,
     )
     # Multiple choice: the same accuracy, and every choice's (loglikelihood, is_greedy) close.
