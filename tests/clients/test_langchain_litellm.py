@@ -121,6 +121,7 @@ def litellm_module() -> Iterator[Any]:
         os.environ.pop("LITELLM_LOCAL_MODEL_COST_MAP", None)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic on litellm's own TypedDicts
 def test_litellm_openai_compatible_tool_call(
     litellm_module: Any, dialects: DialectGateway, model_name: str
 ) -> None:
