@@ -46,13 +46,41 @@ func acceptedUnused(name string, raw json.RawMessage) bool {
 	return false
 }
 
-// checkFields refuses a body field (not null) that v's struct neither serves nor may ignore.
+// messageBookkeeping: fields of a message that clients echo back from an earlier reply and
+// that leave the next reply unchanged (a reply's reasoning is not shown to the model again,
+// as the reasoning models' templates drop it).
+var messageBookkeeping = map[string]bool{"reasoning_content": true, "reasoning": true}
+
+// checkFields refuses a body field (not null) that v's struct neither serves nor may ignore;
+// in a chat request, the fields of each message too.
 func checkFields(body []byte, v any) error {
 	var fields map[string]json.RawMessage
 	if json.Unmarshal(body, &fields) != nil {
 		return nil // not an object: the typed decode reports it
 	}
-	served := jsonFields(reflect.TypeOf(v))
+	if err := checkObject(fields, jsonFields(reflect.TypeOf(v)), acceptedUnused, ""); err != nil {
+		return err
+	}
+	if _, chat := v.(*chatRequest); chat {
+		var messages []map[string]json.RawMessage
+		if json.Unmarshal(fields["messages"], &messages) != nil {
+			return nil // the typed decode reports it
+		}
+		served := jsonFields(reflect.TypeOf(chatMessageIn{}))
+		unused := func(name string, _ json.RawMessage) bool { return messageBookkeeping[name] }
+		for i, m := range messages {
+			if err := checkObject(m, served, unused, fmt.Sprintf("messages[%d].", i)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// checkObject refuses the first (by name) non-null field of an object that is neither in
+// served nor unused; prefix names where the object sits (a message of the request).
+func checkObject(fields map[string]json.RawMessage, served map[string]bool,
+	unused func(string, json.RawMessage) bool, prefix string) error {
 	names := make([]string, 0, len(fields))
 	for name := range fields {
 		names = append(names, name)
@@ -60,15 +88,15 @@ func checkFields(body []byte, v any) error {
 	sort.Strings(names)
 	for _, name := range names {
 		raw := fields[name]
-		if served[name] || strings.TrimSpace(string(raw)) == "null" || acceptedUnused(name, raw) {
+		if served[name] || strings.TrimSpace(string(raw)) == "null" || unused(name, raw) {
 			continue
 		}
 		why, known := refusedWhy[name]
-		if !known {
+		if !known || prefix != "" {
 			why = fmt.Sprintf("field %q is not supported by this server (it is refused rather "+
-				"than ignored, since it could change the reply)", name)
+				"than ignored, since it could change the reply)", prefix+name)
 		}
-		return invalidArg(name, why)
+		return invalidArg(prefix+name, why)
 	}
 	return nil
 }

@@ -45,3 +45,17 @@ func TestCheckFieldsServedBookkeepingAndRefused(t *testing.T) {
 		t.Error("an unknown TGI field must be refused")
 	}
 }
+
+func TestCheckFieldsOfMessages(t *testing.T) {
+	ok := `{"messages": [{"role": "assistant", "content": "x", "reasoning_content": "r", "refusal": null,
+		"tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+		{"role": "tool", "tool_call_id": "c", "content": "1", "name": "f"}]}`
+	if err := checkFields([]byte(ok), &chatRequest{}); err != nil {
+		t.Error(err)
+	}
+	bad := `{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "audio": {"id": "a"}}]}`
+	err := checkFields([]byte(bad), &chatRequest{})
+	if err == nil || !strings.Contains(err.Error(), "messages[1].audio") {
+		t.Errorf("want a refusal naming messages[1].audio, got %v", err)
+	}
+}
