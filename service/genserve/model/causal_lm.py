@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
-from genserve.model.decoder import DecoderLayer
+from genserve.model.decoder import MLP, DecoderLayer
 from genserve.model.fused_decode import FusedDecodeArgs, unsupported_reason
 from genserve.model.huge_pages import huge_page_region
 from genserve.model.layers import ParallelLMHead, VocabParallelEmbedding, _Packable
@@ -215,8 +215,10 @@ class DecoderForCausalLM(nn.Module):
 
     @staticmethod
     def _linears(layer: DecoderLayer) -> tuple[_Packable, ...]:
-        attn, mlp = layer.self_attn, layer.mlp
-        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        """The layer's projections: attention's and its MLP's (a MoE layer's: its shared
+        expert's; the routed experts are ``moe.SparseMoeBlock``'s own)."""
+        attn = layer.self_attn
+        return attn.qkv_proj, attn.o_proj, *layer.mlp.linears()
 
     def enable_lora(self, step: StepAdapters) -> dict[str, tuple[LoraHook, ModuleSplit]]:
         """Attach a LoRA hook to every adaptable projection; returns, per PEFT module path
@@ -228,6 +230,7 @@ class DecoderForCausalLM(nn.Module):
         self._decode_layers_fused = False  # the fused layer op has no LoRA deltas
         for i, layer in enumerate(self._layers):
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, MLP)  # lora_blocker refuses MoE models
             qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
             for linear in (qkv, o, gate_up, down):
                 linear.lora = LoraHook(step)

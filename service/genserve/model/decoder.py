@@ -12,6 +12,7 @@ step, which on a small model is a visible share of a decode step.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -26,7 +27,9 @@ from genserve.model.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    _Packable,
 )
+from genserve.model.moe import SparseMoeBlock
 from genserve.model.norms import Norm, RMSNorm, make_norm
 from genserve.model.rotary import apply_rotary, head_permutation
 from genserve.model.spec import Activation, ModelConfig, QKNorm, QKVLayout, UnsupportedModelError
@@ -195,6 +198,9 @@ class MLP(nn.Module):
         gate, up = gate_up[:, : self.local_size], gate_up[:, self.local_size :]
         return self.down_proj.forward(self._act(gate) * up)
 
+    def linears(self) -> tuple[_Packable, ...]:
+        return self.gate_up_proj, self.down_proj
+
     def load(self, weights: WeightSource, prefix: str) -> None:
         n = self.config.names
         up = f"{prefix}.{n.up}"
@@ -213,6 +219,30 @@ class MLP(nn.Module):
             }
             self.gate_up_proj.load(RowViews(weights, views), ["gate", "up"])
         self.down_proj.load(weights, f"{prefix}.{n.down}")
+
+
+def _make_mlp(
+    config: ModelConfig, layer_idx: int, ctx: ParallelContext, dtype: torch.dtype,
+    device: torch.device,
+) -> MLP | SparseMoeBlock:  # fmt: skip
+    """The layer's dense MLP, or its mixture of experts where the spec has one there."""
+    moe = config.moe
+    if moe is None or not moe.layers[layer_idx]:
+        return MLP(config, ctx, dtype, device)
+    shared = None
+    if moe.shared_intermediate_size:
+        # The shared expert is a dense MLP of its own width under its own names.
+        names = replace(
+            config.names,
+            gate=f"{moe.names.shared}.gate_proj",
+            up=f"{moe.names.shared}.up_proj",
+            down=f"{moe.names.shared}.down_proj",
+        )
+        shared_config = replace(
+            config, intermediate_size=moe.shared_intermediate_size, names=names
+        )
+        shared = MLP(shared_config, ctx, dtype, device)
+    return SparseMoeBlock(config, ctx, dtype, device, shared)
 
 
 class DecoderLayer(nn.Module):
@@ -234,7 +264,7 @@ class DecoderLayer(nn.Module):
         self.llama_block = config.block.is_llama
         self.rope_index = config.rope_index(layer_idx)
         self.self_attn = Attention(config, layer_idx, ctx, dtype, device)
-        self.mlp = MLP(config, ctx, dtype, device)
+        self.mlp: MLP | SparseMoeBlock = _make_mlp(config, layer_idx, ctx, dtype, device)
         hidden = (config.hidden_size,)
         b = config.block
 
