@@ -238,9 +238,7 @@ def _make_mlp(
             up=f"{moe.names.shared}.up_proj",
             down=f"{moe.names.shared}.down_proj",
         )
-        shared_config = replace(
-            config, intermediate_size=moe.shared_intermediate_size, names=names
-        )
+        shared_config = replace(config, intermediate_size=moe.shared_intermediate_size, names=names)
         shared = MLP(shared_config, ctx, dtype, device)
     return SparseMoeBlock(config, ctx, dtype, device, shared)
 

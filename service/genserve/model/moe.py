@@ -120,9 +120,7 @@ class SparseMoeBlock(nn.Module):
         # Routing runs in float32 on every shard (a replicated matrix; see the module doc).
         self.router = _param(torch.empty(num_experts, hidden, device=device))
         self.correction_bias = (
-            _param(torch.empty(num_experts, device=device))
-            if spec.router.correction_bias
-            else None
+            _param(torch.empty(num_experts, device=device)) if spec.router.correction_bias else None
         )
         self.width_range = ctx.shard(spec.intermediate_size, "expert width")
         width = self.width_range[1] - self.width_range[0]
@@ -185,11 +183,12 @@ class SparseMoeBlock(nn.Module):
             self.w13[:, width:].copy_(weights.get_slice(stacked, 1, full + start, full + stop))
             self.w2.copy_(weights.get_slice(f"{experts}.down_proj", 2, start, stop))
         else:
+            rows = weights.get_slice
             for e in range(self.spec.router.num_experts):
                 at = f"{experts}.{e}"
-                self.w13[e, :width].copy_(weights.get_slice(f"{at}.{n.gate}.weight", 0, start, stop))
-                self.w13[e, width:].copy_(weights.get_slice(f"{at}.{n.up}.weight", 0, start, stop))
-                self.w2[e].copy_(weights.get_slice(f"{at}.{n.down}.weight", 1, start, stop))
+                self.w13[e, :width].copy_(rows(f"{at}.{n.gate}.weight", 0, start, stop))
+                self.w13[e, width:].copy_(rows(f"{at}.{n.up}.weight", 0, start, stop))
+                self.w2[e].copy_(rows(f"{at}.{n.down}.weight", 1, start, stop))
         if self.shared is not None:
             self.shared.load(weights, prefix)
         if self.shared_gate is not None:

@@ -15,6 +15,7 @@ from genserve.model.families import (
     gemma,
     gemma2,
     gemma3,
+    glm4_moe,
     gpt_neox,
     granite,
     llama,
@@ -33,6 +34,7 @@ from genserve.model.spec import ModelConfig, UnsupportedModelError
 _MODULES = (
     llama, qwen3, gemma, gemma2, gemma3, phi3, granite, olmo2, stablelm, phi, gpt_neox,
     starcoder2, cohere, smollm3, mixtral, qwen_moe,
+    glm4_moe,
 )  # fmt: skip
 
 FAMILIES: dict[str, Callable[[Any, str], ModelConfig]] = {
@@ -48,6 +50,7 @@ _BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 NATIVE_ARCHITECTURES = tuple(FAMILIES)
