@@ -43,7 +43,9 @@ def _config_dir(tmp_path: Path, model_type: str, **fields: Any) -> Path:
             "Starcoder2ForCausalLM",
         ),
         ("gemma2", {}, TRANSFORMERS, "Gemma2ForCausalLM"),
-        ("mixtral", {}, TRANSFORMERS, "MixtralForCausalLM"),
+        # Mixture of experts (model/moe.py): native since #26.
+        ("mixtral", {}, NATIVE, "MixtralForCausalLM"),
+        ("qwen3_moe", {}, NATIVE, "Qwen3MoeForCausalLM"),
         ("gpt_oss", {}, TRANSFORMERS, "GptOssForCausalLM"),
         ("falcon", {}, TRANSFORMERS_SEQUENTIAL, "FalconForCausalLM"),
         ("qwen3_5_text", {}, TRANSFORMERS_SEQUENTIAL, "Qwen3_5ForCausalLM"),
