@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from genserve.kernels import fused_gpu_ops
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
 from genserve.model.config import UnsupportedModelError, load_model_config
@@ -135,6 +136,14 @@ class ModelRunner:
         else:
             with torch.inference_mode():
                 self.model.pack_weights()
+            if device.type == "cuda" and fused_gpu_ops.triton_runs(device):
+                # One Triton launch per norm, rotary + K/V store and activation (#29); the
+                # rotary tables cover every position the limits let a request reach.
+                self.model.use_fused_gpu_ops(
+                    rope_scaling.scaled_max_positions(
+                        self.config.max_position_embeddings, model.rope_scaling, model.rope_factor
+                    )
+                )
         self.model.eval()
         self._init_state(model)
 

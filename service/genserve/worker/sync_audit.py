@@ -22,7 +22,8 @@ What it records, as a GPU would see it:
   ``nonzero``, boolean-mask indexing, ...) on a device tensor, and ``tolist()`` / ``numpy()``
   of a device tensor (patched while the audit runs: they do not dispatch on the CPU).
 * ``kernels``: ops that would launch a kernel (not views, allocations or metadata), in total
-  and per decoder layer when a layer module is given.
+  and per decoder layer when a layer module is given.  A custom op (the Triton kernels'
+  ``genserve_gpu::*`` ops, a stubbed kernel) is one op here, as it is one launch on a GPU.
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ class AuditCounts:
 
 class SyncAudit(TorchDispatchMode):
     """``with SyncAudit(device_tensors, host_tensors, layer) as audit: step()`` then read
-    ``audit.counts``.  ``layer``: a module whose forward's ops are also counted apart."""
+    ``audit.counts``.  ``layer``: a module whose forward's ops are also counted apart (its
+    ``forward``, or ``forward_carry`` where the model's fused GPU path calls that)."""
+
+    _LAYER_METHODS = ("forward", "forward_carry")
 
     def __init__(
         self,
@@ -219,19 +223,22 @@ class SyncAudit(TorchDispatchMode):
         layer = self._layer
         if layer is not None:
             # The model calls ``layer.forward`` directly (no module hooks): wrap the bound
-            # method on the instance for the audit's duration.
-            forward = layer.forward
-
-            def counted(*a: Any, **kw: Any) -> Any:
-                audit._in_layer = True
-                try:
-                    return forward(*a, **kw)
-                finally:
-                    audit._in_layer = False
-
-            layer.forward = counted  # type: ignore[method-assign]
+            # methods on the instance for the audit's duration.
+            for name in self._LAYER_METHODS:
+                if hasattr(layer, name):
+                    setattr(layer, name, self._counted(getattr(layer, name)))
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
+
+    def _counted(self, method: Any) -> Any:
+        def counted(*a: Any, **kw: Any) -> Any:
+            self._in_layer = True
+            try:
+                return method(*a, **kw)
+            finally:
+                self._in_layer = False
+
+        return counted
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
@@ -239,4 +246,6 @@ class SyncAudit(TorchDispatchMode):
             setattr(torch.Tensor, method, original)
         self._patched.clear()
         if self._layer is not None:
-            del self._layer.forward
+            for name in self._LAYER_METHODS:
+                if name in vars(self._layer):
+                    delattr(self._layer, name)
