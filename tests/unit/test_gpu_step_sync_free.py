@@ -5,11 +5,11 @@ would run), every host → device transfer an explicit copy (``explicit_transfer
 decode step replayed from DecodeGraphs' static buffers with the Triton decode kernel stubbed
 by one custom op, and the model's fused GPU layer ops on (``use_fused_gpu_ops``: each
 ``genserve_gpu::*`` op is one custom op, its torch reference running below the audit, as the
-Triton kernel is one launch on a GPU).  Under :class:`genserve.worker.sync_audit.SyncAudit` a greedy and a
-sampled decode step at 1 and 64 rows must show: no blocking host → device copy, exactly one
-device → host copy, no ``item()`` / ``tolist()`` / ``bool()`` (or any other value read) on a
-device tensor, no host array slipped into a device op, and a bounded kernel count per
-decoder layer.  On a GPU the same steps run under ``torch.cuda.set_sync_debug_mode("error")``.
+Triton kernel is one launch on a GPU).  Under :class:`genserve.worker.sync_audit.SyncAudit`
+a greedy and a sampled decode step at 1 and 64 rows must show: no blocking host → device
+copy, exactly one device → host copy, no ``item()`` / ``tolist()`` / ``bool()`` (or any other
+value read) on a device tensor, no host array slipped into a device op, and at most 9 kernels
+in a decoder layer.  On a GPU the same steps run under ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations

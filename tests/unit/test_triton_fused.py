@@ -174,7 +174,9 @@ def check_model(model_dir: str) -> None:
                 decode = [SeqSpec(1, n + step, b) for n, b in zip(lengths, blocks, strict=True)]
                 next_positions = torch.tensor(lengths) + step
                 meta = backend.build(decode, 2, block_size)
-                logits.append(model.compute_logits(model(next_tokens, next_positions, caches, meta)))
+                logits.append(
+                    model.compute_logits(model(next_tokens, next_positions, caches, meta))
+                )
             return logits
 
     for want, got in zip(run(False), run(True), strict=True):
@@ -193,10 +195,13 @@ def test_each_kernel_matches_its_reference() -> None:
 
 @needs_triton
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
-def test_fused_layers_match_the_eager_model(tiny_model_factory: TinyModelFactory, arch: str) -> None:
+def test_fused_layers_match_the_eager_model(
+    tiny_model_factory: TinyModelFactory, arch: str
+) -> None:
     """Llama (the nine-launch layer), Phi-3 (partial rotary, longrope angles per step)."""
     model_dir = tiny_model_factory(arch)
     _run_interpreted(
-        "import sys; from tests.unit.test_triton_fused import check_model; check_model(sys.argv[1])",
+        "import sys; from tests.unit.test_triton_fused import check_model; "
+        "check_model(sys.argv[1])",
         str(model_dir),
     )

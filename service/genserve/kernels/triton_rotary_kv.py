@@ -154,7 +154,7 @@ def _define_kernel() -> Any:
             x1 = tl.load(src + dims, mask=mask, other=0.0)
             x2 = tl.load(src + HALF + dims, mask=mask, other=0.0)
             if ROTATE:
-                if BY_POSITION:
+                if BY_POSITION:  # noqa: SIM108 (a constexpr branch, kept explicit)
                     row = tl.load(pos_ptr + tok).to(tl.int64)
                 else:
                     row = tok

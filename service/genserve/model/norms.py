@@ -58,7 +58,8 @@ class RMSNorm(nn.Module):
             out: torch.Tensor = torch.ops.genserve.rms_norm(x, self.weight, self.eps)
             return out
         if self.gpu_fused:
-            return fused_gpu_ops.rms_norm(x, self.weight, self.eps)
+            fused_out: torch.Tensor = fused_gpu_ops.rms_norm(x, self.weight, self.eps)
+            return fused_out
         normed = F.rms_norm(x.float(), self.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -71,7 +72,10 @@ class RMSNorm(nn.Module):
             summed, normed = torch.ops.genserve.add_rms_norm(x, residual, self.weight, self.eps)
             return summed, normed
         if self.gpu_fused:
-            return fused_gpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            added: tuple[torch.Tensor, torch.Tensor] = fused_gpu_ops.add_rms_norm(
+                x, residual, self.weight, self.eps
+            )
+            return added
         summed = residual + x
         return summed, self.forward(summed)
 

@@ -191,7 +191,6 @@ class RotaryEmbedding(nn.Module):
         sin[:, : freqs.shape[1]].neg_()
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
-
     def half_angles(
         self, positions: torch.Tensor, dtype: torch.dtype, lengths: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
