@@ -8,8 +8,10 @@ by one custom op, and the model's fused GPU layer ops on (``use_fused_gpu_ops``:
 Triton kernel is one launch on a GPU).  Under :class:`genserve.worker.sync_audit.SyncAudit`
 a greedy and a sampled decode step at 1 and 64 rows must show: no blocking host → device
 copy, exactly one device → host copy, no ``item()`` / ``tolist()`` / ``bool()`` (or any other
-value read) on a device tensor, no host array slipped into a device op, and at most 9 kernels
-in a decoder layer.  On a GPU the same steps run under ``torch.cuda.set_sync_debug_mode("error")``.
+value read) on a device tensor, no host array slipped into a device op, at most 9 kernels in
+a decoder layer, the LM head inside what the graphs capture and, for the greedy step,
+nothing after the replay but the one copy back.  On a GPU the same steps run under
+``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def test_decode_step_reads_back_once_and_never_waits_otherwise(
     stream.decode()  # first decode: one-time allocations (the readback buffer)
     runs = graphs.num_runs
     layer = runner.model._layers[1]  # a layer whose residual stream comes in unsummed
-    with SyncAudit(layer=layer) as audit:
+    with SyncAudit(layer=layer, graphs=graphs) as audit:
         stream.decode()
     counts = audit.counts
     assert graphs.num_runs == runs + 1  # the step was served from the graph buffers
@@ -192,6 +194,14 @@ def test_decode_step_reads_back_once_and_never_waits_otherwise(
     assert counts.syncs == 0, problems
     assert counts.implicit == 0, problems
     assert 0 < counts.layer_kernels <= MAX_LAYER_KERNELS, counts.summary()
+    # The final norm and the LM head run in the bucket's graph; a greedy step's argmax and
+    # logprob in its greedy tail: after the replay, only the one copy back (plus, before it,
+    # the two input uploads).  A sampled step samples eagerly from the graph's logits.
+    outside = {k: v for k, v in counts.details.items() if k.startswith("outside_graph:")}
+    assert "outside_graph:aten.mm" not in outside, outside
+    if kind == "greedy":
+        assert outside == {"outside_graph:aten.copy_": counts.h2d + counts.d2h}, outside
+        assert counts.kernels - counts.graph_kernels == 3, counts.summary()
     assert all(len(t) == 3 for t in stream.tokens)
 
     # The explicit-transfer, sync-free path samples exactly what the CPU path samples.

@@ -24,6 +24,8 @@ What it records, as a GPU would see it:
 * ``kernels``: ops that would launch a kernel (not views, allocations or metadata), in total
   and per decoder layer when a layer module is given.  A custom op (the Triton kernels'
   ``genserve_gpu::*`` ops, a stubbed kernel) is one op here, as it is one launch on a GPU.
+  With ``graphs`` (a ``DecodeGraphs``), the kernels of what its CUDA graphs hold (the
+  forward + LM head, the greedy tail) are counted apart too: the rest is what runs eagerly.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class AuditCounts:
     syncs: int = 0
     kernels: int = 0
     layer_kernels: int = 0
+    graph_kernels: int = 0  # inside what DecodeGraphs captures (see SyncAudit's graphs)
     details: Counter[str] = field(default_factory=Counter)  # "kind:op" → count
 
     def summary(self) -> dict[str, int]:
@@ -98,6 +101,7 @@ class AuditCounts:
             "syncs": self.syncs,
             "kernels": self.kernels,
             "layer_kernels": self.layer_kernels,
+            "graph_kernels": self.graph_kernels,
         }
 
 
@@ -107,12 +111,14 @@ class SyncAudit(TorchDispatchMode):
     ``forward``, or ``forward_carry`` where the model's fused GPU path calls that)."""
 
     _LAYER_METHODS = ("forward", "forward_carry")
+    _GRAPH_METHODS = ("_forward", "_greedy_tail")  # DecodeGraphs: what a bucket captures
 
     def __init__(
         self,
         device_tensors: Iterable[torch.Tensor] = (),
         host_tensors: Iterable[torch.Tensor] = (),
         layer: torch.nn.Module | None = None,
+        graphs: object | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.counts = AuditCounts()
@@ -123,7 +129,9 @@ class SyncAudit(TorchDispatchMode):
         for t in host_tensors:
             self._host[t] = True
         self._in_layer = False
+        self._in_graph = False
         self._layer = layer
+        self._graphs = graphs
         self._patched: list[tuple[str, Any]] = []
 
     # ------------------------------------------------------------------ classification
@@ -166,6 +174,9 @@ class SyncAudit(TorchDispatchMode):
             if dst_dev or src_dev:
                 c.kernels += 1
                 c.layer_kernels += self._in_layer
+                c.graph_kernels += self._in_graph
+                if self._graphs is not None and not self._in_graph:
+                    self._record("outside_graph", name)
             return out
         any_device = any(d for _, d in known)
         if name in _SYNC_OPS and any_device:
@@ -193,7 +204,10 @@ class SyncAudit(TorchDispatchMode):
         if is_kernel:
             c.kernels += 1
             c.layer_kernels += self._in_layer
+            c.graph_kernels += self._in_graph
             self._record("kernel", name)
+            if self._graphs is not None and not self._in_graph:
+                self._record("outside_graph", name)
         self._mark(out, device=any_device or factory)
         return out
 
@@ -226,17 +240,20 @@ class SyncAudit(TorchDispatchMode):
             # methods on the instance for the audit's duration.
             for name in self._LAYER_METHODS:
                 if hasattr(layer, name):
-                    setattr(layer, name, self._counted(getattr(layer, name)))
+                    setattr(layer, name, self._counted(getattr(layer, name), "_in_layer"))
+        if self._graphs is not None:
+            for name in self._GRAPH_METHODS:
+                setattr(self._graphs, name, self._counted(getattr(self._graphs, name), "_in_graph"))
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
-    def _counted(self, method: Any) -> Any:
+    def _counted(self, method: Any, flag: str) -> Any:
         def counted(*a: Any, **kw: Any) -> Any:
-            self._in_layer = True
+            setattr(self, flag, True)
             try:
                 return method(*a, **kw)
             finally:
-                self._in_layer = False
+                setattr(self, flag, False)
 
         return counted
 
@@ -245,7 +262,10 @@ class SyncAudit(TorchDispatchMode):
         for method, original in self._patched:
             setattr(torch.Tensor, method, original)
         self._patched.clear()
-        if self._layer is not None:
-            for name in self._LAYER_METHODS:
-                if name in vars(self._layer):
-                    delattr(self._layer, name)
+        for target, names in (
+            (self._layer, self._LAYER_METHODS),
+            (self._graphs, self._GRAPH_METHODS),
+        ):
+            for name in names if target is not None else ():
+                if name in vars(target):
+                    delattr(target, name)
