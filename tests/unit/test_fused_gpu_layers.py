@@ -99,6 +99,7 @@ def _logits(model_dir: Path, fused: bool, dtype: torch.dtype) -> list[torch.Tens
         "phi",  # parallel attention + MLP, LayerNorm, partial rotary
         "smollm3",  # layers without rotary
         "olmo2",  # post-norms only, full-width q/k RMSNorm
+        "qwen3",  # per-head q/k RMSNorm
         "phi3",  # longrope: angles computed per step
     ],
 )

@@ -57,7 +57,7 @@ def check_norms() -> None:
     assert ops.triton_runs(torch.device("cpu"))  # the interpreter: kernels, not references
     gen = torch.Generator().manual_seed(0)
     # (rows, hidden, row stride): one row, an odd width, a wide row, rows inside a wider
-    # tensor (the [q | k | v] projection's q part, a full-width q norm's input).
+    # tensor (the [q | k | v] projection's q part, a full-width q norm's input); then heads.
     for dtype in (torch.float32, torch.bfloat16):
         for rows, hidden, stride in ((1, 64, 64), (7, 333, 333), (3, 1000, 1000), (5, 96, 160)):
             wide = torch.randn(rows, stride, generator=gen).to(dtype)
@@ -74,6 +74,12 @@ def check_norms() -> None:
             _close(normed, want_normed, f"add_rms_norm {what}")
             if dtype == torch.float32:  # one float32 rounding of one add: exact
                 assert torch.equal(summed, want_summed)
+        # A per-head q/k norm's input: [tokens, heads, head_dim] heads of a wider projection.
+        qkv = torch.randn(3, 7 * 24, generator=gen).to(dtype)
+        heads = qkv[:, : 5 * 24].view(3, 5, 24)
+        weight = (torch.rand(24, generator=gen) + 0.5).to(dtype)
+        want, _ = ops.rms_norm_reference(heads, weight, 1e-6)
+        _close(ops.rms_norm(heads, weight, 1e-6), want, f"per-head rms_norm {dtype}")
 
 
 def check_gated_act() -> None:

@@ -355,8 +355,7 @@ class DecoderLayer(nn.Module):
         """Route this layer's RMSNorms, gated activation and rotary + K/V store through the
         fused GPU ops (``kernels/fused_gpu_ops.py``); called by the model on CUDA."""
         attn = self.self_attn
-        full_width = [attn.q_norm, attn.k_norm] if attn.qk_norm is QKNorm.FULL_WIDTH else []
-        for norm in self.norms() + full_width:  # per-head q/k norms are 3-d: eager
+        for norm in [*self.norms(), attn.q_norm, attn.k_norm]:  # q/k norms: full or per head
             if isinstance(norm, RMSNorm):
                 norm.gpu_fused = True
         mlp = self.mlp
