@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from genserve.kernels import fused_gpu_ops
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
 from genserve.model.config import UnsupportedModelError, load_model_config
@@ -44,8 +45,14 @@ from genserve.step import (
 )
 from genserve.worker.adapters import PreparedAdapter, install, prepare, read_adapter
 from genserve.worker.cuda_graphs import DecodeGraphs
-from genserve.worker.device_io import DeviceIO
-from genserve.worker.graph_plan import GraphPlan, GraphTarget, graph_forward, plan_graphs
+from genserve.worker.device_io import DeviceIO, Readback
+from genserve.worker.graph_plan import (
+    GraphPlan,
+    GraphTarget,
+    graph_forward,
+    graph_greedy,
+    plan_graphs,
+)
 from genserve.worker.request_state import PenaltyCounts, RequestState
 from genserve.worker.runner_setup import (
     available_ram_bytes,
@@ -136,6 +143,14 @@ class ModelRunner:
         else:
             with torch.inference_mode():
                 self.model.pack_weights()
+            if device.type == "cuda" and fused_gpu_ops.triton_runs(device):
+                # One Triton launch per norm, rotary + K/V store and activation (#29); the
+                # rotary tables cover every position the limits let a request reach.
+                self.model.use_fused_gpu_ops(
+                    rope_scaling.scaled_max_positions(
+                        self.config.max_position_embeddings, model.rope_scaling, model.rope_factor
+                    )
+                )
         self.model.eval()
         self._init_state(model)
 
@@ -185,6 +200,7 @@ class ModelRunner:
         self.backend: AttentionBackend | None = None
         self._graph_plan: GraphPlan | None = None  # CUDA graphs for decode steps (#12)
         self._graphs: DecodeGraphs | None = None
+        self._graph_readback = Readback(self.io)  # all-greedy graph steps' one copy back
         # The last sampling step's token ids on the device and each request's row in them:
         # a placeholder chunk of the next step reads its input token there (issue #29).
         self._last_ids: torch.Tensor | None = None
@@ -371,6 +387,7 @@ class ModelRunner:
             # of the last tokens (the step before has been read back by now).
             chunks = self._with_host_tokens(plan.chunks) if placeholders else plan.chunks
             hidden = graph_forward(self._graphs, self._lora_rows(plan.chunks), chunks, plan.seqs)
+        replayed = self._graphs if hidden is not None else None  # logits computed there too
         if hidden is None:
             meta = self.backend.build(plan.seqs, plan.num_decodes, self.block_size)
             token_ids, positions = flat_inputs(plan, self.io)
@@ -386,7 +403,7 @@ class ModelRunner:
                 rows = [(c.req_id, len(c.token_ids), c.start_pos) for c in plan.chunks]
                 self.model.bind_step(rows)  # type: ignore[operator]
             hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [tokens, hidden]
-        return self._finish_step(step, plan, hidden)
+        return self._finish_step(step, plan, hidden, replayed)
 
     def _fill_placeholders(
         self, token_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]
@@ -397,11 +414,17 @@ class ModelRunner:
         the host."""
         req_ids = [chunks[i].req_id for i in rows]
         missing = [r for r in req_ids if r not in self._last_rows]
-        if missing or self._last_ids is None:
+        if missing:
             raise RuntimeError(f"placeholder tokens without a token sampled last step: {missing}")
         # A steady batch reads the same rows step after step: uploaded once.
-        src = self.io.upload_cached("placeholder_src", [self._last_rows[r] for r in req_ids])
         dst = self.io.upload_cached("placeholder_dst", rows)
+        if self._last_ids is None:
+            # The last step's ids left the device only as host values (the graph's greedy
+            # tail reads back its packed block): write the host copies.
+            host = [self._state(r).last_token for r in req_ids]
+            token_ids.index_copy_(0, dst, self.io.upload(host, torch.int64))
+            return
+        src = self.io.upload_cached("placeholder_src", [self._last_rows[r] for r in req_ids])
         token_ids.index_copy_(0, dst, self._last_ids.index_select(0, src))
 
     def _with_host_tokens(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
@@ -422,21 +445,31 @@ class ModelRunner:
         return any(self._requests[c.req_id].adapter_slot >= 0 for c in chunks)
 
     def _finish_step(
-        self, step: SchedulerOutput, plan: StepLayout, hidden: torch.Tensor
+        self,
+        step: SchedulerOutput,
+        plan: StepLayout,
+        hidden: torch.Tensor,
+        graphs: DecodeGraphs | None = None,
     ) -> RunnerOutput:
-        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``."""
+        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``
+        (``graphs``: replayed from them, which computed the logits of its rows as well)."""
         sampled: tuple[SampledToken, ...] = ()
         self._last_ids, self._last_rows = None, {}
         rows, leading = plan.sample_rows()
         if rows:
             # A pure decode step samples rows 0..n-1: a view, nothing to upload or gather.
-            if leading:
-                picked = hidden[: len(rows)]
+            if leading and graphs is not None:
+                logits = graphs.logits(len(rows))  # the final norm and LM head ran in it
             else:
-                picked = hidden.index_select(0, self.io.upload(rows, torch.int64))
-            logits = self.model.compute_logits(picked)  # [rows, vocab]
+                if leading:
+                    picked = hidden[: len(rows)]
+                else:
+                    picked = hidden.index_select(0, self.io.upload(rows, torch.int64))
+                logits = self.model.compute_logits(picked)  # [rows, vocab]
+                graphs = None
             if self.parallel.is_driver:
-                sampled = self._sample(logits, [c for c in plan.chunks if c.sample], step)
+                chunks = [c for c in plan.chunks if c.sample]
+                sampled = self._sample(logits, chunks, step, graphs)
         parts = prompt_logprob_parts(plan.chunks, plan.offsets, self._requests)
         prompt: tuple[PromptLogprobs, ...] = ()
         if parts:
@@ -505,10 +538,13 @@ class ModelRunner:
         logits: torch.Tensor,
         chunks: list[ScheduledChunk],
         step: SchedulerOutput | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> tuple[SampledToken, ...]:
         """One row of ``logits`` per sampling position (``num_draft_tokens + 1`` a chunk);
         worker/step_outputs.py says which tokens each chunk keeps.  Penalty counts are then
-        advanced from the device's token ids in one scatter."""
+        advanced from the device's token ids in one scatter.  ``graphs``: the step was
+        replayed from them (``logits`` their rows), whose greedy tail serves all-greedy
+        steps."""
         if not chunks:
             return ()
         states = [self._state(c.req_id) for c in chunks]
@@ -518,7 +554,12 @@ class ModelRunner:
             [c.req_id for c in chunks for _ in range(c.num_draft_tokens + 1)],
             [j for c in chunks for j in range(c.num_draft_tokens + 1)] if speculative else None,
         )
-        out = self.sampler(logits, rows, *grammar_rows(chunks, step), table=table)
+        bitmask, constrained = grammar_rows(chunks, step)
+        out = None
+        if graphs is not None and bitmask is None:
+            out = graph_greedy(graphs, rows, self._graph_readback)
+        if out is None:
+            out = self.sampler(logits, rows, bitmask, constrained, table=table)
         accepted = accept(out, chunks, states, self._penalties)
         if speculative:  # how many tokens each chunk kept is known on the host only
             self._table.set_output_counts(
