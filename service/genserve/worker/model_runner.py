@@ -60,8 +60,8 @@ from genserve.worker.runner_setup import (
     load_weights,
     zeros,
 )
-from genserve.worker.sampler import Sampler
-from genserve.worker.sampling_table import SamplingTable
+from genserve.worker.sampler import Sampler, SamplingRow
+from genserve.worker.sampling_table import SamplingTable, TableRows, uses_output_count
 from genserve.worker.step_inputs import StepLayout, flat_inputs, layout
 from genserve.worker.step_outputs import (
     accept,
@@ -566,7 +566,7 @@ class ModelRunner:
                 [c.req_id for c in chunks], [s.num_output_tokens for s in states]
             )
         else:
-            self._table.advance(table)
+            self._advance_output_counts(table, rows)
         self._last_ids, self._last_rows = out.device_token_ids, accepted.last_rows
         if accepted.penalised_req_ids and out.device_token_ids is not None:
             ids = out.device_token_ids
@@ -574,6 +574,15 @@ class ModelRunner:
                 ids = ids.index_select(0, self.io.upload(accepted.penalised_rows, torch.int64))
             self._penalties.record(accepted.penalised_req_ids, ids)
         return accepted.sampled
+
+    def _advance_output_counts(self, table: TableRows, rows: list[SamplingRow]) -> None:
+        """One more output token on the device for the rows whose output count is read
+        (seeded draws, TGI's frequency penalty): an all-greedy step launches nothing."""
+        counted = [i for i, r in enumerate(rows) if uses_output_count(r.params)]
+        if len(counted) == len(rows):
+            self._table.advance(table)
+        elif counted:
+            self._table.advance(table.subset(self.io.upload_cached("counted_rows", counted)))
 
     def shutdown(self) -> None:
         """Release the CUDA graphs (and with them their memory pool), the KV cache and the

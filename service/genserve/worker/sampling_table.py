@@ -11,7 +11,8 @@ The uniform draw of a seeded row (:func:`genserve.worker.sampler.row_uniform`, a
 hash of ``(seed, output_index)``) is computed on the device from the slot's seed and output
 count, bit for bit what the host computes: int64 arithmetic wraps like the host's
 ``& (2**64 - 1)`` and logical shifts are arithmetic shifts masked.  The output counts advance
-on the device by one per sampled row; only a speculative chunk (several tokens, or fewer
+on the device by one per sampled row that reads them (:func:`uses_output_count`: an
+all-greedy step launches nothing for it); a speculative chunk (several tokens, or fewer
 than drafted, kept) writes its slot's count from the host.
 
 Logit bias, ``min_new_tokens`` bans and the watermark are not here: rows that use them still
@@ -104,6 +105,12 @@ class TableRows:
         """float64 ``[rows]``: each row's uniform draw, computed on the device."""
         seed = self.table.ints[_SEED].index_select(0, self.slots)
         return device_uniform(seed, self.output_index())
+
+
+def uses_output_count(params: SamplingParams) -> bool:
+    """Whether a row's slot output count is read: for its seeded draw, or for TGI's
+    frequency penalty (normalised by the sequence length).  Other rows' counts may lag."""
+    return not params.greedy or params.frequency_penalty != 0.0
 
 
 class SamplingTable:
