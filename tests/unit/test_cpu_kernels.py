@@ -12,6 +12,7 @@ import torch
 
 from genserve.kernels import cpu as cpu_kernels
 from genserve.model.attention import SeqSpec, TorchPagedAttention, select_backend
+from genserve.testing.tiny_model import NATIVE_FAMILIES
 from tests.conftest import TinyModelFactory
 
 BLOCK_SIZE = 16
@@ -411,6 +412,84 @@ def test_decode_layer_op_equals_the_layer_by_layer_step(
         (fused_hidden, fused_kv), (plain_hidden, plain_kv) = step(True), step(False)
     assert torch.equal(fused_hidden, plain_hidden)
     assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "matvec_rows"),
+    [(torch.float32, 32), (torch.bfloat16, 32), (torch.bfloat16, 2)],
+)
+@pytest.mark.parametrize("family", NATIVE_FAMILIES)
+def test_every_native_family_decodes_through_the_fused_layer(
+    tiny_model_factory: TinyModelFactory, family: str, dtype: torch.dtype, matvec_rows: int
+) -> None:
+    """Every native family's decode-only CPU steps take ``genserve::decode_layer`` (q/k
+    norms, LayerNorm, post norms, multipliers, parallel blocks, GELU MLPs, soft-capping,
+    biases, sliding and no-rope layers), and its hidden states and K/V are bit-identical
+    to the per-op path's: the op runs the same ops in the same order.  The context lengths
+    cross the tiny families' sliding windows."""
+    from genserve.model.causal_lm import DecoderForCausalLM
+    from genserve.model.config import load_model_config
+    from genserve.model.registry import build_model
+    from genserve.model.weights import SafetensorsWeights
+    from genserve.parallel import ParallelContext
+
+    model_dir = tiny_model_factory(family)
+    config = load_model_config(model_dir)
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        model = build_model(config, ParallelContext.single(), dtype, cpu)
+        assert isinstance(model, DecoderForCausalLM)
+        with SafetensorsWeights(model_dir) as weights:
+            model.load_weights(weights)
+        model.use_fused_cpu_ops(matvec_rows=matvec_rows)
+        assert model.decode_layers_fused, f"{family} does not take the fused decode layer"
+        backend = TorchPagedAttention(cpu, use_cpu_kernel=True)
+        shape = backend.kv_cache_shape(16, 16, model.num_local_kv_heads, config.head_dim)
+        gen = torch.Generator().manual_seed(1)
+        caches = [torch.randn(shape, generator=gen).to(dtype) for _ in range(config.num_layers)]
+        lens = (57, 5, 40)
+        tables = [(4, 2, 6, 13), (9,), (11, 12, 14)]
+        decodes = [SeqSpec(1, n, t) for n, t in zip(lens, tables, strict=True)]
+        tokens = torch.tensor([7, 100, 3])
+        positions = torch.tensor(lens) - 1
+
+        def step(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            model._decode_layers_fused = fused
+            kv = [c.clone() for c in caches]
+            hidden = model(tokens, positions, kv, backend.build(decodes, len(decodes), 16))
+            return hidden, kv
+
+        (fused_hidden, fused_kv), (plain_hidden, plain_kv) = step(True), step(False)
+    assert torch.isfinite(fused_hidden).all()
+    assert torch.equal(fused_hidden, plain_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv, strict=True))
+
+
+def test_decode_attention_soft_cap_matches_the_eager_reference() -> None:
+    """The kernel's soft-cap (Gemma 2) equals ``cap * tanh(scores / cap)`` before the
+    softmax, on the whole-context and the split-context paths."""
+    gen = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads, head_dim, blocks = 4, 2, 64, 80
+    cache = torch.randn(2, num_kv_heads, blocks, BLOCK_SIZE, head_dim, generator=gen) * 3
+    lens = [1100, 30]  # two sequences x two KV heads: the long context is split in parts
+    table = torch.tensor([list(range(70)), list(range(70, 72)) + [0] * 68])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen) * 3
+    scale, cap = 0.125, 5.0
+    out = torch.ops.genserve.paged_decode_attention(
+        q, cache, table, torch.tensor(lens), scale, -1, cap
+    )
+    uncapped = torch.ops.genserve.paged_decode_attention(
+        q, cache, table, torch.tensor(lens), scale, -1
+    )
+    group = num_heads // num_kv_heads
+    for s, length in enumerate(lens):
+        ctx = cache[:, :, table[s]].reshape(2, num_kv_heads, -1, head_dim)[:, :, :length].double()
+        for h in range(num_heads):
+            scores = ctx[0, h // group] @ q[s, h].double() * scale
+            probs = torch.softmax(torch.tanh(scores / cap) * cap, dim=0)
+            expected = probs @ ctx[1, h // group]
+            torch.testing.assert_close(out[s, h].double(), expected, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(out, uncapped, atol=1e-3)  # the cap changed the result
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

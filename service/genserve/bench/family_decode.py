@@ -1,22 +1,26 @@
 """Decode speed of each native family against Llama at the same shape and precision.
 
-    python -m genserve.bench.family_decode --families llama,qwen3,gemma --dtype float32
+    python -m genserve.bench.family_decode [--families qwen3,gemma2] [--dtypes float32,bfloat16]
 
-Each family is a random-weight checkpoint of the same small shape (``--hidden``, ``--layers``,
-heads, vocabulary) with the family's own features on (the tiny test configs,
-``genserve.testing.tiny_model.FAMILY_CONFIGS``), served by the model runner's pieces with the
-CPU kernels: one stream, a short prefill, then ``--steps`` decode steps timed.  Families are
-interleaved over ``--repeats`` and the median tokens/s reported with its ratio to Llama's (the
-machines are shared: compare within one run only).
+Each family is a random-weight checkpoint of the same shape (``--hidden``, ``--layers``,
+heads, ``--vocab``: a small vocabulary so that the LM head does not hide the layers) with the
+family's own features on (the tiny test configs, ``genserve.testing.tiny_model.FAMILY_CONFIGS``),
+served by the model runner's pieces with the CPU kernels: one stream, a short prefill, then
+``--steps`` decode steps timed.  One family at a time is loaded beside Llama (a real-ish shape
+in float32 is GBs per model), and its rounds interleaved with Llama's: the median tokens/s of
+each and their ratio are printed, with whether the fused decode layer ran (the machines are
+shared: compare within one line only).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +31,7 @@ from genserve.model.config import load_model_config
 from genserve.model.registry import build_model
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
-from genserve.testing.tiny_model import make_tiny_model
+from genserve.testing.tiny_model import NATIVE_FAMILIES, make_tiny_model
 
 _BLOCK = 16
 
@@ -65,16 +69,39 @@ def decode_rate(model: DecoderForCausalLM, steps: int, prompt_len: int = 32) -> 
     return steps / (time.perf_counter() - start)
 
 
+def _family_fields(
+    family: str, layers: int, head_dim: int, shape: dict[str, int]
+) -> dict[str, Any]:
+    """``shape`` plus what ``family`` needs at it (its tiny test config is sized for 2
+    layers and head_dim 16)."""
+    fields: dict[str, Any] = dict(shape)
+    if family in ("gpt_neox", "phi"):  # multi-head attention only
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if family == "smollm3":
+        fields["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
+    if family in ("gemma2", "gemma3"):
+        fields["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
+    if family == "phi3":  # longrope factors for this head size (rotary 3/4 of the head)
+        n = head_dim * 3 // 8
+        fields["rope_parameters"] = {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + i / n for i in range(n)],
+            "long_factor": [2.0 + i / n for i in range(n)],
+        }  # fmt: skip
+    return fields
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default="llama,qwen3,gemma,gemma2,granite,olmo2")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--families", default=",".join(NATIVE_FAMILIES))
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype)
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     families = args.families.split(",")
     shape = {
         "hidden_size": args.hidden,
@@ -83,28 +110,35 @@ def main(argv: list[str] | None = None) -> None:
         "num_attention_heads": args.hidden // 64,
         "num_key_value_heads": args.hidden // 128,
         "head_dim": 64,
+        "vocab_size": args.vocab,
         "initializer_range": 0.02,
     }
-    rates: dict[str, list[float]] = {f: [] for f in families}
+    print(
+        f"decode, 1 stream, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+        f"{args.steps} steps x {args.repeats} rounds (family, Llama interleaved)",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        models = {}
+        llama_dir = make_tiny_model(Path(tmp) / "llama", "llama", **shape)
+        llama = {dtype: _load(llama_dir, dtype) for dtype in dtypes}
         for family in families:
-            fields = dict(shape)
-            if family in ("gpt_neox", "phi"):  # multi-head attention only
-                fields["num_key_value_heads"] = fields["num_attention_heads"]
-            if family == "smollm3":
-                fields["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(args.layers)]
-            if family in ("gemma2", "gemma3"):
-                fields["layer_types"] = ["sliding_attention", "full_attention"] * (args.layers // 2)
-            models[family] = _load(make_tiny_model(Path(tmp) / family, family, **fields), dtype)
-        for _ in range(args.repeats):
-            for family in families:
-                rates[family].append(decode_rate(models[family], args.steps))
-    base = statistics.median(rates[families[0]])
-    print(f"decode tok/s, 1 stream, {args.dtype}, hidden {args.hidden}, {args.layers} layers")
-    for family in families:
-        rate = statistics.median(rates[family])
-        print(f"{family:12s} {rate:8.1f} tok/s  {rate / base:5.2f}x {families[0]}")
+            fields = _family_fields(family, args.layers, 64, shape)
+            family_dir = make_tiny_model(Path(tmp) / family, family, **fields)
+            for dtype in dtypes:
+                model = _load(family_dir, dtype)
+                ours, base = [], []
+                for _ in range(args.repeats):  # interleaved: load from other jobs hits both
+                    ours.append(decode_rate(model, args.steps))
+                    base.append(decode_rate(llama[dtype], args.steps))
+                rate, ref = statistics.median(ours), statistics.median(base)
+                fused = "fused" if model.decode_layers_fused else "per-op"
+                print(
+                    f"{family:12s} {str(dtype).removeprefix('torch.'):9s} {rate:7.1f} tok/s "
+                    f"(Llama {ref:7.1f})  {rate / ref:5.2f}x  {fused}",
+                    flush=True,
+                )
+                del model
+            shutil.rmtree(family_dir)
 
 
 if __name__ == "__main__":

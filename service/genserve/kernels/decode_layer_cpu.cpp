@@ -1,14 +1,20 @@
-// One decoder layer of a decode-only CPU step in a single op call:
+// One decoder layer of a decode-only CPU step in a single op call.  The Llama layer:
 //
 //   normed = rms_norm(x);  qkv = normed Wqkvᵀ;  rotary + K/V store;  paged decode attention;
 //   h = attn Woᵀ;  x2, normed2 = add_rms_norm(h, x);  x2 += down(silu(gate) * up)
 //
-// The ops are genserve's own (genserve_ops.h), run in the same order on the same tensors as
-// the Python layer (model/llama.py) runs them one by one, so the result is identical.  What
-// goes away is Python: at one stream a layer is ~10 small ops whose Python and dispatch cost
-// (~100 µs per layer measured by runner_bench --profile) was a fifth of the step, the part
-// llama.cpp never pays.  Used for decode-only steps of an unsharded model whose projections
-// carry no LoRA hook (LlamaForCausalLM.use_fused_cpu_ops).
+// and every other layer a native family's spec describes (model/spec.py, the options below):
+// LayerNorm with or without bias, no pre-norm (OLMo-2), per-head or full-width q/k norm,
+// post-sublayer norms (Gemma 2/3, OLMo-2), a residual multiplier (Granite), parallel
+// attention + MLP (Phi-2, GPT-NeoX, Cohere), GELU / GeGLU MLPs, biases on any projection,
+// score soft-capping, and any scale, window and rotary table per layer.
+//
+// The ops are genserve's own (genserve_ops.h) or ATen's, run in the same order on the same
+// tensors as the Python layer (model/decoder.py) runs them one by one.  What goes away is
+// Python: at one stream a layer is ~10-16 small ops whose Python and dispatch cost (~100 µs
+// per layer measured by runner_bench --profile) was a fifth of the step, the part llama.cpp
+// never pays.  Used for decode-only steps of an unsharded model whose projections carry no
+// LoRA hook (DecoderForCausalLM.use_fused_cpu_ops).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -40,8 +46,11 @@ at::Tensor project(int64_t i, const at::Tensor& x, at::TensorList weights,
   const at::Tensor& mins = weights[3 * i + 2];
   const c10::optional<at::Tensor> maybe_mins =
       mins.defined() && mins.numel() > 0 ? c10::optional<at::Tensor>(mins) : c10::nullopt;
-  const bool fuse_add = residual != nullptr && x.scalar_type() == at::kFloat &&
-                        residual->scalar_type() == at::kFloat && residual->is_contiguous();
+  // Not with a bias: the kernels' out += (y + b) may be reassociated to (out + y) + b by the
+  // build's -fassociative-math, which would round otherwise than the per-op path's add.
+  const bool fuse_add = residual != nullptr && !(bias.has_value() && bias->defined()) &&
+                        x.scalar_type() == at::kFloat && residual->scalar_type() == at::kFloat &&
+                        residual->is_contiguous();
   if (bits[i] > kIntDotBits) {
     if (fuse_add) {
       return genserve_ops::int_dot_linear_add_(*residual, x, data, weights[3 * i + 1],
@@ -72,43 +81,159 @@ at::Tensor project(int64_t i, const at::Tensor& x, at::TensorList weights,
   return residual != nullptr ? residual->add_(y) : y;
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm,
-                        const at::Tensor& post_norm, double eps, const at::Tensor& cos,
-                        const at::Tensor& signed_sin, const at::Tensor& kv_cache,
-                        const at::Tensor& slots, const at::Tensor& block_table,
-                        const at::Tensor& context_lens, double scale, int64_t window,
-                        int64_t num_heads, int64_t num_kv_heads, at::TensorList weights,
-                        at::IntArrayRef bits, at::IntArrayRef groups, at::IntArrayRef outs,
-                        const c10::List<c10::optional<at::Tensor>>& biases,
+// What a layer is made of (decode_layer's `options`, set by model/fused_decode.py from the
+// spec).  Norms: 0 RMSNorm (Gemma's (1 + w) is folded into its weight at load), 1 LayerNorm.
+enum Option : int64_t {
+  kNormKind = 0,      // the block's norms
+  kQKNorm = 1,        // 0 none, 1 per head, 2 over all heads' features at once
+  kQKNormKind = 2,    // the q/k norm's kind
+  kActivation = 3,    // 0 SiLU, 1 GELU (erf), 2 GELU (tanh)
+  kGated = 4,         // down(act(gate) * up), else down(act(up))
+  kParallel = 5,      // x + attn(n(x)) + mlp(n'(x) or n(x))
+  kNumOptions = 6,
+};
+enum Scalar : int64_t {
+  kEps = 0,
+  kQKEps = 1,
+  kScale = 2,       // attention softmax scale
+  kSoftcap = 3,     // attention score soft-cap, 0: none
+  kResidualMultiplier = 4,
+  kNumScalars = 5,
+};
+// decode_layer's `norms`: (weight, bias) of each, None where the layer has none.
+enum NormSlot : int64_t {
+  kPreAttn = 0,
+  kPostAttn = 1,
+  kPreMlp = 2,
+  kPostMlp = 3,
+  kQ = 4,
+  kK = 5,
+  kNumNorms = 6,
+};
+constexpr int64_t kLayerNorm = 1;
+
+struct Norms {
+  const c10::List<c10::optional<at::Tensor>>& list;
+  bool has(int64_t slot) const { return list.get(2 * slot).has_value(); }
+  at::Tensor weight(int64_t slot) const { return *list.get(2 * slot); }
+  c10::optional<at::Tensor> bias(int64_t slot) const { return list.get(2 * slot + 1); }
+};
+
+// x normalised over its last dimension as model/norms.py does: RMSNorm by genserve's op;
+// LayerNorm in float32 and cast back, a weight of one row per head ([heads, dim] against
+// x [tokens, heads, dim], Cohere) applied after the weightless norm.
+at::Tensor apply_norm(const at::Tensor& x, const Norms& norms, int64_t slot, int64_t kind,
+                      double eps) {
+  const auto weight = norms.weight(slot);
+  if (kind != kLayerNorm) return genserve_ops::rms_norm(x, weight, eps);
+  const auto bias = norms.bias(slot);
+  const auto xf = x.to(at::kFloat);
+  if (weight.dim() == 1) {
+    const c10::optional<at::Tensor> bias_f =
+        bias.has_value() ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt;
+    return at::layer_norm(xf, {weight.size(0)}, weight.to(at::kFloat), bias_f, eps)
+        .to(x.scalar_type());
+  }
+  auto scaled = at::layer_norm(xf, {x.size(-1)}, {}, {}, eps).mul_(weight.to(at::kFloat));
+  if (bias.has_value()) scaled.add_(bias->to(at::kFloat));
+  return scaled.to(x.scalar_type());
+}
+
+at::Tensor activation(const at::Tensor& x, int64_t kind) {
+  if (kind == 0) return at::silu(x);
+  return at::gelu(x, kind == 2 ? "tanh" : "none");
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& norm_list,
+                        at::IntArrayRef options, at::ArrayRef<double> scalars,
+                        const at::Tensor& cos, const at::Tensor& signed_sin,
+                        const at::Tensor& kv_cache, const at::Tensor& slots,
+                        const at::Tensor& block_table, const at::Tensor& context_lens,
+                        int64_t window, int64_t num_heads, int64_t num_kv_heads,
+                        at::TensorList weights, at::IntArrayRef bits, at::IntArrayRef groups,
+                        at::IntArrayRef outs, const c10::List<c10::optional<at::Tensor>>& biases,
                         int64_t matvec_rows) {
   TORCH_CHECK(weights.size() == 12 && bits.size() == 4 && groups.size() == 4 &&
                   outs.size() == 4 && biases.size() == 4,
               "decode_layer: four projections (qkv, o, gate_up, down) expected");
+  TORCH_CHECK(options.size() == kNumOptions && scalars.size() == kNumScalars &&
+                  norm_list.size() == 2 * kNumNorms,
+              "decode_layer: options, scalars or norms of the wrong length");
   TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 5, "decode_layer: x [tokens, hidden] expected");
+  const Norms norms{norm_list};
+  const int64_t norm_kind = options[kNormKind], qk_norm = options[kQKNorm];
+  const double eps = scalars[kEps];
+  const double multiplier = scalars[kResidualMultiplier];
   const int64_t tokens = x.size(0), head_dim = kv_cache.size(4);
   const int64_t h = num_heads, kvh = num_kv_heads;
-  const auto normed = genserve_ops::rms_norm(x, input_norm, eps);
-  const auto qkv = project(0, normed, weights, bits, groups, outs, biases, matvec_rows);
+  const auto proj = [&](int64_t i, const at::Tensor& in, at::Tensor* residual = nullptr) {
+    return project(i, in, weights, bits, groups, outs, biases, matvec_rows, residual);
+  };
+  const auto norm = [&](const at::Tensor& t, int64_t slot) {
+    return apply_norm(t, norms, slot, norm_kind, eps);
+  };
+
+  // Attention.
+  const auto attn_in = norms.has(kPreAttn) ? norm(x, kPreAttn) : x;
+  const auto qkv = proj(0, attn_in);
   TORCH_CHECK(qkv.size(1) == (h + 2 * kvh) * head_dim, "decode_layer: qkv width");
-  const auto qk_in = qkv.narrow(1, 0, (h + kvh) * head_dim).view({tokens, h + kvh, head_dim});
+  at::Tensor qk_in = qkv.narrow(1, 0, (h + kvh) * head_dim).view({tokens, h + kvh, head_dim});
+  if (qk_norm != 0) {
+    TORCH_CHECK(norms.has(kQ) && norms.has(kK), "decode_layer: q/k norm weights expected");
+    const int64_t kind = options[kQKNormKind];
+    const double qk_eps = scalars[kQKEps];
+    const auto q = qkv.narrow(1, 0, h * head_dim);
+    const auto k = qkv.narrow(1, h * head_dim, kvh * head_dim);
+    // Per head: [tokens, heads, head_dim]; full width: [tokens, heads * head_dim].
+    const auto shaped = [&](const at::Tensor& t, int64_t heads) {
+      return qk_norm == 1 ? t.view({tokens, heads, head_dim}) : t;
+    };
+    const auto qn = apply_norm(shaped(q, h), norms, kQ, kind, qk_eps);
+    const auto kn = apply_norm(shaped(k, kvh), norms, kK, kind, qk_eps);
+    qk_in = at::cat({qn.reshape({tokens, h, head_dim}), kn.reshape({tokens, kvh, head_dim})}, 1);
+  }
   const auto v = qkv.narrow(1, (h + kvh) * head_dim, kvh * head_dim).view({tokens, kvh, head_dim});
   const auto qk = genserve_ops::rotary_write_kv(qk_in, cos, signed_sin, v, kv_cache, slots);
-  const auto attn = genserve_ops::paged_decode_attention(qk.narrow(1, 0, h), kv_cache,
-                                                         block_table, context_lens, scale, window);
-  const auto o = project(1, attn.view({tokens, h * head_dim}), weights, bits, groups, outs,
-                         biases, matvec_rows);
-  auto [summed, normed2] = genserve_ops::add_rms_norm(o, x, post_norm, eps);
-  const auto gate_up = project(2, normed2, weights, bits, groups, outs, biases, matvec_rows);
-  return project(3, genserve_ops::silu_and_mul(gate_up), weights, bits, groups, outs, biases,
-                 matvec_rows, &summed);
+  const auto attn = genserve_ops::paged_decode_attention(
+      qk.narrow(1, 0, h), kv_cache, block_table, context_lens, scalars[kScale], window,
+      scalars[kSoftcap]);
+  auto o = proj(1, attn.view({tokens, h * head_dim}));
+
+  // MLP: act(gate) * up (SiLU by genserve's op) or act(up), then down with the residual.
+  const auto mlp_hidden = [&](const at::Tensor& in) {
+    const auto gate_up = proj(2, in);
+    if (options[kGated] == 0) return activation(gate_up, options[kActivation]);
+    if (options[kActivation] == 0) return genserve_ops::silu_and_mul(gate_up);
+    const int64_t n = gate_up.size(1) / 2;
+    return activation(gate_up.narrow(1, 0, n), options[kActivation]).mul_(gate_up.narrow(1, n, n));
+  };
+
+  if (options[kParallel] != 0) {  // x + h + mlp(pre_mlp(x) or attn_in)
+    const auto mlp_in = norms.has(kPreMlp) ? norm(x, kPreMlp) : attn_in;
+    auto summed = at::add(x, o);
+    return proj(3, mlp_hidden(mlp_in), &summed);
+  }
+  const bool plain_sublayers = !norms.has(kPostAttn) && !norms.has(kPostMlp) && multiplier == 1.0;
+  if (plain_sublayers && norm_kind != kLayerNorm && norms.has(kPreMlp)) {
+    // Llama: the residual add and the norm in one pass; the down projection adds into x2.
+    auto [summed, normed2] = genserve_ops::add_rms_norm(o, x, norms.weight(kPreMlp), eps);
+    return proj(3, mlp_hidden(normed2), &summed);
+  }
+  if (norms.has(kPostAttn)) o = norm(o, kPostAttn);
+  auto x2 = multiplier == 1.0 ? at::add(x, o) : at::add(x, o.mul(multiplier));
+  const auto mlp_in = norms.has(kPreMlp) ? norm(x2, kPreMlp) : x2;
+  if (!norms.has(kPostMlp) && multiplier == 1.0) return proj(3, mlp_hidden(mlp_in), &x2);
+  auto m = proj(3, mlp_hidden(mlp_in));
+  if (norms.has(kPostMlp)) m = norm(m, kPostMlp);
+  return x2.add_(multiplier == 1.0 ? m : m.mul(multiplier));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
-  m.def("decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor cos, "
+  m.def("decode_layer(Tensor x, Tensor?[] norms, int[] options, float[] scalars, Tensor cos, "
         "Tensor signed_sin, Tensor(a!) kv_cache, Tensor slots, Tensor block_table, "
-        "Tensor context_lens, float scale, int window, int num_heads, int num_kv_heads, "
+        "Tensor context_lens, int window, int num_heads, int num_kv_heads, "
         "Tensor[] weights, int[] bits, int[] groups, int[] outs, Tensor?[] biases, "
         "int matvec_rows) -> Tensor");
 }

@@ -39,7 +39,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
 // paged_attention_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& context_lens,
-                                  double scale, int64_t window);
+                                  double scale, int64_t window, double softcap = 0.0);
 
 // matvec_cpu.cpp
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,

@@ -86,10 +86,16 @@ namespace vec = genserve_vec;
 
 // Each of the `rows` rows of scores ([rows, span]) replaced by its softmax; with `peaks` and
 // `totals`, each row's maximum and its sum of exp(score - maximum) are written there too.
+// softcap > 0 first caps each (already scaled) score to softcap * tanh(score / softcap), as
+// Gemma 2 does before its softmax.
 inline void softmax_rows(float* scores, int64_t rows, int64_t span, float* peaks = nullptr,
-                         float* totals = nullptr) {
+                         float* totals = nullptr, float softcap = 0.0f) {
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * span;
+    if (softcap > 0.0f) {
+      const float inv_cap = 1.0f / softcap;
+      for (int64_t j = 0; j < span; ++j) s[j] = softcap * std::tanh(s[j] * inv_cap);
+    }
     float peak = -std::numeric_limits<float>::infinity();
     // Lane-wise maxima first: one chain of compares along the row would wait on each other.
     int64_t j = 0;
@@ -235,7 +241,7 @@ template <typename scalar_t, int64_t kHeadDim>
 void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
                        const scalar_t* v_head, const int64_t* blocks, int64_t first,
                        int64_t context, int64_t block_size, float* scores, float* acc,
-                       float* peaks = nullptr, float* totals = nullptr) {
+                       float* peaks = nullptr, float* totals = nullptr, float softcap = 0.0f) {
   constexpr int64_t kVecs = kHeadDim / vec::kLanes;
   const int64_t span = context - first;
   const int64_t block_elems = block_size * kHeadDim;
@@ -287,7 +293,7 @@ void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
     }
   });
 
-  softmax_rows(scores, group, span, peaks, totals);
+  softmax_rows(scores, group, span, peaks, totals, softcap);
 
   for (int64_t i = 0; i < group * kHeadDim; ++i) acc[i] = 0.0f;
   runs(v_head, [&](const scalar_t* rows, int64_t start, int64_t n, int64_t) {
@@ -334,7 +340,7 @@ void split_attention(const scalar_t* q_ptr, int64_t q_stride, const scalar_t* ca
                      const int64_t* table_ptr, const int64_t* lens_ptr, int64_t num_seqs,
                      int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                      int64_t block_size, int64_t max_blocks, float fscale, int64_t window,
-                     int64_t parts, scalar_t* out_ptr) {
+                     float softcap, int64_t parts, scalar_t* out_ptr) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_elems = block_size * kHeadDim;
   const int64_t v_offset = num_kv_heads * num_blocks * block_elems;
@@ -372,7 +378,7 @@ void split_attention(const scalar_t* q_ptr, int64_t q_stride, const scalar_t* ca
       const scalar_t* k_head = cache_ptr + kv_head * num_blocks * block_elems;
       attend_vectorised<scalar_t, kHeadDim>(qf.data(), group, k_head, k_head + v_offset,
                                             table_ptr + seq * max_blocks, lo, hi, block_size,
-                                            scores.data(), acc, peaks, totals);
+                                            scores.data(), acc, peaks, totals, softcap);
     }
   });
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -411,7 +417,7 @@ void split_attention(const scalar_t* q_ptr, int64_t q_stride, const scalar_t* ca
 template <typename scalar_t, int64_t kHeadDim>
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& block_table, const at::Tensor& context_lens,
-                             double scale, int64_t window, at::Tensor& out) {
+                             double scale, int64_t window, float softcap, at::Tensor& out) {
   const int64_t num_seqs = q.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
@@ -436,8 +442,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
     if (parts > 1) {
       split_attention<scalar_t, kHeadDim>(q_ptr, q_stride, cache_ptr, table_ptr, lens_ptr,
                                           num_seqs, num_heads, num_kv_heads, num_blocks,
-                                          block_size, max_blocks, fscale, window, parts,
-                                          out_ptr);
+                                          block_size, max_blocks, fscale, window, softcap,
+                                          parts, out_ptr);
       return;
     }
   }
@@ -464,7 +470,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
       scores.assign(group * span, 0.0f);
       if constexpr (kHeadDim > 0 && kHeadDim % genserve_vec::kLanes == 0) {
         attend_vectorised<scalar_t, kHeadDim>(qf.data(), group, k_head, v_head, blocks, first,
-                                              context, block_size, scores.data(), acc.data());
+                                              context, block_size, scores.data(), acc.data(),
+                                              nullptr, nullptr, softcap);
         from_float(acc.data(), out_ptr + (seq * num_heads + kv_head * group) * head_dim,
                    group * head_dim);
         continue;
@@ -488,7 +495,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
         }
       });
 
-      softmax_rows(scores.data(), group, span);
+      softmax_rows(scores.data(), group, span, nullptr, nullptr, softcap);
 
       std::fill(acc.begin(), acc.end(), 0.0f);
       runs(v_head, [&](int64_t start, int64_t n) {
@@ -525,16 +532,16 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 template <typename scalar_t>
 void dispatch_head_dim(int64_t head_dim, const at::Tensor& q, const at::Tensor& kv_cache,
                        const at::Tensor& block_table, const at::Tensor& context_lens,
-                       double scale, int64_t window, at::Tensor& out) {
+                       double scale, int64_t window, float softcap, at::Tensor& out) {
   if (head_dim == 64) {
     decode_attention_kernel<scalar_t, 64>(q, kv_cache, block_table, context_lens, scale, window,
-                                          out);
+                                          softcap, out);
   } else if (head_dim == 128) {
     decode_attention_kernel<scalar_t, 128>(q, kv_cache, block_table, context_lens, scale,
-                                           window, out);
+                                           window, softcap, out);
   } else {
     decode_attention_kernel<scalar_t, 0>(q, kv_cache, block_table, context_lens, scale, window,
-                                         out);
+                                         softcap, out);
   }
 }
 
@@ -545,7 +552,8 @@ namespace genserve_ops {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& context_lens,
-                                  double scale, int64_t window) {
+                                  double scale, int64_t window, double softcap) {
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
@@ -577,16 +585,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   }
   auto out = at::empty(q.sizes(), q.options());
   const int64_t head_dim = q.size(2);
+  const auto cap = static_cast<float>(softcap);
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_head_dim<float>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window, out);
+      dispatch_head_dim<float>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window, cap, out);
       break;
     case at::kBFloat16:
       dispatch_head_dim<c10::BFloat16>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window,
-                                       out);
+                                       cap, out);
       break;
     case at::kHalf:
-      dispatch_head_dim<c10::Half>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window, out);
+      dispatch_head_dim<c10::Half>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window, cap,
+                                   out);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
@@ -601,7 +611,7 @@ void set_batch_invariant(bool on) { g_batch_invariant.store(on, std::memory_orde
 TORCH_LIBRARY(genserve, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
-      "Tensor context_lens, float scale, int window) -> Tensor");
+      "Tensor context_lens, float scale, int window, float softcap=0.0) -> Tensor");
   // No tensor argument to dispatch on: one kernel for every backend.
   m.def("set_batch_invariant(bool on) -> ()", &genserve_ops::set_batch_invariant);
 }

@@ -230,8 +230,9 @@ class TorchAttentionMetadata:
         """All decode tokens in one batched op → ``[num_decodes, num_heads * head_dim]``."""
         d = self.num_decodes
         _, num_heads, head_dim = q.shape
-        # Neither kernel caps scores: soft-capped layers take the gathered eager path.
-        if self.use_cpu_kernel and softcap is None:
+        # The CPU kernel caps scores itself; the Triton one does not: soft-capped layers
+        # take the gathered eager path there.
+        if self.use_cpu_kernel:
             out: torch.Tensor = torch.ops.genserve.paged_decode_attention(
                 q[:d],
                 kv_cache,
@@ -239,6 +240,7 @@ class TorchAttentionMetadata:
                 self.decode_context_lens,
                 scale,
                 -1 if window is None else window,
+                0.0 if softcap is None else softcap,
             )
             return out.view(d, num_heads * head_dim)
         if self.use_triton_decode and softcap is None:

@@ -184,8 +184,12 @@ class DecoderForCausalLM(nn.Module):
             # depend on how many rows share its step.
             matvec_rows = _EVERY_ROW
         for layer in self._layers:
-            for norm in layer.norms():
-                norm.fused = isinstance(norm, RMSNorm)
+            attn = layer.self_attn
+            # The q/k norms too: decode_layer runs them through the same op, so the fused
+            # layer and this per-op path give identical results.
+            for norm in (*layer.norms(), attn.q_norm, attn.k_norm):
+                if norm is not None:
+                    norm.fused = isinstance(norm, RMSNorm)
             layer.self_attn.fused = True
             layer.mlp.fused = True
             for linear in self._linears(layer):
@@ -207,12 +211,22 @@ class DecoderForCausalLM(nn.Module):
         # Decode-only steps run each layer as one C++ op where no rank has to all-reduce
         # between its projections, and the op implements the layer's parts.
         reason = unsupported_reason(self.config)
-        if reason is not None:
-            log.info("fused_decode_layer_unused", reason=reason)
-        elif self.lm_head.ctx.world_size == 1:
+        if reason is None and self.lm_head.ctx.world_size > 1:
+            reason = "sharded: each layer all-reduces between its projections"
+        if reason is None:
             for layer in self._layers:
                 layer.set_fused_decode(FusedDecodeArgs.of(self._linears(layer)))
             self._decode_layers_fused = all(layer.fused_decode for layer in self._layers)
+            if not self._decode_layers_fused:
+                reason = "a projection's weight layout (oneDNN-packed)"
+        if reason is not None:
+            log.info("fused_decode_layer_unused", reason=reason)
+
+    @property
+    def decode_layers_fused(self) -> bool:
+        """True when decode-only CPU steps run each layer as one ``genserve::decode_layer``
+        call (``use_fused_cpu_ops`` found the spec and the weights supported, no LoRA)."""
+        return self._decode_layers_fused
 
     def use_fused_gpu_ops(self, max_positions: int) -> None:
         """Run every layer through the fused GPU ops (``kernels/fused_gpu_ops.py``: residual

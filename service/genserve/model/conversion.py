@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from genserve.logging import progress_bars
 from genserve.model import model_cache
+from genserve.model.gguf_config import apply_llama_cpp_hparams
 
 log = structlog.get_logger("genserve.model")
 
@@ -138,6 +139,9 @@ def _save_gguf_metadata(gguf_file: Path, out_dir: Path, trust_remote_code: bool)
             config.architectures = [arch] if arch else None
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        restored = apply_llama_cpp_hparams(gguf_file, config)
+        if restored:
+            log.info("gguf_hparams_restored", source=name, fields=restored)
         config.save_pretrained(str(out_dir))
         progress.advance()
         progress.stage("reading tokenizer")

@@ -22,7 +22,7 @@ from torch import nn
 
 from genserve.kernels import fused_gpu_ops
 from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
-from genserve.model.fused_decode import FusedDecodeArgs
+from genserve.model.fused_decode import FusedDecodeArgs, layer_options
 from genserve.model.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -31,7 +31,7 @@ from genserve.model.layers import (
     _Packable,
 )
 from genserve.model.moe import SparseMoeBlock
-from genserve.model.norms import Norm, RMSNorm, make_norm
+from genserve.model.norms import LayerNorm, Norm, RMSNorm, make_norm
 from genserve.model.rotary import RotaryAngles, apply_rotary, head_permutation
 from genserve.model.spec import Activation, ModelConfig, QKNorm, QKVLayout, UnsupportedModelError
 from genserve.model.weight_views import RowView, RowViews, head_rows
@@ -415,10 +415,15 @@ class DecoderLayer(nn.Module):
         if args is None:
             return
         attn = self.self_attn
-        assert isinstance(self.pre_attn_norm, RMSNorm) and isinstance(self.pre_mlp_norm, RMSNorm)
-        head = (self.pre_attn_norm.weight, self.pre_mlp_norm.weight, self.pre_attn_norm.eps)
-        tail = (attn.scale, -1 if attn.window is None else attn.window, attn.num_heads,
-                attn.num_kv_heads, args.weights, args.bits, args.groups, args.outs, args.biases,
+        norms: list[torch.Tensor | None] = []
+        held = (self.pre_attn_norm, self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm)
+        for norm in (*held, attn.q_norm, attn.k_norm):  # the op's NormSlot order
+            norms.append(None if norm is None else norm.weight)
+            norms.append(norm.bias if isinstance(norm, LayerNorm) else None)
+        options, scalars = layer_options(self.config, attn.scale)
+        head = (norms, options, scalars)
+        tail = (-1 if attn.window is None else attn.window, attn.num_heads, attn.num_kv_heads,
+                args.weights, args.bits, args.groups, args.outs, args.biases,
                 args.matvec_rows)  # fmt: skip
         # The overload itself: torch.ops' packet would resolve it again on every call.
         self._fused_decode_call = (torch.ops.genserve.decode_layer.default, head, tail)

@@ -10,28 +10,59 @@ import torch
 from genserve.model.layers import _Packable
 from genserve.model.spec import Activation, ModelConfig, NormKind, QKNorm
 
+# The op's option codes (decode_layer_cpu.cpp's Option enum documents each).
+_NORM_KINDS = {NormKind.RMS: 0, NormKind.RMS_ONE_PLUS: 0, NormKind.LAYER: 1}
+_QK_NORMS = {QKNorm.NONE: 0, QKNorm.PER_HEAD: 1, QKNorm.FULL_WIDTH: 2}
+_ACTIVATIONS = {Activation.SILU: 0, Activation.GELU: 1, Activation.GELU_TANH: 2}
+
 
 def unsupported_reason(config: ModelConfig) -> str | None:
     """Why the fused decode layer cannot run ``config``'s layers (None: it can).
 
-    The op computes ``x += o(attn(rotary(qkv(rms_norm(x)))))``, then
-    ``x += down(silu(gate) * up)(rms_norm(x))``: RMSNorm (``(1 + w)`` folded into the
-    weight is the same op), rotary over whole heads (partial and interleaved rotary are
-    permuted into that form, no-rope layers get identity angles), no q/k norm, no soft-cap."""
-    block, attn, mlp = config.block, config.attention, config.mlp
+    The op implements every part a native spec names today (see decode_layer_cpu.cpp): RMS
+    or LayerNorm (``(1 + w)`` folded into the weight is RMSNorm), any subset of the four
+    block norms, per-head or full-width q/k norm, soft-capping, scales and multipliers,
+    parallel blocks, SiLU/GELU MLPs gated or not, biases.  Rotary over whole heads serves
+    partial and interleaved rotary too (permuted into that form at load; no-rope layers get
+    identity angles).  A part added to the spec later lands here as a reason until the op
+    learns it, and the model keeps its per-op path."""
+    attn, mlp, block = config.attention, config.mlp, config.block
     if config.moe is not None:
         return "mixture-of-experts MLP (its experts run as genserve::moe_experts)"
-    if not block.is_llama:
-        return "block is not sequential pre-norm"
-    if config.norm.kind is NormKind.LAYER:
-        return "LayerNorm"
-    if attn.qk_norm is not QKNorm.NONE:
-        return "q/k norm"
-    if attn.softcap is not None:
-        return "attention soft-capping"
-    if not mlp.gated or mlp.activation is not Activation.SILU or mlp.bias:
-        return "MLP is not SiLU-gated without bias"
+    if config.norm.kind not in _NORM_KINDS or attn.qk_norm_spec.kind not in _NORM_KINDS:
+        return f"norm kind {config.norm.kind} / {attn.qk_norm_spec.kind}"
+    if attn.qk_norm not in _QK_NORMS:
+        return f"q/k norm {attn.qk_norm}"
+    if (
+        attn.qk_norm is not QKNorm.NONE
+        and attn.qk_norm_weights_per_head
+        and attn.qk_norm_spec.kind is not NormKind.LAYER
+    ):
+        return "per-head q/k RMSNorm weights"  # genserve's rms_norm takes one weight row
+    if mlp.activation not in _ACTIVATIONS:
+        return f"activation {mlp.activation}"
+    if block.parallel and (block.post_attn_norm or block.post_mlp_norm):
+        return "post-sublayer norms in a parallel block"
+    if block.parallel and block.residual_multiplier != 1.0:
+        return "residual multiplier in a parallel block"
     return None
+
+
+def layer_options(config: ModelConfig, scale: float) -> tuple[list[int], list[float]]:
+    """The op's ``options`` and ``scalars`` for ``config``'s layers (one softmax ``scale``
+    for all: the spec's); ``unsupported_reason(config)`` must be None."""
+    attn, mlp, block = config.attention, config.mlp, config.block
+    options = [
+        _NORM_KINDS[config.norm.kind],
+        _QK_NORMS[attn.qk_norm],
+        _NORM_KINDS[attn.qk_norm_spec.kind],
+        _ACTIVATIONS[mlp.activation],
+        int(mlp.gated),
+        int(block.parallel),
+    ]
+    softcap = 0.0 if attn.softcap is None else attn.softcap
+    scalars = [config.norm.eps, attn.qk_norm_spec.eps, scale, softcap, block.residual_multiplier]
+    return options, scalars
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,58 +37,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from genserve.model import gguf_names
 from genserve.model.quantization import QuantizedWeight
 
-# GGUF architecture -> whether llama.cpp permuted attn_q/attn_k rows (transformers reverses
-# it only for "llama": TENSOR_PROCESSORS in modeling_gguf_pytorch_utils).  Mistral models are
-# written with architecture "llama"; Qwen2 keeps Hugging Face's row order.
-LLAMA_LIKE_ARCHITECTURES = {"llama": True, "qwen2": False}
-
 _BLOCK = 32
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_ANY_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face parameter name of a GGUF matrix, or None for tensors not served
-    quantized (norms, biases, anything this module does not map)."""
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
-        return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+    quantized (norms, biases, anything not mapped): ``gguf_names.hf_matrix_name``."""
+    return gguf_names.hf_matrix_name(gguf_name, arch)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of any tensor genserve loads from a llama-like GGUF (matrices,
-    norms, biases); None for tensors it does not use (e.g. ``rope_freqs``)."""
-    if gguf_name == "output_norm.weight":
-        return "model.norm.weight"
-    matrix = hf_name(gguf_name)
-    if matrix is not None:
-        return matrix
-    match = _ANY_LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None:
-        return None
-    layer, kind, suffix = match.groups()
-    if kind in _NORMS and suffix == "weight":
-        return f"model.layers.{layer}.{_NORMS[kind]}.weight"
-    if kind in _LAYER_NAMES:
-        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
-    return None
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of any tensor genserve loads from a GGUF of ``arch`` (matrices,
+    norms, biases); None for tensors it does not use: ``gguf_names.hf_tensor_name``."""
+    return gguf_names.hf_tensor_name(gguf_name, arch)
 
 
 def reverse_permutation(rows: int, n_head: int) -> torch.Tensor:
@@ -145,13 +108,14 @@ class GGUFWeights:
     :class:`QuantizedWeight` (its blocks split by one vectorised copy per field);
     :meth:`get` / :meth:`get_slice` dequantize one tensor to float32 with gguf-py's own
     dequantizer — exactly the values transformers loads from the file — for what is served
-    in floats (norms, F32/F16 matrices, types without a kernel, ``--quantize none``).  Q/K
-    rows are in Hugging Face order (the row gather transformers applies for ``llama``).
+    in floats (norms, F32/F16 matrices, types without a kernel, ``--quantize none``).  Names,
+    Q/K rows and Gemma's shifted norms are Hugging Face's (``gguf_names``: what llama.cpp's
+    converter did per architecture, undone as transformers undoes it).
     After a tensor is read its pages of the mapping are released, so the file does not stay
     resident beside the copy made of it.
 
-    Raises ValueError for a file that is not a llama-like model or whose head counts
-    disagree with ``num_heads`` / ``num_kv_heads`` (the model's, from its config).
+    Raises ValueError for a file of an architecture ``gguf_names`` does not map, or whose
+    head counts disagree with ``num_heads`` / ``num_kv_heads`` (the model's, from its config).
     """
 
     def __init__(self, gguf_file: Path, num_heads: int, num_kv_heads: int) -> None:
@@ -160,20 +124,22 @@ class GGUFWeights:
         self._file = gguf_file
         self._reader = GGUFReader(gguf_file)
         arch = _field(self._reader, "general.architecture")
-        if arch not in LLAMA_LIKE_ARCHITECTURES:
+        layout = gguf_names.layout(arch)
+        if layout is None:
             raise ValueError(
-                f"{gguf_file}: GGUF architecture {arch!r} is not llama-like; GGUF weights are "
-                f"read for {sorted(LLAMA_LIKE_ARCHITECTURES)}"
+                f"{gguf_file}: GGUF architecture {arch!r} is not read natively; GGUF weights "
+                f"are read for {sorted(gguf_names.LAYOUTS)}"
             )
+        self._arch: str = arch
         for key, given in (("head_count", num_heads), ("head_count_kv", num_kv_heads)):
             stored = _field(self._reader, f"{arch}.attention.{key}")
             if isinstance(stored, int) and stored != given:
                 raise ValueError(f"{gguf_file}: {arch}.attention.{key} is {stored}, not {given}")
         self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
-        self._permuted = LLAMA_LIKE_ARCHITECTURES[arch]
+        self._permuted = layout.permuted_qk
         self._tensors: dict[str, Any] = {}
         for tensor in self._reader.tensors:
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, arch)
             if name is not None:
                 self._tensors[name] = tensor
 
@@ -206,6 +172,9 @@ class GGUFWeights:
         else:
             values = dequantize(tensor.data, tensor.tensor_type)
         out = torch.from_numpy(np.ascontiguousarray(values).reshape(self.shape(name)))
+        shift = gguf_names.norm_shift(tensor.name, self._arch)
+        if shift:  # Gemma: llama.cpp stored w + 1 (exact to undo: 1 + w is in [0.5, 2))
+            out = out - shift
         self._release(tensor)
         index = self._row_order(tensor)
         return out if index is None else out[index].contiguous()
@@ -230,7 +199,8 @@ class GGUFWeights:
         Q4_0, Q4_1); None for other types (served as floats through :meth:`get`)."""
         tensor = self._tensors.get(name)
         size = None if tensor is None else _BLOCK_BYTES.get(tensor.tensor_type.name)
-        if tensor is None or size is None or len(tensor.shape) != 2 or hf_name(tensor.name) is None:
+        matrix = None if tensor is None else hf_name(tensor.name, self._arch)
+        if tensor is None or size is None or len(tensor.shape) != 2 or matrix is None:
             return None
         k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
         data = np.asarray(tensor.data)
@@ -254,7 +224,7 @@ class GGUFWeights:
         return [
             name
             for name, t in self._tensors.items()
-            if t.tensor_type.name in _BLOCK_BYTES and hf_name(t.name) is not None
+            if t.tensor_type.name in _BLOCK_BYTES and hf_name(t.name, self._arch) is not None
         ]
 
     def _row_order(self, tensor: Any) -> torch.Tensor | None:

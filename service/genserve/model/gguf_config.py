@@ -1,0 +1,106 @@
+"""Hyperparameters llama.cpp writes into a GGUF file that transformers' GGUF config reader
+(``integrations/ggml.py``'s ``GGUF_CONFIG_MAPPING``) drops, read back so that the config
+genserve keeps for a GGUF model describes the model llama.cpp would run.
+
+Without them a Qwen3 file gets transformers' default ``head_dim`` (128, whatever the file
+says), a Gemma 2 file the default soft-caps, a Phi-3 file no sliding window and full
+rotary, and Gemma 2/3 the default ``query_pre_attn_scalar`` (256) where llama.cpp scales
+queries by ``head_dim`` (the hidden size per head for the 27B models: ``src/models/gemma2.cpp``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# llama.cpp's layer counts of the 27B Gemma 2 / Gemma 3 (its LLM_TYPE_27B).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _scalar(fields: Any, key: str) -> Any:
+    field = fields.get(key)
+    return None if field is None else field.contents()
+
+
+def apply_llama_cpp_hparams(gguf_file: Path, config: Any) -> dict[str, Any]:
+    """Set on ``config`` (read from ``gguf_file`` by transformers) the fields the file's
+    llama.cpp metadata gives and transformers dropped; only fields ``config`` has.  Returns
+    what was set (transformers names), for the log."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_file)
+    fields = reader.fields
+    arch = _scalar(fields, "general.architecture")
+    if not isinstance(arch, str):
+        return {}
+    out: dict[str, Any] = {}
+    keys = {
+        "head_dim": f"{arch}.attention.key_length",
+        "sliding_window": f"{arch}.attention.sliding_window",
+        "attn_logit_softcapping": f"{arch}.attn_logit_softcapping",
+        "final_logit_softcapping": f"{arch}.final_logit_softcapping",
+    }
+    for name, key in keys.items():
+        value = _scalar(fields, key)
+        if value is not None and hasattr(config, name):
+            out[name] = value
+    if out.get("sliding_window") == 0:  # llama.cpp's Phi-3 writes 0 for none (Phi-4)
+        out["sliding_window"] = None
+    heads = getattr(config, "num_attention_heads", None) or 1
+    head_dim = out.get("head_dim") or getattr(config, "head_dim", None)
+    head_dim = head_dim or config.hidden_size // heads
+    if arch in _GEMMA_27B_LAYERS and hasattr(config, "query_pre_attn_scalar"):
+        big = getattr(config, "num_hidden_layers", 0) == _GEMMA_27B_LAYERS[arch]
+        out["query_pre_attn_scalar"] = config.hidden_size // heads if big else head_dim
+    for name, value in out.items():
+        setattr(config, name, value)
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        if arch == "phi3":
+            out.update(_phi3_rope(reader, fields, config, params, head_dim))
+        elif arch == "gemma3":
+            out.update(_gemma3_rope(fields, params))
+    return out
+
+
+def _phi3_rope(
+    reader: Any, fields: Any, config: Any, params: dict[str, Any], head_dim: int
+) -> dict[str, Any]:
+    """Partial rotary (``rope.dimension_count``) and longrope (the ``rope_factors_long`` /
+    ``rope_factors_short`` tensors llama.cpp writes for 128k models) into
+    ``rope_parameters``."""
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    rope_dims = _scalar(fields, "phi3.rope.dimension_count")
+    if isinstance(rope_dims, int) and rope_dims != head_dim:
+        params["partial_rotary_factor"] = out["partial_rotary_factor"] = rope_dims / head_dim
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    long, short = factors.get("rope_factors_long.weight"), factors.get("rope_factors_short.weight")
+    original = _scalar(fields, "phi3.rope.scaling.original_context_length")
+    if long is not None and short is not None and isinstance(original, int):
+        params["rope_type"] = "longrope"
+        params["long_factor"] = [float(v) for v in np.asarray(long.data).reshape(-1)]
+        params["short_factor"] = [float(v) for v in np.asarray(short.data).reshape(-1)]
+        params["original_max_position_embeddings"] = original
+        if hasattr(config, "original_max_position_embeddings"):  # Phi-3 keeps it outside too
+            config.original_max_position_embeddings = original
+        out["rope_type"] = "longrope"
+        out["original_max_position_embeddings"] = original
+    return out
+
+
+def _gemma3_rope(fields: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The global layers' rope scaling (linear, the 4B+ models) and the sliding layers' base
+    into the per-layer-type ``rope_parameters``."""
+    out: dict[str, Any] = {}
+    full, sliding = params.get("full_attention"), params.get("sliding_attention")
+    kind = _scalar(fields, "gemma3.rope.scaling.type")
+    factor = _scalar(fields, "gemma3.rope.scaling.factor")
+    if isinstance(full, dict) and kind == "linear" and factor:
+        full.update(rope_type="linear", factor=float(factor))
+        out["rope_factor"] = float(factor)
+    local_base = _scalar(fields, "gemma3.rope.freq_base_swa")
+    if isinstance(sliding, dict) and local_base:
+        sliding["rope_theta"] = out["local_rope_theta"] = float(local_base)
+    return out
