@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from genserve import cache_cli
-from genserve.model import model_cache
+from genserve.model import conversion, model_cache
 from genserve.model.loader import resolve_model
 from genserve.testing.tiny_gguf import make_tiny_gguf
 
@@ -168,3 +168,29 @@ def test_genserve_cache_command(tmp_path: Path) -> None:
         check=True,
     )
     assert "gguf-eeee000000000000" in run.stdout
+
+
+def test_an_entry_of_an_older_format_is_rebuilt(tiny_gguf: Path, tmp_path: Path) -> None:
+    """The key is the file's content, not the converter's code: an entry written by an older
+    genserve (another format version, or none recorded) is replaced at the next start, not
+    served with its stale config."""
+    cache = tmp_path / "models"
+    first = resolve_model(str(tiny_gguf), cache_dir=cache)
+    entry = first.local_dir
+    record = model_cache.read_record(entry)
+    assert record["version"] == conversion.GGUF_ENTRY_VERSION
+    # What an older genserve left: a config without this version's settings, no version.
+    (entry / "config.json").write_text('{"stale": true}')
+    del record["version"]
+    (entry / model_cache.ENTRY_FILE).write_text(json.dumps(record))
+    assert not model_cache.is_current(entry, conversion.GGUF_ENTRY_VERSION)
+    again = resolve_model(str(tiny_gguf), cache_dir=cache)
+    assert again.local_dir == entry
+    assert "stale" not in json.loads((entry / "config.json").read_text())
+    assert model_cache.read_record(entry)["version"] == conversion.GGUF_ENTRY_VERSION
+    assert [e.name for e in model_cache.list_entries(cache)] == [entry.name]
+    # A current entry is reused as it is.
+    marker = entry / "config.json"
+    before = marker.stat().st_mtime_ns
+    resolve_model(str(tiny_gguf), cache_dir=cache)
+    assert marker.stat().st_mtime_ns == before

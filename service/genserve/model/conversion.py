@@ -61,13 +61,22 @@ def dir_fingerprint(model_dir: Path) -> str:
     return hashlib.sha256(json.dumps([str(model_dir.resolve()), entries]).encode()).hexdigest()
 
 
+# What a GGUF entry holds (config and tokenizer from the file's metadata). Bump it whenever
+# that changes, so caches written by an older genserve are rebuilt rather than served.
+# 2: gguf_config restores the settings transformers' GGUF reader drops (head_dim, soft-caps,
+# sliding window, Gemma's query scale, Phi-3's partial rotary and longrope factors).
+GGUF_ENTRY_VERSION = 2
+
+
 def convert_gguf(gguf_file: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:
-    """The cache entry of ``gguf_file``'s content (built once, whatever the file is called)."""
+    """The cache entry of ``gguf_file``'s content (built once, whatever the file is called,
+    and again after an upgrade that changes what an entry holds)."""
     entry = model_cache.gguf_entry(cache_dir, file_digest(gguf_file, cache_dir))
     return model_cache.build_once(
         entry,
         lambda out: _save_gguf_metadata(gguf_file, out, trust_remote_code),
         source=str(gguf_file.resolve()),
+        version=GGUF_ENTRY_VERSION,
     )
 
 

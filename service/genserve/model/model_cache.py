@@ -63,28 +63,53 @@ def is_complete(entry: Path) -> bool:
     return (entry / "config.json").is_file()
 
 
-def build_once(entry: Path, build: Callable[[Path], None], source: str) -> Path:
-    """``entry``, built by ``build(tmp_dir)`` unless it exists; concurrent callers wait for
-    one build.  Marks the entry used and records ``source`` in its ``entry.json``."""
-    cache = entry.parent
+def is_current(entry: Path, version: int) -> bool:
+    """``entry`` is complete and was written by the converter of format ``version`` (entries
+    from before formats were recorded count as version 1)."""
     if not is_complete(entry):
+        return False
+    recorded = read_record(entry).get("version", 1)
+    return recorded == version
+
+
+def build_once(entry: Path, build: Callable[[Path], None], source: str, version: int = 1) -> Path:
+    """``entry``, built by ``build(tmp_dir)`` unless it exists in format ``version``;
+    concurrent callers wait for one build.  An entry of another format (written by an older
+    converter: the key is the source's content, not the code that converted it) is replaced,
+    so an upgrade never serves a stale config.  Marks the entry used and records ``source``
+    in its ``entry.json``."""
+    cache = entry.parent
+    if not is_current(entry, version):
         cache.mkdir(parents=True, exist_ok=True)
         clean_interrupted(cache)
         with _lock(cache, entry.name, blocking=True):
-            if not is_complete(entry):  # nobody finished it while we waited
-                _build(entry, build, source)
+            if not is_current(entry, version):  # nobody finished it while we waited
+                if entry.exists():
+                    log.info("model_cache_entry_stale", entry=str(entry), version=version)
+                    _discard(entry)
+                _build(entry, build, source, version)
     _record_use(entry, source)
     return entry
 
 
-def _build(entry: Path, build: Callable[[Path], None], source: str) -> None:
+def _discard(entry: Path) -> None:
+    """Move ``entry`` out of its final name, then delete it: a concurrent start never sees it
+    half deleted (it waits on the lock and finds no entry)."""
+    trash_root = entry.parent / _TMP
+    trash_root.mkdir(exist_ok=True)
+    trash = trash_root / f"{entry.name}.removed-{os.getpid()}"
+    os.rename(entry, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _build(entry: Path, build: Callable[[Path], None], source: str, version: int) -> None:
     tmp_root = entry.parent / _TMP
     tmp_root.mkdir(exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{entry.name}.", dir=tmp_root))
     try:
         log.info("model_conversion_started", source=source, target=str(entry))
         build(tmp)
-        _write_record(tmp, {"sources": [source], "created": time.time()})
+        _write_record(tmp, {"sources": [source], "created": time.time(), "version": version})
         # mkdtemp creates the directory private; the cache is as shared as its parent.
         umask = os.umask(0)
         os.umask(umask)
@@ -257,13 +282,8 @@ def list_entries(cache: Path) -> list[CacheEntry]:
 
 
 def remove_entry(entry: CacheEntry) -> None:
-    """Delete ``entry``: renamed out of its final name first, so a concurrent start never
-    sees it half deleted (it rebuilds it instead)."""
-    trash_root = entry.path.parent / _TMP
-    trash_root.mkdir(exist_ok=True)
-    trash = trash_root / f"{entry.name}.removed-{os.getpid()}"
-    os.rename(entry.path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    """Delete ``entry`` (a concurrent start rebuilds it)."""
+    _discard(entry.path)
 
 
 def digest_memo_dir(cache: Path) -> Path:
