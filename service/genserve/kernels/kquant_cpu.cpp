@@ -154,38 +154,61 @@ inline float hsum16(v16 v) {
   return s;
 }
 
+// Weight rows go 4 at a time (within one segment): each activation vector loaded is used by 4
+// rows' FMAs, so a batched step reads its activations from cache a quarter as often (at 8 rows
+// of K = 8192 they are 256 KB: L2).  Each (row, activation row) pair keeps its own chain of
+// FMAs in block order, so the result does not depend on the tile, the batch or the threads.
+constexpr int kFloatRows = 4;
+
 void float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
   const int64_t nb = j.k / 256;
-  alignas(64) float w[256];
-  v16 acc[kTileRows];
-  for (int64_t n = n0; n < n1; ++n) {
+  alignas(64) float w[kFloatRows][256];
+  v16 acc[kTileRows][kFloatRows];
+  for (int64_t n = n0; n < n1;) {
     const KSegment& s = j.segment_of(n);
-    const uint8_t* row = s.data + (n - s.row0) * s.row_bytes;
+    const int64_t r_count = std::min<int64_t>({kFloatRows, n1 - n, s.row0 + s.rows - n});
+    const uint8_t* rows_at[kFloatRows];
+    for (int r = 0; r < kFloatRows; ++r) {  // a short tile repeats its last row (not stored)
+      rows_at[r] = s.data + (n + std::min<int64_t>(r, r_count - 1) - s.row0) * s.row_bytes;
+    }
     for (int64_t m0 = 0; m0 < j.m; m0 += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, j.m - m0);
-      for (int64_t m = 0; m < rows; ++m) acc[m] = v16{};
+      for (int64_t m = 0; m < rows; ++m) {
+        for (int r = 0; r < kFloatRows; ++r) acc[m][r] = v16{};
+      }
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = row + b * s.block_bytes;
-        __builtin_prefetch(block + 4 * s.block_bytes, 0, 1);
-        __builtin_prefetch(block + 4 * s.block_bytes + 64, 0, 1);
-        __builtin_prefetch(block + 4 * s.block_bytes + 128, 0, 1);
-        kq_dequantize(s.type, block, w);
-        const v16* wv = reinterpret_cast<const v16*>(w);
+        for (int r = 0; r < kFloatRows; ++r) {
+          const uint8_t* block = rows_at[r] + b * s.block_bytes;
+          __builtin_prefetch(block + 4 * s.block_bytes, 0, 1);
+          __builtin_prefetch(block + 4 * s.block_bytes + 64, 0, 1);
+          __builtin_prefetch(block + 4 * s.block_bytes + 128, 0, 1);
+          kq_dequantize(s.type, block, w[r]);
+        }
+        const v16* w0 = reinterpret_cast<const v16*>(w[0]);
+        const v16* w1 = reinterpret_cast<const v16*>(w[1]);
+        const v16* w2 = reinterpret_cast<const v16*>(w[2]);
+        const v16* w3 = reinterpret_cast<const v16*>(w[3]);
         for (int64_t m = 0; m < rows; ++m) {
           const float* x = j.xf + (m0 + m) * j.k + b * 256;
-          // four independent chains: one would wait on the FMA latency at every step
-          v16 a0 = acc[m], a1{}, a2{}, a3{};
-          for (int c = 0; c < 16; c += 4) {
-            a0 += wv[c] * *reinterpret_cast<const v16u*>(x + 16 * c);
-            a1 += wv[c + 1] * *reinterpret_cast<const v16u*>(x + 16 * c + 16);
-            a2 += wv[c + 2] * *reinterpret_cast<const v16u*>(x + 16 * c + 32);
-            a3 += wv[c + 3] * *reinterpret_cast<const v16u*>(x + 16 * c + 48);
+          v16 a0 = acc[m][0], a1 = acc[m][1], a2 = acc[m][2], a3 = acc[m][3];
+          for (int c = 0; c < 16; ++c) {
+            const v16 xv = *reinterpret_cast<const v16u*>(x + 16 * c);
+            a0 += w0[c] * xv;
+            a1 += w1[c] * xv;
+            a2 += w2[c] * xv;
+            a3 += w3[c] * xv;
           }
-          acc[m] = (a0 + a1) + (a2 + a3);
+          acc[m][0] = a0;
+          acc[m][1] = a1;
+          acc[m][2] = a2;
+          acc[m][3] = a3;
         }
       }
-      for (int64_t m = 0; m < rows; ++m) j.store(m0 + m, n, hsum16(acc[m]));
+      for (int64_t m = 0; m < rows; ++m) {
+        for (int64_t r = 0; r < r_count; ++r) j.store(m0 + m, n + r, hsum16(acc[m][r]));
+      }
     }
+    n += r_count;
   }
 }
 

@@ -313,9 +313,10 @@ class _QuantizedView(Mapping[str, AnyQuantized]):
 def read_gguf_quantized(
     gguf_file: Path, num_heads: int, num_kv_heads: int
 ) -> dict[str, AnyQuantized]:
-    """Every Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrix of ``gguf_file`` by Hugging Face parameter name
-    (``model.embed_tokens.weight``, ``lm_head.weight`` when the file has ``output.weight``,
-    the attention and MLP projections of each layer), with Q/K rows in Hugging Face order.
+    """Every Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrix of ``gguf_file`` by Hugging Face
+    parameter name (``model.embed_tokens.weight``, ``lm_head.weight`` when the file has
+    ``output.weight``, the attention and MLP projections of each layer), with Q/K rows in
+    Hugging Face order.
     See :class:`GGUFWeights` (which loading uses, one matrix at a time)."""
     weights = GGUFWeights(gguf_file, num_heads, num_kv_heads)
     out: dict[str, AnyQuantized] = {}

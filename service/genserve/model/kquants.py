@@ -80,7 +80,7 @@ class KQuantWeight:
         """One matrix from its GGUF bytes, uint8 ``[N, K / 256 * block bytes]`` (copied)."""
         if qtype not in K_TYPES:
             raise QuantizationError(f"not a K-quant type: {qtype}")
-        t = torch.as_tensor(np.ascontiguousarray(blocks)).clone()
+        t = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True))
         n, width = t.shape
         k = width // K_TYPES[qtype][1] * SUPER_BLOCK
         return cls(t.reshape(-1), (qtype,), (int(n),), int(k))

@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from genserve.model.causal_lm import DecoderForCausalLM
+from genserve.model.kquants import AnyQuantized, cat_any, zero_rows
 from genserve.model.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -30,7 +31,6 @@ from genserve.model.layers import (
     VocabParallelEmbedding,
     _Packable,
 )
-from genserve.model.kquants import AnyQuantized, cat_any, zero_rows
 from genserve.model.quantization import QuantizationError, quantize, quantize_int8
 
 log = structlog.get_logger("genserve.model")
