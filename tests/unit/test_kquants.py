@@ -85,6 +85,11 @@ def test_rows_columns_and_padding_keep_the_values(mixed: KQuantWeight) -> None:
     assert torch.equal(mixed.rows(slice(30, 50)).dequantize(), w[30:50])
     assert torch.equal(mixed.columns(256, 512).dequantize(), w[:, 256:512])
     assert torch.equal(mixed.dequantize_rows(torch.tensor([2, 60]), torch.float32), w[[2, 60]])
+    single = _matrix("Q6_K", 10, 256, 5)  # one segment: a plain gather of rows
+    assert torch.equal(
+        single.rows(torch.tensor([3, 1, 3])).dequantize(), _gguf_py(single)[[3, 1, 3]]
+    )
+    assert single.rows(torch.tensor(4)).row_counts == (1,)
     padded = cat_any([mixed, zero_rows(mixed, 3)])
     assert isinstance(padded, KQuantWeight)
     assert padded.types == ("Q4_K", "Q6_K", "Q5_K") and padded.row_counts == (40, 24, 12)

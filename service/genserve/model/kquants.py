@@ -109,6 +109,13 @@ class KQuantWeight:
     # ------------------------------------------------------------------ slicing
     def rows(self, index: torch.Tensor | slice) -> KQuantWeight:
         """The matrix of the selected output rows, in the order given."""
+        if len(self.types) == 1:  # the common case (every look-up of an embedding): a gather
+            ((qtype, block),) = self.segments()
+            picked = block[index].contiguous()
+            picked = picked[None] if picked.dim() == 1 else picked  # a single index
+            return KQuantWeight(
+                picked.reshape(-1), (qtype,), (picked.shape[0],), self.in_features, self.isa
+            )
         ids = torch.arange(self.out_features)[index]
         if ids.dim() == 0:
             ids = ids[None]
