@@ -47,6 +47,8 @@ _SOURCES.append(Path(__file__).with_name("decode_layer_cpu.cpp"))  # one op per 
 _SOURCES.append(Path(__file__).with_name("int_dot_cpu.cpp"))
 # GGUF K-quant super-blocks, float and integer paths (model/kquants.py)
 _SOURCES.append(Path(__file__).with_name("kquant_cpu.cpp"))
+# the routed experts of a mixture-of-experts layer, one op per layer (model/moe.py)
+_SOURCES.append(Path(__file__).with_name("moe_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
 _HEADERS += [
     Path(__file__).with_name(n)
@@ -73,6 +75,7 @@ _OPS = (
     "int_dot_linear",
     "kquant_linear",
     "set_batch_invariant",
+    "moe_experts",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from genserve.kernels import fused_gpu_ops
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
 from genserve.model.config import UnsupportedModelError, load_model_config
@@ -44,8 +45,14 @@ from genserve.step import (
 )
 from genserve.worker.adapters import PreparedAdapter, install, prepare, read_adapter
 from genserve.worker.cuda_graphs import DecodeGraphs
-from genserve.worker.device_io import DeviceIO
-from genserve.worker.graph_plan import GraphPlan, GraphTarget, graph_forward, plan_graphs
+from genserve.worker.device_io import DeviceIO, Readback
+from genserve.worker.graph_plan import (
+    GraphPlan,
+    GraphTarget,
+    graph_forward,
+    graph_greedy,
+    plan_graphs,
+)
 from genserve.worker.request_state import PenaltyCounts, RequestState
 from genserve.worker.runner_setup import (
     available_ram_bytes,
@@ -135,6 +142,14 @@ class ModelRunner:
         else:
             with torch.inference_mode():
                 self.model.pack_weights()
+            if device.type == "cuda" and fused_gpu_ops.triton_runs(device):
+                # One Triton launch per norm, rotary + K/V store and activation (#29); the
+                # rotary tables cover every position the limits let a request reach.
+                self.model.use_fused_gpu_ops(
+                    rope_scaling.scaled_max_positions(
+                        self.config.max_position_embeddings, model.rope_scaling, model.rope_factor
+                    )
+                )
         self.model.eval()
         self._init_state(model)
 
@@ -182,6 +197,7 @@ class ModelRunner:
         self.backend: AttentionBackend | None = None
         self._graph_plan: GraphPlan | None = None  # CUDA graphs for decode steps (#12)
         self._graphs: DecodeGraphs | None = None
+        self._graph_readback = Readback(self.io)  # all-greedy graph steps' one copy back
         log.info(
             "model_loaded",
             model_id=model.model_id,
@@ -350,6 +366,7 @@ class ModelRunner:
             hidden = graph_forward(
                 self._graphs, self._lora_rows(plan.chunks), plan.chunks, plan.seqs
             )
+        replayed = self._graphs if hidden is not None else None  # logits computed there too
         if hidden is None:
             meta = self.backend.build(plan.seqs, plan.num_decodes, self.block_size)
             token_ids, positions = flat_inputs(plan, self.io)
@@ -363,7 +380,7 @@ class ModelRunner:
                 rows = [(c.req_id, len(c.token_ids), c.start_pos) for c in plan.chunks]
                 self.model.bind_step(rows)  # type: ignore[operator]
             hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [tokens, hidden]
-        return self._finish_step(step, plan, hidden)
+        return self._finish_step(step, plan, hidden, replayed)
 
     def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether any chunk of the step runs under a LoRA adapter."""
@@ -372,20 +389,30 @@ class ModelRunner:
         return any(self._requests[c.req_id].adapter_slot >= 0 for c in chunks)
 
     def _finish_step(
-        self, step: SchedulerOutput, plan: StepLayout, hidden: torch.Tensor
+        self,
+        step: SchedulerOutput,
+        plan: StepLayout,
+        hidden: torch.Tensor,
+        graphs: DecodeGraphs | None = None,
     ) -> RunnerOutput:
-        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``."""
+        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``
+        (``graphs``: replayed from them, which computed the logits of its rows as well)."""
         sampled: tuple[SampledToken, ...] = ()
         rows, leading = plan.sample_rows()
         if rows:
             # A pure decode step samples rows 0..n-1: a view, nothing to upload or gather.
-            if leading:
-                picked = hidden[: len(rows)]
+            if leading and graphs is not None:
+                logits = graphs.logits(len(rows))  # the final norm and LM head ran in it
             else:
-                picked = hidden.index_select(0, self.io.upload(rows, torch.int64))
-            logits = self.model.compute_logits(picked)  # [rows, vocab]
+                if leading:
+                    picked = hidden[: len(rows)]
+                else:
+                    picked = hidden.index_select(0, self.io.upload(rows, torch.int64))
+                logits = self.model.compute_logits(picked)  # [rows, vocab]
+                graphs = None
             if self.parallel.is_driver:
-                sampled = self._sample(logits, [c for c in plan.chunks if c.sample], step)
+                chunks = [c for c in plan.chunks if c.sample]
+                sampled = self._sample(logits, chunks, step, graphs)
         parts = prompt_logprob_parts(plan.chunks, plan.offsets, self._requests)
         prompt: tuple[PromptLogprobs, ...] = ()
         if parts:
@@ -454,15 +481,23 @@ class ModelRunner:
         logits: torch.Tensor,
         chunks: list[ScheduledChunk],
         step: SchedulerOutput | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> tuple[SampledToken, ...]:
         """One row of ``logits`` per sampling position (``num_draft_tokens + 1`` a chunk);
         worker/step_outputs.py says which tokens each chunk keeps.  Penalty counts are then
-        advanced from the device's token ids in one scatter."""
+        advanced from the device's token ids in one scatter.  ``graphs``: the step was
+        replayed from them (``logits`` their rows), whose greedy tail serves all-greedy
+        steps."""
         if not chunks:
             return ()
         states = [self._state(c.req_id) for c in chunks]
         rows = sampling_rows(chunks, states, self._penalties)
-        out = self.sampler(logits, rows, *grammar_rows(chunks, step))
+        bitmask, constrained = grammar_rows(chunks, step)
+        out = None
+        if graphs is not None and bitmask is None:
+            out = graph_greedy(graphs, rows, self._graph_readback)
+        if out is None:
+            out = self.sampler(logits, rows, bitmask, constrained)
         accepted = accept(out, chunks, states, self._penalties)
         if accepted.penalised_req_ids and out.device_token_ids is not None:
             ids = out.device_token_ids
