@@ -45,11 +45,20 @@ _SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("decode_layer_cpu.cpp"))  # one op per decode layer
 # --cpu-int-dot: integer dot products on 8-/4-bit blocks (kernels/int_dot.py)
 _SOURCES.append(Path(__file__).with_name("int_dot_cpu.cpp"))
+# GGUF K-quant super-blocks, float and integer paths (model/kquants.py)
+_SOURCES.append(Path(__file__).with_name("kquant_cpu.cpp"))
 # the routed experts of a mixture-of-experts layer, one op per layer (model/moe.py)
 _SOURCES.append(Path(__file__).with_name("moe_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
 _HEADERS += [
-    Path(__file__).with_name(n) for n in ("int_dot.h", "int_dot_tile.inc", "int_dot_ymm_vnni.inc")
+    Path(__file__).with_name(n)
+    for n in (
+        "int_dot.h",
+        "int_dot_tile.inc",
+        "int_dot_ymm_vnni.inc",
+        "kquant_decode.inc",
+        "kquant_int_row.inc",
+    )
 ]
 _OPS = (
     "paged_decode_attention",
@@ -64,6 +73,7 @@ _OPS = (
     "decode_layer",
     "greedy_stats",
     "int_dot_linear",
+    "kquant_linear",
     "set_batch_invariant",
     "moe_experts",
 )

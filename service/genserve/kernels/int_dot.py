@@ -5,7 +5,9 @@ The float path (``genserve::qpanel_linear``) rebuilds every weight as a float32 
 it by the float32 activation; its result differs from a float32 matmul on the dequantized
 matrix only in the order of sums.  The integer path also rounds each activation to int8 per
 block of 32 (llama.cpp's Q8_0 activations), so its logits move by about that rounding: a
-choice, not a detail (docs/cpu/integer-kernels.md has the measured cost and speed).
+choice, not a detail (docs/cpu/integer-kernels.md has the measured cost and speed).  GGUF
+K-quant matrices (``kernels/kquant_cpu.cpp``) follow the same mode and instruction-set codes,
+with activations rounded per 256 inputs (llama.cpp's Q8_K).
 
 Modes: ``off`` (the default: the float path, whose greedy output equals transformers' on the
 dequantized weights); ``on`` (the integer path on the best instruction set the CPU has,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from genserve.model.kquants import KQuantWeight
 from genserve.model.layers import _Packable
 from genserve.model.spec import Activation, ModelConfig, NormKind, QKNorm
 
@@ -82,7 +83,8 @@ class FusedDecodeArgs:
 
     @classmethod
     def of(cls, linears: tuple[_Packable, ...]) -> FusedDecodeArgs | None:
-        """None where a projection has none of those forms (a oneDNN-packed weight)."""
+        """None where a projection has none of those forms (a oneDNN-packed weight, GGUF
+        K-quant super-blocks: those layers step through the layer-by-layer path)."""
         args = cls([], [], [], [], [], linears[0].matvec_rows)
         empty = torch.empty(0)
         for linear in linears:
@@ -93,6 +95,8 @@ class FusedDecodeArgs:
                 args.bits.append(0)
                 args.groups.append(0)
                 args.outs.append(linear.panel_outputs)
+            elif isinstance(linear.qpanels, KQuantWeight):
+                return None
             elif linear.qpanels is not None:
                 q = linear.qpanels
                 args.weights.extend((q.data, q.scales, empty if q.mins is None else q.mins))

@@ -14,8 +14,10 @@ The three block formats llama.cpp uses for whole-model quantization of small mod
 * ``Q4_0`` (18 bytes: fp16 ``d``, 16 bytes): ``w = d (q - 8)``, so ``mins = -8 d``, exact in
   float16 (a power-of-two multiple).
 
-Everything else (norms in F32, F16/BF16 matrices, K-quants) is left out of the result; the
-caller keeps those from the float conversion.  The blocks are split with numpy views over the
+K-quants (``Q4_K``, ``Q5_K``, ``Q6_K``: super-blocks of 256) are copied from the mapping as they
+are, bytes untouched, into a :class:`~genserve.model.kquants.KQuantWeight`, whose kernel decodes
+them as it multiplies.  Everything else (norms in F32, F16/BF16 matrices, other types) is left
+out of the result and served in floats.  The blocks are split with numpy views over the
 reader's memory map, one vectorised copy per field, no loop over blocks.
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of ``llama`` models for its
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from genserve.model import gguf_names
+from genserve.model.kquants import K_TYPES, AnyQuantized, KQuantWeight
 from genserve.model.quantization import QuantizedWeight
 
 _BLOCK = 32
@@ -105,7 +108,8 @@ class GGUFWeights:
 
     The file is memory-mapped (``gguf.GGUFReader``); nothing is converted ahead of loading.
     :meth:`quantized` hands out a matrix stored as Q8_0 / Q4_0 / Q4_1 as a
-    :class:`QuantizedWeight` (its blocks split by one vectorised copy per field);
+    :class:`QuantizedWeight` (its blocks split by one vectorised copy per field), and one
+    stored as Q4_K / Q5_K / Q6_K as a :class:`KQuantWeight` (its bytes, copied as they are);
     :meth:`get` / :meth:`get_slice` dequantize one tensor to float32 with gguf-py's own
     dequantizer — exactly the values transformers loads from the file — for what is served
     in floats (norms, F32/F16 matrices, types without a kernel, ``--quantize none``).  Names,
@@ -194,27 +198,34 @@ class GGUFWeights:
         self.close()
 
     # ------------------------------------------------------------------ quantized
-    def quantized(self, name: str) -> QuantizedWeight | None:
+    def quantized(self, name: str) -> AnyQuantized | None:
         """Matrix ``name`` in its stored format, when genserve keeps that format (Q8_0,
-        Q4_0, Q4_1); None for other types (served as floats through :meth:`get`)."""
+        Q4_0, Q4_1; Q4_K, Q5_K, Q6_K); None for other types (served as floats through
+        :meth:`get`)."""
         tensor = self._tensors.get(name)
-        size = None if tensor is None else _BLOCK_BYTES.get(tensor.tensor_type.name)
-        matrix = None if tensor is None else hf_name(tensor.name, self._arch)
-        if tensor is None or size is None or len(tensor.shape) != 2 or matrix is None:
+        if tensor is None or len(tensor.shape) != 2 or hf_name(tensor.name, self._arch) is None:
+            return None
+        qtype = tensor.tensor_type.name
+        block, size = (256, K_TYPES[qtype][1]) if qtype in K_TYPES else (_BLOCK, 0)
+        size = size or _BLOCK_BYTES.get(qtype, 0)
+        if not size:
             return None
         k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
         data = np.asarray(tensor.data)
-        if k % _BLOCK or data.shape != (n, k // _BLOCK * size):
+        if k % block or data.shape != (n, k // block * size):
             raise ValueError(
-                f"{self._file}: {tensor.name} ({tensor.tensor_type.name}, {k}x{n}) has data "
-                f"of shape {data.shape}"
+                f"{self._file}: {tensor.name} ({qtype}, {k}x{n}) has data of shape {data.shape}"
             )
-        qw = _quantized(data.reshape(n, k // _BLOCK, size), tensor.tensor_type)
+        qw: AnyQuantized
+        if qtype in K_TYPES:
+            qw = KQuantWeight.from_blocks(data, qtype)  # bytes as stored, one copy
+        else:
+            qw = _quantized(data.reshape(n, k // _BLOCK, size), tensor.tensor_type)
         self._release(tensor)
         index = self._row_order(tensor)
         return qw if index is None else qw.rows(index)
 
-    def quantized_view(self) -> Mapping[str, QuantizedWeight]:
+    def quantized_view(self) -> Mapping[str, AnyQuantized]:
         """:meth:`quantized` as a read-only mapping that reads a matrix when it is looked
         up, so a caller going module by module holds one module's matrices at a time."""
         return _QuantizedView(self)
@@ -224,7 +235,8 @@ class GGUFWeights:
         return [
             name
             for name, t in self._tensors.items()
-            if t.tensor_type.name in _BLOCK_BYTES and hf_name(t.name, self._arch) is not None
+            if (t.tensor_type.name in _BLOCK_BYTES or t.tensor_type.name in K_TYPES)
+            and hf_name(t.name, self._arch) is not None
         ]
 
     def _row_order(self, tensor: Any) -> torch.Tensor | None:
@@ -246,12 +258,12 @@ class GGUFWeights:
             mapping.madvise(mmap.MADV_DONTNEED, start, length)
 
 
-class _QuantizedView(Mapping[str, QuantizedWeight]):
+class _QuantizedView(Mapping[str, AnyQuantized]):
     def __init__(self, weights: GGUFWeights) -> None:
         self._weights = weights
         self._names = weights.quantized_names()
 
-    def __getitem__(self, name: str) -> QuantizedWeight:
+    def __getitem__(self, name: str) -> AnyQuantized:
         qw = self._weights.quantized(name) if name in self._names else None
         if qw is None:
             raise KeyError(name)
@@ -269,13 +281,14 @@ class _QuantizedView(Mapping[str, QuantizedWeight]):
 
 def read_gguf_quantized(
     gguf_file: Path, num_heads: int, num_kv_heads: int
-) -> dict[str, QuantizedWeight]:
-    """Every Q8_0 / Q4_0 / Q4_1 matrix of ``gguf_file`` by Hugging Face parameter name
-    (``model.embed_tokens.weight``, ``lm_head.weight`` when the file has ``output.weight``,
-    the attention and MLP projections of each layer), with Q/K rows in Hugging Face order.
+) -> dict[str, AnyQuantized]:
+    """Every Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrix of ``gguf_file`` by Hugging Face
+    parameter name (``model.embed_tokens.weight``, ``lm_head.weight`` when the file has
+    ``output.weight``, the attention and MLP projections of each layer), with Q/K rows in
+    Hugging Face order.
     See :class:`GGUFWeights` (which loading uses, one matrix at a time)."""
     weights = GGUFWeights(gguf_file, num_heads, num_kv_heads)
-    out: dict[str, QuantizedWeight] = {}
+    out: dict[str, AnyQuantized] = {}
     for name in weights.quantized_names():
         qw = weights.quantized(name)
         assert qw is not None

@@ -30,8 +30,8 @@ from torch import nn
 from genserve.kernels import int_dot
 from genserve.model.huge_pages import HugePageRegion
 from genserve.model.int_dot_panels import IntDotPanels
+from genserve.model.kquants import FLOAT_PATH, AnyQuantized, KQuantWeight
 from genserve.model.lora import LoraHook
-from genserve.model.quantization import QuantizedWeight
 from genserve.model.spec import UnsupportedModelError
 from genserve.model.weight_panels import QuantizedPanels, float_panel_rows, pack_float
 from genserve.model.weights import WeightSource
@@ -109,14 +109,15 @@ class _Packable(nn.Module):
     matvec_rows: int = 0
     # --quantize: the weight in a quantized format (model/quantization.py), used instead of
     # ``weight`` (moved to ``qpanels`` where genserve's CPU kernels run).
-    quant: QuantizedWeight | None = None
+    quant: AnyQuantized | None = None
     # float32 on CPU with genserve's kernels: the weight as 32-column panels
     # (``weight_panels.pack_float``), which every step uses instead of ``weight``.
     panels: torch.Tensor | None = None
     panel_outputs: int = 0  # the weight's rows (the last panel is zero-padded)
     # A quantized weight in the same panels (replaces ``quant``; same kernel file), or, with
-    # --cpu-int-dot, in the integer dot-product kernel's panels (kernels/int_dot_cpu.cpp).
-    qpanels: QuantizedPanels | IntDotPanels | None = None
+    # --cpu-int-dot, in the integer dot-product kernel's panels (kernels/int_dot_cpu.cpp); a
+    # GGUF K-quant matrix as its own super-blocks (kernels/kquant_cpu.cpp, either path).
+    qpanels: QuantizedPanels | IntDotPanels | KQuantWeight | None = None
 
     def pack(self, release: bool = True) -> None:
         """Switch to the prepacked weight (if it applies); ``release`` frees the plain copy
@@ -131,6 +132,13 @@ class _Packable(nn.Module):
         """Serve from the weight packed in column panels (float32 or quantized CPU weights,
         with genserve's kernels loaded); ``release`` frees the plain copy.  Call after
         loading (and quantizing)."""
+        if isinstance(self.quant, KQuantWeight):  # the kernel reads the file's blocks as they are
+            choice = int_dot.choose() if int_dot.active() else None
+            isa = FLOAT_PATH if choice is None or choice.isa is None else int(choice.isa)
+            self.qpanels = self.quant.serving(isa)
+            if release:
+                self.quant = None
+            return
         if self.quant is not None:
             if IntDotPanels.supports(self.quant) and int_dot.active():
                 self.qpanels = IntDotPanels.pack(self.quant)
@@ -166,6 +174,8 @@ class _Packable(nn.Module):
         the kernels do not read."""
         if self.panels is not None:
             return [self.panels]
+        if isinstance(self.qpanels, KQuantWeight):
+            return [self.qpanels.data]
         if self.qpanels is not None:
             q = self.qpanels
             return [q.data, q.scales] + ([] if q.mins is None else [q.mins])
@@ -175,6 +185,8 @@ class _Packable(nn.Module):
         """Replace the tensors of :meth:`streamed_weights` by copies placed in ``region``."""
         if self.panels is not None:
             self.panels = region.place(self.panels)
+        elif isinstance(self.qpanels, KQuantWeight):
+            self.qpanels = dataclasses.replace(self.qpanels, data=region.place(self.qpanels.data))
         elif self.qpanels is not None:
             q = self.qpanels
             self.qpanels = dataclasses.replace(
@@ -186,7 +198,7 @@ class _Packable(nn.Module):
         elif self.serves_plain_weight:
             self.weight = nn.Parameter(region.place(self.weight.detach()), requires_grad=False)
 
-    def set_quantized(self, quant: QuantizedWeight) -> None:
+    def set_quantized(self, quant: AnyQuantized) -> None:
         """Serve from ``quant`` (same shape as ``weight``) and free the plain weight; a tied
         embedding and head share one ``quant``."""
         if (quant.out_features, quant.in_features) != tuple(self.weight.shape):

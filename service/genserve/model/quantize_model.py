@@ -8,8 +8,10 @@
   output matrix at 6-8 bits too.
 * ``gguf``: keep the quantization of the GGUF file the model was converted from.  Matrices
   stored as Q8_0, Q4_0 or Q4_1 are served in that format, bit for bit (the float weights
-  transformers dequantized from them are exactly what the reference computes with); matrices
-  in other types (F32/F16, K-quants) stay in the model dtype, and the summary names them.
+  transformers dequantized from them are exactly what the reference computes with), K-quants
+  (Q4_K, Q5_K, Q6_K) as their super-blocks (``model/kquants.py``; a fused projection may mix
+  K types); matrices in other types (F32/F16, a fusion of K-quant and other blocks, a shard
+  that splits a block) stay in the model dtype, and the summary names them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from genserve.model.causal_lm import DecoderForCausalLM
 from genserve.model.decoder import MLP
+from genserve.model.kquants import AnyQuantized, cat_any, zero_rows
 from genserve.model.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -29,13 +32,7 @@ from genserve.model.layers import (
     VocabParallelEmbedding,
     _Packable,
 )
-from genserve.model.quantization import (
-    QuantizationError,
-    QuantizedWeight,
-    cat_rows,
-    quantize,
-    quantize_int8,
-)
+from genserve.model.quantization import QuantizationError, quantize, quantize_int8
 
 log = structlog.get_logger("genserve.model")
 
@@ -51,7 +48,7 @@ class QuantizeSummary:
 def quantize_model(
     model: DecoderForCausalLM,
     method: str,
-    gguf_tensors: Mapping[str, QuantizedWeight] | None = None,
+    gguf_tensors: Mapping[str, AnyQuantized] | None = None,
 ) -> QuantizeSummary:
     """Quantize ``model`` in place (after ``load_weights``, before ``use_fused_cpu_ops``)."""
     summary = QuantizeSummary(method)
@@ -109,7 +106,7 @@ def _from_float(model: DecoderForCausalLM, method: str, summary: QuantizeSummary
 
 
 def _from_gguf(
-    model: DecoderForCausalLM, tensors: Mapping[str, QuantizedWeight], summary: QuantizeSummary
+    model: DecoderForCausalLM, tensors: Mapping[str, AnyQuantized], summary: QuantizeSummary
 ) -> None:
     plan: list[tuple[_Packable, list[str]]] = []
     for i, layer in enumerate(model._layers):
@@ -133,20 +130,26 @@ def _from_gguf(
         if not all(n in tensors for n in names):  # a type without a kernel: stays float
             summary.kept.extend(names)
             continue
-        module.set_quantized(_shard(module, [tensors[n] for n in names]))
+        try:
+            shard = _shard(module, [tensors[n] for n in names])
+        except QuantizationError as exc:  # no layout for it: served from the floats
+            log.info("model_quantized_kept_float", matrices=names, reason=str(exc))
+            summary.kept.extend(names)
+            continue
+        module.set_quantized(shard)
         summary.quantized += 1
     embed = model.embed_tokens.quant
     if model.config.tie_word_embeddings and embed is not None:
         model.lm_head.set_quantized(embed)
 
 
-def _shard(module: _Packable, parts: list[QuantizedWeight]) -> QuantizedWeight:
+def _shard(module: _Packable, parts: list[AnyQuantized]) -> AnyQuantized:
     """This rank's part of the file's matrices, fused as ``module`` stores them."""
     if isinstance(module, QKVParallelLinear):
         return _qkv(module, *parts)
     if isinstance(module, ColumnParallelLinear):  # gate/up
         ranges = zip(parts, module.ranges, strict=True)
-        return cat_rows([part.rows(slice(a, b)) for part, (a, b) in ranges])
+        return cat_any([part.rows(slice(a, b)) for part, (a, b) in ranges])
     if isinstance(module, RowParallelLinear):
         return parts[0].columns(*module.in_range)
     assert isinstance(module, VocabParallelEmbedding)
@@ -154,24 +157,18 @@ def _shard(module: _Packable, parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 def _qkv(
-    layer: QKVParallelLinear, q: QuantizedWeight, k: QuantizedWeight, v: QuantizedWeight
-) -> QuantizedWeight:
+    layer: QKVParallelLinear, q: AnyQuantized, k: AnyQuantized, v: AnyQuantized
+) -> AnyQuantized:
     d = layer.head_dim
     kv_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in layer.kv_heads])
     start, stop = layer.q_range
-    return cat_rows([q.rows(slice(start, stop)), k.rows(kv_rows), v.rows(kv_rows)])
+    return cat_any([q.rows(slice(start, stop)), k.rows(kv_rows), v.rows(kv_rows)])
 
 
-def _vocab_rows(layer: VocabParallelEmbedding, weight: QuantizedWeight) -> QuantizedWeight:
+def _vocab_rows(layer: VocabParallelEmbedding, weight: AnyQuantized) -> AnyQuantized:
     """This rank's vocabulary rows, padded with zero rows to the rank's equal share."""
     rows = weight.rows(slice(layer.start, layer.stop))
     pad = layer.weight.shape[0] - rows.out_features
     if pad <= 0:
         return rows
-
-    def zeros(like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((pad, like.shape[1]), dtype=like.dtype)
-
-    mins = None if rows.mins is None else zeros(rows.mins)
-    zero = QuantizedWeight(zeros(rows.data), zeros(rows.scales), mins, rows.bits, rows.group)
-    return cat_rows([rows, zero])
+    return cat_any([rows, zero_rows(rows, pad)])
