@@ -304,6 +304,8 @@ def _size_and_warm_up(
         architecture=runner.serving.architecture,
         implementation=runner.serving.implementation,
         disabled_features=list(disabled_features(runner.serving)),
+        kv_cache_bytes=limits.num_kv_blocks * bytes_per_block,
+        kv_cache_sized_by=limits.kv_sized_by,
         fill_in_middle=tokenizer.fim_tokens is not None,
     )
     features = chat_features(config, chat.template, info)
