@@ -169,8 +169,11 @@ class GGUFIndex:
             def skip(at: int) -> int:
                 return self._value(item_type, at)[1]
 
-        for _ in range(count):
-            offset = skip(offset)
+        try:
+            for _ in range(count):
+                offset = skip(offset)
+        except struct.error as exc:
+            raise ValueError(f"{self._path}: GGUF header truncated in an array") from exc
         if offset > len(self._view):
             raise ValueError(f"{self._path}: GGUF header truncated in an array")
         return offset
