@@ -1,9 +1,8 @@
 """Issue #27: one test per OpenAI / TGI divergence fixed on genserve-gateway, with the real
 client libraries, and the exact request shapes lm-evaluation-harness's `local-completions`
-sends (lm-eval itself is not a dependency: its own install pulls datasets, evaluate,
-scikit-learn, sacrebleu ...; the shapes below are those of lm_eval 0.4.9's
-`LocalCompletionsAPI._create_payload` and `parse_logprobs`, and of later versions'
-`max_tokens: 0`), scored against transformers on the same weights in float32."""
+sends (the shapes below are those of lm_eval 0.4.9's `LocalCompletionsAPI._create_payload` and
+`parse_logprobs`, and of later versions' `max_tokens: 0`), scored against transformers on the
+same weights in float32.  lm-eval itself runs in tests/clients/test_lm_eval.py."""
 
 from __future__ import annotations
 

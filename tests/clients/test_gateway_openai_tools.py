@@ -266,3 +266,43 @@ def test_huggingface_hub_chat_completion_tools(dialects: DialectGateway) -> None
         assert deltas
         for d in deltas:
             check_call(d.function.name or "", d.function.arguments)
+
+
+def test_tgi_tool_prompt_is_refused_not_ignored(dialects: DialectGateway) -> None:
+    """TGI's `tool_prompt` would change the prompt; the server renders tools through the
+    template instead, so the field is refused rather than dropped."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    hf = InferenceClient(base_url=dialects.gateway.url)
+    with pytest.raises(HfHubHTTPError, match="tool_prompt"):
+        hf.chat_completion(
+            [dict(m) for m in MESSAGES],
+            tools=[dict(t) for t in TOOLS],  # type: ignore[misc]
+            tool_prompt="Answer with a call of one of these functions:",
+            max_tokens=8,
+        )
+
+
+def test_fields_are_served_accepted_unused_or_refused(client: openai.OpenAI) -> None:
+    """Bookkeeping fields leave the reply unchanged and are accepted; a field that would
+    change the reply and is not served is a 400 naming it."""
+    plain = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4, temperature=0)
+    kept = client.chat.completions.create(
+        model="", messages=MESSAGES, max_tokens=4, temperature=0,
+        user="u-1", metadata={"team": "a"}, store=False, service_tier="auto",
+    )  # fmt: skip
+    assert kept.choices[0].message.content == plain.choices[0].message.content
+    refused: list[dict[str, Any]] = [
+        {"reasoning_effort": "high"},
+        {"store": True},
+        {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+        {"functions": [{"name": "f", "parameters": {"type": "object"}}]},
+    ]
+    for extra in refused:
+        name = next(iter(extra.get("extra_body", extra)))
+        with pytest.raises(openai.BadRequestError, match=name):
+            client.chat.completions.create(
+                model="", messages=MESSAGES, max_tokens=4, temperature=0, **extra
+            )
+    with pytest.raises(openai.BadRequestError, match="frobnicate"):
+        client.completions.create(model="", prompt="Hi", max_tokens=2, extra_body={"frobnicate": 1})

@@ -162,9 +162,12 @@ def test_grpc_timeout_deadline_propagates_through_the_proxy(proxied: Proxied) ->
     before = proxied.metric("genserve_request_failure_total", '{err="deadline"}')
     channel, stub = _stub(proxied.proxy.address)
     with channel:
+        # ignore_eos and a budget near the context: the call must outlive its 1 s deadline on
+        # any machine (the random tiny model can emit EOS early, and a fast CPU decodes 1,000
+        # tokens of it in under a second).
         request = pb.GenerateStreamRequest(
             inputs=PROMPT,
-            parameters=pb.GenerateParameters(max_new_tokens=1000),
+            parameters=pb.GenerateParameters(max_new_tokens=4000, ignore_eos=True),
         )
         with pytest.raises(grpc.RpcError) as info:
             list(stub.GenerateStream(request, timeout=1.0))

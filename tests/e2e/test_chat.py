@@ -285,7 +285,7 @@ def test_cancelled_stream_frees_every_choice(
         lambda: stub.Chat(
             pb.ChatRequest(
                 messages=messages(CONVERSATIONS[0]),
-                parameters=pb.GenerateParameters(max_new_tokens=400),
+                parameters=pb.GenerateParameters(max_new_tokens=400, ignore_eos=True),
                 n=2,
             ),
             timeout=0.2,

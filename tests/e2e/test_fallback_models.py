@@ -20,13 +20,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from genserve.testing.tiny_model import default_tokenizer_dir
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.fallback_models import ARCHITECTURES, WINDOW, make_fallback_model
 from tests.e2e.prompts import varied_prompts
+from tests.utils.hf_reference import hf_greedy
 from tests.utils.inproc_server import inproc_server
 
 MAX_NEW_TOKENS = 10
@@ -77,39 +78,13 @@ def _prompts() -> list[str]:
     return varied_prompts(10, seed=11, max_words=60)[3:10:2]
 
 
-def hf_greedy(model_dir: Path, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                min_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=tok.eos_token_id,
-            )
-            new_ids = out.sequences[0, ids.shape[1] :].tolist()
-            logprobs = [
-                torch.log_softmax(logits[0].float(), dim=-1)[t].item()
-                for logits, t in zip(out.logits, new_ids, strict=True)
-            ]
-            results.append((new_ids, logprobs))
-    return results
-
-
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 def test_fallback_matches_transformers(
     model_type: str, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     model_dir = make_fallback_model(tmp_path / model_type, model_type, tokenizer_dir, seed=3)
     prompts = _prompts()
-    expected = hf_greedy(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS, ignore_eos=True)
     params = pb.GenerateParameters(
         max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, details=True
     )
@@ -195,7 +170,7 @@ def test_fallback_with_speculation(tokenizer_dir: Path, tmp_path: Path) -> None:
     model_dir = make_fallback_model(tmp_path / "gemma2", "gemma2", tokenizer_dir, seed=5)
     # Repetitive prompts, so the n-gram proposer finds drafts.
     prompts = [" ".join(["the quick brown fox jumps"] * n) for n in (4, 9, 15)]
-    expected = hf_greedy(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS, ignore_eos=True)
     params = pb.GenerateParameters(
         max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, details=True
     )

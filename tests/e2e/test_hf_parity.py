@@ -11,43 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genserve.model.loader import transformers_weights_kwargs
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.prompts import varied_prompts
+from tests.utils.hf_reference import hf_greedy
 
 NUM_PROMPTS = 16
 MAX_NEW_TOKENS = 64
-
-
-def hf_greedy(
-    model_dir: Path, prompts: list[str], max_new_tokens: int
-) -> list[tuple[list[int], list[float]]]:
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
-    )
-    model.eval()
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=tok.eos_token_id,
-            )
-            new_ids = out.sequences[0, ids.shape[1] :].tolist()
-            logprobs = [
-                torch.log_softmax(logits[0].float(), dim=-1)[t].item()
-                for logits, t in zip(out.logits, new_ids, strict=True)
-            ]
-            results.append((new_ids, logprobs))
-    return results
 
 
 def test_greedy_matches_transformers(

@@ -20,7 +20,7 @@ from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import TinyModelFactory
 from tests.e2e.prompts import PARITY_SERVER_ARGS, varied_prompts
-from tests.e2e.test_hf_parity import hf_greedy
+from tests.utils.hf_reference import hf_greedy
 from tests.utils.inproc_server import inproc_server
 
 MAX_NEW_TOKENS = 24

@@ -286,7 +286,7 @@ def _report(before: Samples, after: Samples) -> str:
 def test_cancellation_and_deadline_are_counted(observed: Observed) -> None:
     stub = observed.stub
     before = observed.scrape()
-    params = pb.GenerateParameters(max_new_tokens=2000)
+    params = pb.GenerateParameters(max_new_tokens=2000, ignore_eos=True)
     stream = stub.GenerateStream(
         pb.GenerateStreamRequest(inputs=LONG_PROMPT, parameters=params),
         metadata=(("x-request-id", "obs-cancel"),),

@@ -26,9 +26,9 @@ from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from genserve.worker.model_runner import ModelRunner
 from tests.e2e.prompts import PARITY_SERVER_ARGS, varied_prompts
-from tests.e2e.test_hf_parity import hf_greedy
 from tests.e2e.test_tensor_parallel import generate_all
 from tests.e2e.tp_utils import SERVER_ARGS, shard_args, start_servers
+from tests.utils.hf_reference import hf_greedy
 from tests.utils.inproc_server import inproc_server
 from tests.utils.live_server import start_server
 

@@ -16,8 +16,9 @@ from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import TinyModelFactory
 from tests.e2e.prompts import varied_prompts
-from tests.e2e.test_hf_parity import MAX_NEW_TOKENS, NUM_PROMPTS, hf_greedy
+from tests.e2e.test_hf_parity import MAX_NEW_TOKENS, NUM_PROMPTS
 from tests.e2e.tp_utils import SERVER_ARGS, shard_args, shard_workers, start_servers
+from tests.utils.hf_reference import hf_greedy
 from tests.utils.live_server import LiveServer
 
 

@@ -29,7 +29,7 @@ from tests.utils.live_server import start_server
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Long enough that no call ends by itself during a test (the tiny model never emits EOS on
 # these prompts within the budget, and each step takes milliseconds).
-LONG = pb.GenerateParameters(max_new_tokens=1000)
+LONG = pb.GenerateParameters(max_new_tokens=1000, ignore_eos=True)
 
 
 @dataclass

@@ -35,7 +35,13 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from genserve.engine.grammar_spec import GrammarError, GrammarKind, GrammarSpec, choice_ebnf
+from genserve.engine.grammar_spec import (
+    GrammarError,
+    GrammarKind,
+    GrammarSpec,
+    ReasoningGate,
+    choice_ebnf,
+)
 
 # Compiled grammars kept per server; a JSON schema's compiled form is typically tens of KB.
 DEFAULT_CACHE_SIZE = 256
@@ -183,24 +189,50 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> Any:
         try:
-            if spec.kind is GrammarKind.JSON_SCHEMA:
-                json.loads(spec.text)  # a clear message for text that is not JSON at all
-                return self._compiler.compile_json_schema(spec.text, any_whitespace=False)
-            if spec.kind is GrammarKind.JSON_OBJECT:
-                return self._compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False
+            if spec.reasoning is not None:
+                return self._compiler.compile_structural_tag(
+                    after_reasoning(spec.reasoning, str(_grammar(spec)))
                 )
-            if spec.kind is GrammarKind.REGEX:
-                return self._compiler.compile_regex(spec.text)
-            if spec.kind is GrammarKind.EBNF:
-                return self._compiler.compile_grammar(spec.text)
-            values = json.loads(spec.text)
-            return self._compiler.compile_grammar(choice_ebnf(values))
+            return self._compiler.compile_grammar(_grammar(spec))
         except json.JSONDecodeError as exc:
             raise GrammarError(f"grammar.{spec.kind.value} is not valid JSON: {exc}") from None
         except (RuntimeError, ValueError, TypeError) as exc:
             message = _LOG_PREFIX.sub("", str(exc)).strip()
             raise GrammarError(f"invalid grammar.{spec.kind.value}: {message}") from None
+
+
+def _grammar(spec: GrammarSpec) -> Any:
+    """The grammar ``spec`` asks for, not yet compiled (raises as :meth:`_compile` catches)."""
+    if spec.kind is GrammarKind.JSON_SCHEMA:
+        json.loads(spec.text)  # a clear message for text that is not JSON at all
+        return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+    if spec.kind is GrammarKind.JSON_OBJECT:
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.kind is GrammarKind.REGEX:
+        return xgr.Grammar.from_regex(spec.text)
+    if spec.kind is GrammarKind.EBNF:
+        return xgr.Grammar.from_ebnf(spec.text)
+    return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.text)))
+
+
+def after_reasoning(gate: ReasoningGate, ebnf: str) -> str:
+    """An xgrammar structural tag (JSON): free text in the reasoning section, then ``ebnf``.
+
+    This is how vLLM and SGLang combine reasoning with structured output (the grammar is
+    enabled once the reasoning ends), done inside one grammar: the reasoning is xgrammar's
+    ``any_text`` up to the close tag, so the matcher follows the text across token
+    boundaries and a tag split over several tokens is still seen."""
+    constrained: dict[str, Any] = {"type": "grammar", "grammar": ebnf}
+    newlines: dict[str, Any] = {"type": "regex", "pattern": "\\n{0,2}"}
+    thought: dict[str, Any] = {
+        "type": "tag",
+        "begin": "" if gate.starts_inside else gate.open_tag,
+        "content": {"type": "any_text"},
+        "end": gate.close_tag,
+    }
+    reasoned: dict[str, Any] = {"type": "sequence", "elements": [thought, newlines, constrained]}
+    fmt = reasoned if gate.starts_inside else {"type": "or", "elements": [reasoned, constrained]}
+    return json.dumps({"type": "structural_tag", "format": fmt})
 
 
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:line: ", noise to a client.

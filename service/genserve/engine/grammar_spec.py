@@ -21,12 +21,29 @@ class GrammarKind(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningGate:
+    """A reasoning section the grammar leaves free before it applies (``--reasoning-parser``).
+
+    ``starts_inside``: the reply begins inside the reasoning (DeepSeek-R1's template ends the
+    prompt with the open tag), so the reply must close it before the constrained part;
+    otherwise the reply may open with ``open_tag … close_tag`` or go straight to the
+    constrained part (Qwen3, whose thinking can be switched off).  Up to two newlines may
+    follow the close tag, as the models write them."""
+
+    open_tag: str
+    close_tag: str
+    starts_inside: bool
+
+
+@dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """``text`` is the schema, regex or EBNF; for CHOICE a JSON array of the strings; empty
-    for JSON_OBJECT."""
+    for JSON_OBJECT.  ``reasoning``: the grammar applies only after that reasoning section
+    (None: from the first generated token)."""
 
     kind: GrammarKind
     text: str = ""
+    reasoning: ReasoningGate | None = None
 
     @staticmethod
     def choice(values: list[str]) -> GrammarSpec:

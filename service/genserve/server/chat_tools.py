@@ -84,12 +84,8 @@ def plan_chat_tools(
             f"tool_choice {tools.mode!r} constrains the reply itself: it cannot be combined "
             "with `response_format` or `parameters.grammar`"
         )
-    if reasoning is not None and (constrained_elsewhere or tools.grammar_schema is not None):
-        raise ChatToolsError(
-            f"this server splits reasoning (--reasoning-parser {reasoning.name}); a constrained "
-            "reply (response_format, grammar, tool_choice 'required' or a named function) "
-            "would forbid the model's <think> section, so the combination is refused"
-        )
+    # With a reasoning parser a constraint applies after the reasoning ends (the grammar
+    # leaves the <think> section free: conversion passes the parser's gate to the grammar).
     renders = template_renders_tools(template)
     active = tools.active
     return ChatToolsPlan(

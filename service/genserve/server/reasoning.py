@@ -5,11 +5,17 @@ Two behaviours, named as in vLLM and SGLang: ``qwen3`` only treats a reply that 
 ``<think>`` as reasoning (Qwen3 with thinking switched off writes none); ``deepseek_r1``
 treats everything before ``</think>`` as reasoning, because DeepSeek-R1's template already
 puts ``<think>`` in the prompt and the reply starts inside it.  A reply that never closes
-its reasoning is all reasoning (it was cut short)."""
+its reasoning is all reasoning (it was cut short).
+
+With a constraint (``response_format``, a grammar, ``tool_choice`` required or named) the
+grammar leaves the reasoning free and applies from the end of it (:meth:`ReasoningParser.gate`,
+``engine/grammar.py``'s ``after_reasoning``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from genserve.engine.grammar_spec import ReasoningGate
 
 _OPEN = "<think>"
 _CLOSE = "</think>"
@@ -22,6 +28,10 @@ class ReasoningParser:
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
+
+    def gate(self) -> ReasoningGate:
+        """Where a constrained reply's grammar starts: after this reasoning section."""
+        return ReasoningGate(_OPEN, _CLOSE, self.starts_inside)
 
     def split(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of a whole reply."""

@@ -65,8 +65,9 @@ func modelName(info *genservev1.InfoResponse) string {
 }
 
 // readJSON reads the whole body (so that net/http starts watching the connection and
-// cancels the request's context when the client goes away) and decodes it into v.  Unknown
-// fields are ignored: clients send many optional fields this server has no use for.
+// cancels the request's context when the client goes away) and decodes it into v.  A field v
+// does not serve is refused with 400 unless it is bookkeeping that leaves the reply unchanged
+// (fields.go): a field the server would ignore must not change the answer silently.
 func readJSON(w http.ResponseWriter, r *http.Request, v any) error {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
 	if err != nil {
@@ -84,7 +85,7 @@ func readJSON(w http.ResponseWriter, r *http.Request, v any) error {
 		}
 		return invalidArg("", "the request body is not valid JSON for this route: "+err.Error())
 	}
-	return nil
+	return checkFields(body, v)
 }
 
 // finite replaces -Inf/NaN logprobs (a token the sampler could never pick) by a large

@@ -134,8 +134,10 @@ class RequestConverter:
             for i, params in enumerate(plan.choice_params)
         ]
         reqs[1:] = [dataclasses.replace(r, fork_of=reqs[0].req_id) for r in reqs[1:]]
+        reasoning = plan.extras.reasoning
+        gate = reasoning.gate() if reasoning is not None else None
         reqs = [
-            await attach_grammar(r, p, self.grammars)
+            await attach_grammar(r, p, self.grammars, gate)
             for r, p in zip(reqs, plan.choice_params, strict=True)
         ]
         return Conversion((prompt,), tuple(reqs), num, request.parameters, chat=plan)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from genserve.engine.grammar_spec import GrammarError, GrammarKind, GrammarSpec
+from genserve.engine.grammar_spec import GrammarError, GrammarKind, GrammarSpec, ReasoningGate
 from genserve.engine.outputs import GenerationRequest
 from genserve.server.conversion.errors import GrammarUnsupportedError, ValidationError
 from genserve.v1 import generate_pb2 as pb
@@ -42,13 +42,20 @@ def grammar_spec(params: pb.GenerateParameters) -> GrammarSpec | None:
 
 
 async def attach_grammar(
-    req: GenerationRequest, params: pb.GenerateParameters, compiler: GrammarCompiler | None
+    req: GenerationRequest,
+    params: pb.GenerateParameters,
+    compiler: GrammarCompiler | None,
+    reasoning: ReasoningGate | None = None,
 ) -> GenerationRequest:
-    """``req`` with its compiled grammar (cached by text, compiled off the event loop)."""
+    """``req`` with its compiled grammar (cached by text, compiled off the event loop).
+    ``reasoning``: the grammar applies only after that reasoning section (a chat reply of a
+    server started with --reasoning-parser)."""
     try:
         spec = grammar_spec(params)
         if spec is None:
             return req
+        if reasoning is not None:
+            spec = dataclasses.replace(spec, reasoning=reasoning)
         if compiler is None:
             raise GrammarUnsupportedError(
                 "structured output (`grammar`) is disabled on this server "
