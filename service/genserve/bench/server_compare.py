@@ -64,8 +64,7 @@ class ServerResult:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((_HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
+        return int(s.getsockname()[1])
 
 
 def vm_hwm_mib(pid: int) -> float:
@@ -189,7 +188,8 @@ async def _measure(
 
 
 def _context_tokens(args: argparse.Namespace) -> int:
-    return max([args.prompt_len + args.new_tokens, *(n + 2 for n in args.prefill)])
+    lengths: list[int] = [args.prompt_len + args.new_tokens, *(n + 2 for n in args.prefill)]
+    return max(lengths)
 
 
 async def run_genserve(model: Path, args: argparse.Namespace, log_dir: Path) -> ServerResult:
@@ -314,14 +314,14 @@ def format_table(model: Path, results: list[ServerResult], bench_pp: dict[int, f
         )
         if n in bench_pp:
             row(f"prefill tok/s, {n} (`llama-bench -p`)", None, bench_pp[n])
-    row("start-up s (to healthy)", g and g.startup_s, ll and ll.startup_s, "{:.1f}")
-    row(
-        "peak RSS MiB (start-up)",
-        g and g.peak_rss_after_start_mib,
-        ll and ll.peak_rss_after_start_mib,
-        "{:.0f}",
-    )
-    row("peak RSS MiB (end)", g and g.peak_rss_mib, ll and ll.peak_rss_mib, "{:.0f}")
+    for label, attr, fmt in (
+        ("start-up s (to healthy)", "startup_s", "{:.1f}"),
+        ("peak RSS MiB (start-up)", "peak_rss_after_start_mib", "{:.0f}"),
+        ("peak RSS MiB (end)", "peak_rss_mib", "{:.0f}"),
+    ):
+        a = None if g is None else float(getattr(g, attr))
+        b = None if ll is None else float(getattr(ll, attr))
+        row(label, a, b, fmt)
     return "\n".join(lines)
 
 
