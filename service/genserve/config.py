@@ -69,7 +69,7 @@ class Config:
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
     disable_grammar_support: bool = False
-    overlap_scheduling: bool = False  # issue #29: stream step n while step n + 1 runs
+    overlap_scheduling: bool = False  # issue #29: schedule step n + 1 while step n runs
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
@@ -302,9 +302,10 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag(
         "overlap_scheduling",
-        "Stream a step's tokens (detokenise, check stop strings, send) while the next step "
-        "runs; a stop string then ends its request one step later and the extra token is "
-        "dropped, so outputs are unchanged.",
+        "Schedule step n + 1 before step n's tokens are known (its decode tokens are filled "
+        "on the device from step n's) and stream step n while step n + 1 runs; stop "
+        "conditions apply one step late and the extra token is dropped, so outputs are "
+        "unchanged. Meant for CUDA; off by default (no gain measured on CPU).",
         _SWITCH,
     ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),

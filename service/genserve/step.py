@@ -103,6 +103,12 @@ class ScheduledChunk:
     draft only while it equals what was sampled before it, so it returns 1 to
     ``num_draft_tokens + 1`` tokens for the chunk: exactly those one-token steps would have
     produced.
+
+    Overlapped scheduling (issue #29): with ``token_from_last_step`` the chunk is one decode
+    token scheduled before the step that samples it had returned.  Its ``token_ids[0]`` is a
+    placeholder (0): the runner takes the token it sampled for ``req_id`` in the previous
+    step, from the device, without a round trip through the host.  Only runners that say
+    ``supports_token_from_last_step`` are given such chunks.
     """
 
     req_id: str
@@ -111,6 +117,7 @@ class ScheduledChunk:
     block_ids: tuple[int, ...]
     sample: bool
     num_draft_tokens: int = 0
+    token_from_last_step: bool = False
 
     @property
     def is_decode(self) -> bool:

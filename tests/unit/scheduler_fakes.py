@@ -16,6 +16,7 @@ into cycles and n-gram drafts are often, but not always, accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 from genserve.engine.request import FinishReason, Request, StoppingCriteria
@@ -54,7 +55,13 @@ def sample_next(rolled_last: int, seq: list[int], repetitive: bool) -> int:
 
 
 class PagedFakeRunner:
-    """Implements the Runner protocol; raises AssertionError on any contract violation."""
+    """Implements the Runner protocol; raises AssertionError on any contract violation.
+
+    A chunk with ``token_from_last_step`` (overlapped scheduling) has its placeholder
+    replaced by the token this runner sampled for the request in the step before, which
+    must be the last of its record."""
+
+    supports_token_from_last_step = True
 
     def __init__(self, num_blocks: int, block_size: int, repetitive: bool = False) -> None:
         self.block_size = block_size
@@ -68,6 +75,8 @@ class PagedFakeRunner:
         self.want_prompt_logprobs: dict[str, bool] = {}
         self.num_steps = 0
         self.num_tokens = 0
+        self.num_filled = 0  # placeholders filled from the previous step
+        self._last_sampled: set[str] = set()  # requests sampled in the previous step
 
     def _rolled_upto(self, req_id: str, end: int) -> list[int]:
         seq, rolled = self.seqs[req_id], self.rolled[req_id]
@@ -91,6 +100,7 @@ class PagedFakeRunner:
             self.rolled[new.req_id] = []
             self.num_prompt[new.req_id] = new.num_prompt_tokens
             self.want_prompt_logprobs[new.req_id] = new.sampling.prompt_logprobs
+        step = self._fill_placeholders(step)
         bs = self.block_size
         seen: set[str] = set()
         # Write every chunk's KV first, then read: as a forward pass does, layer by layer.
@@ -147,7 +157,22 @@ class PagedFakeRunner:
                     candidate.append(drafts[j])
                     self.num_accepted_tokens += 1
                 self.num_draft_tokens += num_drafts
+        self._last_sampled = {t.req_id for t in sampled}
         return RunnerOutput(step.step_id, tuple(sampled), tuple(prompt_logprobs))
+
+    def _fill_placeholders(self, step: SchedulerOutput) -> SchedulerOutput:
+        if not any(c.token_from_last_step for c in step.chunks):
+            return step
+        chunks = []
+        for c in step.chunks:
+            if c.token_from_last_step:
+                seq = self.seqs[c.req_id]
+                assert c.req_id in self._last_sampled, f"{c.req_id}: no token sampled before"
+                assert c.token_ids == (0,) and c.sample and c.start_pos == len(seq) - 1
+                c = dataclasses.replace(c, token_ids=(seq[-1],), token_from_last_step=False)
+                self.num_filled += 1
+            chunks.append(c)
+        return dataclasses.replace(step, chunks=tuple(chunks))
 
     def shutdown(self) -> None:
         self.seqs.clear()
@@ -186,9 +211,15 @@ def reference_output(
 
 class Harness:
     """Drives a Scheduler with a PagedFakeRunner the way the engine does, recording each
-    request's tokens and its (single) end, and checking invariants after every step."""
+    request's tokens and its (single) end, and checking invariants after every step.
 
-    def __init__(self, config: SchedulerConfig, repetitive: bool = False) -> None:
+    With ``ahead`` it drives it as the overlapping engine does: the next step is scheduled
+    (and run) before the results of the step in flight are applied, whenever the scheduler
+    allows; otherwise right after they are applied."""
+
+    def __init__(
+        self, config: SchedulerConfig, repetitive: bool = False, ahead: bool = False
+    ) -> None:
         self.sched = Scheduler(config)
         self.runner = PagedFakeRunner(config.num_blocks, config.block_size, repetitive)
         self.reqs: dict[str, Request] = {}
@@ -197,6 +228,9 @@ class Harness:
         self.use_stop: set[str] = set()
         self.steps: list[SchedulerOutput] = []
         self.prompt_logprob_pos: dict[str, list[int]] = {}
+        self.ahead = ahead
+        self.num_ahead = 0  # steps scheduled before the previous step's result
+        self._in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
 
     def add(
         self,
@@ -235,6 +269,28 @@ class Harness:
             self._end(req_id, reason)
 
     def step(self, abort_during: tuple[str, ...] = ()) -> SchedulerOutput:
+        if self.ahead:
+            return self._step_ahead(abort_during)
+        out, result = self._schedule_and_run()
+        self._apply(out, result, abort_during)
+        return out
+
+    def _step_ahead(self, abort_during: tuple[str, ...]) -> SchedulerOutput:
+        """Apply the step in flight's result, after scheduling (and running) the next."""
+        if self._in_flight is None:
+            self._in_flight = self._schedule_and_run()
+        out, result = self._in_flight
+        following = None
+        if self.sched.can_schedule_ahead(out):
+            following = self._schedule_and_run()
+            self.num_ahead += 1
+        self._apply(out, result, abort_during)
+        if following is None and self.sched.has_unfinished_requests():
+            following = self._schedule_and_run()
+        self._in_flight = following
+        return out
+
+    def _schedule_and_run(self) -> tuple[SchedulerOutput, RunnerOutput]:
         out = self.sched.schedule()
         self.steps.append(out)
         bs = self.sched.kv.block_size
@@ -250,6 +306,13 @@ class Harness:
         else:
             assert not out.finished_req_ids and not out.new_requests
             result = RunnerOutput(out.step_id)
+        return out, result
+
+    def _apply(
+        self, out: SchedulerOutput, result: RunnerOutput, abort_during: tuple[str, ...]
+    ) -> None:
+        if not out.chunks:
+            return
         for req_id in abort_during:  # cancelled while the runner was busy
             self.abort(req_id)
         stopped_now: set[str] = set()
@@ -274,12 +337,11 @@ class Harness:
                 self.abort(output.req_id, FinishReason.STOP_SEQUENCE)
                 stopped_now.add(output.req_id)
         self.sched.check_invariants()
-        return out
 
     def run(self, max_steps: int = 10_000) -> int:
         """Step until every request ended; returns the number of steps."""
         for n in range(max_steps):
-            if not self.sched.has_unfinished_requests():
+            if not self.sched.has_unfinished_requests() and self._in_flight is None:
                 return n
             self.step()
         raise AssertionError("requests did not finish")

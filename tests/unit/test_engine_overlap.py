@@ -1,8 +1,10 @@
-"""AsyncEngine with ``overlap``: step n is streamed (detokenised, stop strings checked,
-observers told) while step n + 1 runs.  Against a fake runner that sleeps a fixed "device"
-time D per step and an observer that spends a fixed host time H, a step takes about
-max(H, D) instead of H + D; and outputs are the same with overlap on and off (greedy, stop
-strings, stop token ids, max tokens, cancellation, preemption)."""
+"""AsyncEngine with ``overlap``: step n + 1 is scheduled before step n's tokens are known
+(the fake runner fills its placeholder tokens from its own last step), and step n is
+streamed (detokenised, stop strings checked, observers told) while step n + 1 runs.
+Against a fake runner that sleeps a fixed "device" time D per step and an observer that
+spends a fixed host time H, a step takes about max(H, D) instead of H + D; and outputs
+are the same with overlap on and off (greedy, stop strings, stop token ids, max tokens,
+cancellation, preemption)."""
 
 from __future__ import annotations
 
@@ -131,7 +133,12 @@ def test_overlap_gives_the_same_outputs(tokenizer: Tokenizer) -> None:
 
 
 def test_overlap_hides_host_work_behind_the_device(tokenizer: Tokenizer) -> None:
-    """D = H = 20 ms: serial steps take ~40 ms, overlapped ones ~20 ms."""
+    """D = H = 20 ms: serial steps take ~40 ms, overlapped ones ~20 ms = max(H, D): step
+    n + 1 is queued in the runner thread before step n's result is applied and streamed.
+
+    On a loaded machine every thread wake-up adds latency to both runs (measured on this
+    project's 2-core machine at load 21: 73.6 ms serial, 38.0 ms overlapped), so the bound
+    is on the time above max(H, D): overlapping must at least halve it."""
     device_s = host_s = 0.02
     requests = [_request(f"r{i}", p, 20) for i, p in enumerate(PROMPTS[:2])]
     _, serial, serial_steps = asyncio.run(
@@ -143,5 +150,6 @@ def test_overlap_hides_host_work_behind_the_device(tokenizer: Tokenizer) -> None
     assert steps == serial_steps
     per_step_serial, per_step = serial / serial_steps, overlapped / steps
     assert per_step_serial >= device_s + host_s
-    # max(H, D) plus scheduling noise, well under H + D.
+    floor = max(device_s, host_s)
     assert per_step < 0.75 * per_step_serial, (per_step, per_step_serial)
+    assert per_step - floor < 0.5 * (per_step_serial - floor), (per_step, per_step_serial)

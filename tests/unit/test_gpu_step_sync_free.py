@@ -3,11 +3,15 @@
 The runner runs its CUDA code path on the CPU: bfloat16, CPU kernels off (every op is one CUDA
 would run), every host → device transfer an explicit copy (``explicit_transfers``), the
 decode step replayed from DecodeGraphs' static buffers with the Triton decode kernel stubbed
-by one custom op.  Under :class:`genserve.worker.sync_audit.SyncAudit` a greedy and a
-sampled decode step at 1 and 64 rows must show: no blocking host → device copy, exactly one
-device → host copy, no ``item()`` / ``tolist()`` / ``bool()`` (or any other value read) on a
-device tensor, no host array slipped into a device op, and a bounded kernel count per
-decoder layer.  On a GPU the same steps run under ``torch.cuda.set_sync_debug_mode("error")``.
+by one custom op, and the model's fused GPU layer ops on (``use_fused_gpu_ops``: each
+``genserve_gpu::*`` op is one custom op, its torch reference running below the audit, as the
+Triton kernel is one launch on a GPU).  Under :class:`genserve.worker.sync_audit.SyncAudit`
+a greedy and a sampled decode step at 1 and 64 rows must show: no blocking host → device
+copy, exactly one device → host copy, no ``item()`` / ``tolist()`` / ``bool()`` (or any other
+value read) on a device tensor, no host array slipped into a device op, at most 9 kernels in
+a decoder layer, the LM head inside what the graphs capture and, for the greedy step,
+nothing after the replay but the one copy back.  On a GPU the same steps run under
+``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ CPU = torch.device("cpu")
 BLOCK_SIZE = 16
 NUM_BLOCKS = 80  # one block per request, a scratch block past them
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Kernels in one decoder layer of the decode step (the tiny Llama, eager torch ops, attention
-# one kernel): 19 measured.  Issue #29's target with fused Triton layers is 9; they are not
-# written yet.  Counted, so a change that adds work to the layer is seen.
-MAX_LAYER_KERNELS = 19
+# Kernels in one decoder layer of the decode step (the tiny Llama, attention one kernel):
+# 19 with eager torch ops; with the fused GPU ops: add + RMSNorm, QKV, rotary + K/V store,
+# attention, O, add + RMSNorm, gate/up, SiLU·mul, down = 9, issue #29's target.
+MAX_LAYER_KERNELS = 9
+# The model's positions (the tiny models' max_position_embeddings): rotary table rows.
+MAX_POSITIONS = 4096
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(
@@ -110,9 +116,13 @@ def cuda_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _runner(model_dir: Path, explicit: bool) -> ModelRunner:
+    """``explicit``: the CUDA path (explicit transfers, the fused GPU layer ops); else the
+    ordinary CPU path (eager torch layers) as the reference."""
     runner = ModelRunner(
         ResolvedModel(model_dir, "tiny"), torch.bfloat16, CPU, explicit_transfers=explicit
     )
+    if explicit:
+        runner.model.use_fused_gpu_ops(MAX_POSITIONS)
     runner.initialize_kv_cache(NUM_BLOCKS + 1, BLOCK_SIZE)
     runner.warmup()
     runner._graphs = DecodeGraphs(
@@ -173,8 +183,8 @@ def test_decode_step_reads_back_once_and_never_waits_otherwise(
     stream = _Stream(runner, num_rows, params)
     stream.decode()  # first decode: one-time allocations (the readback buffer)
     runs = graphs.num_runs
-    layer = runner.model._layers[0]
-    with SyncAudit(layer=layer) as audit:
+    layer = runner.model._layers[1]  # a layer whose residual stream comes in unsummed
+    with SyncAudit(layer=layer, graphs=graphs) as audit:
         stream.decode()
     counts = audit.counts
     assert graphs.num_runs == runs + 1  # the step was served from the graph buffers
@@ -184,6 +194,14 @@ def test_decode_step_reads_back_once_and_never_waits_otherwise(
     assert counts.syncs == 0, problems
     assert counts.implicit == 0, problems
     assert 0 < counts.layer_kernels <= MAX_LAYER_KERNELS, counts.summary()
+    # The final norm and the LM head run in the bucket's graph; a greedy step's argmax and
+    # logprob in its greedy tail: after the replay, only the one copy back (plus, before it,
+    # the two input uploads).  A sampled step samples eagerly from the graph's logits.
+    outside = {k: v for k, v in counts.details.items() if k.startswith("outside_graph:")}
+    assert "outside_graph:aten.mm" not in outside, outside
+    if kind == "greedy":
+        assert outside == {"outside_graph:aten.copy_": counts.h2d + counts.d2h}, outside
+        assert counts.kernels - counts.graph_kernels == 3, counts.summary()
     assert all(len(t) == 3 for t in stream.tokens)
 
     # The explicit-transfer, sync-free path samples exactly what the CPU path samples.

@@ -9,6 +9,7 @@ pressure at all, and every block is free.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -85,12 +86,15 @@ PRESSURED = {
 NUM_STEPS = 1500
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "ahead"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_random_workload_keeps_invariants_and_exact_outputs(name: str) -> None:
+def test_random_workload_keeps_invariants_and_exact_outputs(name: str, ahead: bool) -> None:
+    """``ahead``: steps are scheduled before the previous step's results are applied
+    (overlapped scheduling, issue #29), wherever the scheduler allows."""
     config = CONFIGS[name]
     rng = random.Random(f"genserve-{name}")
     repetitive = config.num_speculative_tokens > 0
-    h = Harness(config, repetitive=repetitive)
+    h = Harness(config, repetitive=repetitive, ahead=ahead)
     capacity = config.max_batch_total_tokens
     # A few shared prefixes so that the prefix cache gets hits (and evictions).
     prefixes = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(4, 20))] for _ in range(4)]
@@ -166,3 +170,9 @@ def test_random_workload_keeps_invariants_and_exact_outputs(name: str) -> None:
         assert stats.prefix_cache_hits > 0
     else:
         assert stats.prefix_cache_queries == 0
+    if ahead and not config.num_speculative_tokens:
+        assert h.num_ahead > NUM_STEPS // 3, h.num_ahead  # most steps were scheduled ahead
+        assert h.runner.num_filled > 0
+    for before, after in itertools.pairwise(h.steps):  # drafts are never scheduled past
+        if any(c.num_draft_tokens for c in before.chunks):
+            assert not any(c.token_from_last_step for c in after.chunks)

@@ -43,7 +43,9 @@ def _config_dir(tmp_path: Path, model_type: str, **fields: Any) -> Path:
             "Starcoder2ForCausalLM",
         ),
         ("gemma2", {}, TRANSFORMERS, "Gemma2ForCausalLM"),
-        ("mixtral", {}, TRANSFORMERS, "MixtralForCausalLM"),
+        # Mixture of experts (model/moe.py): native since #26.
+        ("mixtral", {}, NATIVE, "MixtralForCausalLM"),
+        ("qwen3_moe", {}, NATIVE, "Qwen3MoeForCausalLM"),
         ("gpt_oss", {}, TRANSFORMERS, "GptOssForCausalLM"),
         ("falcon", {}, TRANSFORMERS_SEQUENTIAL, "FalconForCausalLM"),
         ("qwen3_5_text", {}, TRANSFORMERS_SEQUENTIAL, "Qwen3_5ForCausalLM"),
@@ -79,7 +81,7 @@ def test_sequential_path_switches_off_prefix_caching_and_speculation(tmp_path: P
 
 
 def test_paged_path_keeps_prefix_caching(tmp_path: Path) -> None:
-    path = choose_serving_path(_config_dir(tmp_path, "mixtral"))
+    path = choose_serving_path(_config_dir(tmp_path, "gpt_oss"))
     config = restrict_for_fallback(load_config([], environ={}), path)
     assert not config.disable_prefix_caching
     assert "prefix_caching" not in {f.split(":")[0] for f in disabled_features(path)}
@@ -90,7 +92,7 @@ def test_paged_path_keeps_prefix_caching(tmp_path: Path) -> None:
     [["--quantize", "int8"], ["--lora-adapters", "a=/x"], ["--rope-scaling", "linear"]],
 )
 def test_fallback_refuses_what_it_cannot_honour(tmp_path: Path, args: list[str]) -> None:
-    path = choose_serving_path(_config_dir(tmp_path, "mixtral"))
+    path = choose_serving_path(_config_dir(tmp_path, "gpt_oss"))
     with pytest.raises(UnsupportedModelError, match="transformers fallback"):
         restrict_for_fallback(load_config(args, environ={}), path)
 

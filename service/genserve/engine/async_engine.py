@@ -2,10 +2,18 @@
 
 The loop runs in the event-loop thread except for ``Runner.execute_model``, which runs in a
 single worker thread so that gRPC I/O keeps flowing while the model computes (torch releases
-the GIL inside its kernels).  With ``overlap`` the host's per-step work (detokenising,
-stop strings, streaming, observers) for step n also runs while step n + 1 computes.
-Scheduler state is only touched from the event-loop thread, so aborts and new arrivals need
-no locks.
+the GIL inside its kernels).  Scheduler state is only touched from the event-loop thread, so
+aborts and new arrivals need no locks.
+
+With ``overlap`` (issue #29, see docs/overlap-scheduling.md) step n + 1 is scheduled and
+handed to the runner thread *before* step n's tokens are known, whenever the scheduler
+allows it (:meth:`Scheduler.can_schedule_ahead`) and the runner fills placeholder tokens
+(``supports_token_from_last_step``): the runner thread goes from step n straight into
+step n + 1, and the host's work on step n (applying its tokens and stop conditions,
+detokenising, stop strings, streaming, observers) runs while step n + 1 computes.  Where
+the next step cannot be scheduled ahead (drafts, grammars, a runner without placeholders)
+it is scheduled right after step n's result is applied and before step n is streamed, so
+streaming still overlaps the device.  Outputs are the same with and without ``overlap``.
 """
 
 from __future__ import annotations
@@ -73,6 +81,15 @@ class StepObservation:
     num_spec_tokens: Mapping[str, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Running:
+    """A step handed to the runner thread, its result still to come."""
+
+    step: SchedulerOutput
+    future: asyncio.Future[RunnerOutput]
+    started: float
+
+
 @dataclass(frozen=True, slots=True)
 class _Finished:
     """A step the scheduler has updated, waiting to be streamed (with ``overlap``)."""
@@ -89,8 +106,13 @@ class AsyncEngine:
     def __init__(
         self, scheduler: Scheduler, runner: Runner, tokenizer: Tokenizer, overlap: bool = False
     ) -> None:
-        """``overlap``: emit step n while step n + 1 runs (see :meth:`_run`)."""
+        """``overlap``: schedule step n + 1 before step n's tokens are known and stream step
+        n while step n + 1 runs (see the module docstring and :meth:`_run`)."""
         self.overlap = overlap
+        # Scheduling ahead needs a runner that fills placeholder tokens from its last step.
+        self.schedule_ahead = overlap and bool(
+            getattr(runner, "supports_token_from_last_step", False)
+        )
         self._scheduler = scheduler
         self._runner = runner
         self._tokenizer = tokenizer
@@ -282,49 +304,63 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- the loop
     async def _run(self) -> None:
-        """schedule → run (in the step thread) → update → emit.  With ``overlap``, step n's
-        emission (detokenisation, stop strings, streaming, observers) runs while the runner
-        computes step n + 1: step n + 1 is scheduled first, so a stop string found in step n's
-        text finishes its request one step late, and the extra token that request got in step
-        n + 1 is dropped (the scheduler skips requests finished while their step ran), so the
-        output is the same with overlap on or off."""
-        loop = asyncio.get_running_loop()
-        pending: _Finished | None = None  # a step updated but not yet emitted (overlap)
-        while self._dead_reason is None:
-            if not self._scheduler.has_unfinished_requests():
-                pending = self._emit_step(pending)
-                if self._scheduler.has_unfinished_requests():
-                    continue
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            step = self._scheduler.schedule()
-            if step.is_empty and not step.finished_req_ids:
-                pending = self._emit_step(pending)
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), _IDLE_POLL_S)
-                continue
-            started = time.perf_counter()
-            future = loop.run_in_executor(self._executor, self._runner.execute_model, step)
-            pending = self._emit_step(pending)  # the host's work, while the step runs
-            try:
-                result = await future
-            except Exception as exc:  # the runner failed: fail this step's requests
-                self._on_step_failure(step, exc)
-                continue
-            outputs = self._scheduler.update_from_output(step, result)
-            finished = _Finished(step, result, outputs, time.perf_counter() - started)
-            if self.overlap:
-                pending = finished
-            else:
-                self._emit_step(finished)
+        """schedule → run (in the step thread) → apply the result → stream.
 
-    def _emit_step(self, done: _Finished | None) -> _Finished | None:
-        """Stream a finished step's tokens and tell the observers; returns None (the new
-        value of the loop's pending step)."""
-        if done is None:
+        With ``overlap``: while step n runs, step n + 1 is scheduled ahead of it when the
+        scheduler allows (its decode tokens are placeholders the runner fills from step n's
+        sampled ids on the device) and queued in the runner thread, so the runner never
+        waits for the host.  Step n's result is applied when it arrives (stop conditions one
+        step late: a request that ended then has its token from step n + 1 dropped) and
+        streamed while step n + 1 runs.  Where scheduling ahead is not allowed, step n + 1
+        is scheduled after step n's result is applied, then step n is streamed while it
+        runs.  Without ``overlap`` every step is streamed before the next is scheduled."""
+        loop = asyncio.get_running_loop()
+        running: _Running | None = None
+        while self._dead_reason is None:
+            if running is None:
+                running = await self._next_step(loop)
+                if running is None:
+                    continue
+            ahead: _Running | None = None
+            if self.schedule_ahead and self._scheduler.can_schedule_ahead(running.step):
+                ahead = self._submit(loop, self._scheduler.schedule())
+            try:
+                result = await running.future
+                outputs = self._scheduler.update_from_output(running.step, result)
+            except Exception as exc:  # the runner failed: fail this step's requests
+                self._on_step_failure(running.step, exc)
+                running = ahead
+                continue
+            done = _Finished(running.step, result, outputs, time.perf_counter() - running.started)
+            if self.overlap and ahead is None and self._scheduler.has_unfinished_requests():
+                ahead = self._submit(loop, self._scheduler.schedule())
+            self._emit_step(done)  # the host's work, while the step ahead runs
+            running = ahead
+
+    async def _next_step(self, loop: asyncio.AbstractEventLoop) -> _Running | None:
+        """Schedule and submit a step with nothing in flight; None after waiting (no
+        request, or nothing runnable now)."""
+        if not self._scheduler.has_unfinished_requests():
+            self._wake.clear()
+            await self._wake.wait()
             return None
+        running = self._submit(loop, self._scheduler.schedule())
+        if running is None:
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _IDLE_POLL_S)
+        return running
+
+    def _submit(self, loop: asyncio.AbstractEventLoop, step: SchedulerOutput) -> _Running | None:
+        """Queue ``step`` in the runner thread; None for a step with nothing to run (it
+        carries no finished ids either, so skipping it loses nothing)."""
+        if step.is_empty and not step.finished_req_ids:
+            return None
+        future = loop.run_in_executor(self._executor, self._runner.execute_model, step)
+        return _Running(step, future, time.perf_counter())
+
+    def _emit_step(self, done: _Finished) -> None:
+        """Stream a finished step's tokens and tell the observers."""
         num_finished = self._process_outputs(done.outputs, done.result)
         spec_ids = {c.req_id for c in done.step.chunks if c.num_draft_tokens}
         observation = StepObservation(
@@ -337,7 +373,6 @@ class AsyncEngine:
         )
         for observer in self.step_observers:
             observer(observation)
-        return None
 
     def _on_step_failure(self, step: SchedulerOutput, exc: Exception) -> None:
         is_alive = getattr(self._runner, "is_alive", None)
@@ -345,6 +380,7 @@ class AsyncEngine:
             self._die(f"model runner died: {exc}")
             return
         log.exception("step_failed", step_id=step.step_id, num_requests=len(step.chunks))
+        self._scheduler.abandon_step(step)
         failed = [c.req_id for c in step.chunks]
         self._scheduler.finish_requests(failed, FinishReason.ERROR)
         for req_id in failed:

@@ -65,6 +65,11 @@ class Request:
     # Prompt tokens found in the prefix cache at the first admission.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Overlapped scheduling (issue #29): positions scheduled in steps whose results have not
+    # been applied yet (their KV is being computed), and tokens those steps will sample.
+    # Both are 0 whenever no step is in flight.
+    num_in_flight_tokens: int = 0
+    num_pending_outputs: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
 
@@ -79,6 +84,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Positions computed or being computed (where the next chunk starts)."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
+    def num_expected_tokens(self) -> int:
+        """Known tokens plus those the steps in flight will sample."""
+        return self.num_tokens + self.num_pending_outputs
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -38,9 +38,25 @@ runs in a step is cut by :mod:`~genserve.engine.step_chunks`.  At ~520 lines it 
 state machine and the step it builds, kept in one place on purpose: every change of a
 request's state happens here.
 
+Overlapped scheduling (issue #29, vLLM's async scheduling, SGLang's overlap loop): one step
+may be scheduled while the previous one is still in flight, when
+:meth:`Scheduler.can_schedule_ahead` allows it.  Positions scheduled but not yet confirmed
+are ``num_in_flight_tokens`` of a request, and a token being sampled is one of its
+``num_pending_outputs``; the step ahead gives such a request its next decode token as a
+placeholder the runner fills from the device (``ScheduledChunk.token_from_last_step``).
+Stop conditions are applied when the result arrives, one step late; a request that
+finished then (EOS, stop id, stop string, cancellation) has its token from the step ahead
+dropped when that step's result arrives, its blocks already freed.  A request whose pending
+token reaches ``max_new_tokens`` is not scheduled ahead (it is known to end), and neither
+are drafts: a step in flight with drafts or with a constrained (grammar) request is not
+scheduled ahead at all, since the number of accepted tokens, or the next grammar mask, is
+only known from its result; nor is any step while the batch is small enough to speculate
+(the proposer needs every token so far).  Speculation thus turns overlap off while it is in
+use, and large batches, which do not speculate, overlap.
+
 Threading: one owner.  ``finish_requests`` may be called while the runner executes a step
-(the engine serialises calls onto its loop); ``schedule`` must not be called again before
-that step's ``update_from_output``.
+(the engine serialises calls onto its loop); ``schedule`` may be called once more before
+that step's ``update_from_output`` only when :meth:`Scheduler.can_schedule_ahead` says so.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -76,6 +93,17 @@ if TYPE_CHECKING:
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    """A step scheduled whose result is not applied yet: the request objects it ran (a
+    request id may be reused after its request ended), and whether the next step may be
+    scheduled before its result (no drafts, no constrained request sampled)."""
+
+    step_id: int
+    allows_ahead: bool
+    requests: dict[str, Request]
 
 
 class Scheduler:
@@ -109,6 +137,8 @@ class Scheduler:
         self._cycler = AdapterCycler(config)  # LoRA adapter cycling
         self.clock: Callable[[], float] = time.monotonic  # tests substitute their own
         self._mask_filler: BitmaskFiller | None = None  # made on the first constrained step
+        # Steps scheduled whose results are not applied yet, oldest first (at most two).
+        self._in_flight: list[_InFlight] = []
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -128,6 +158,37 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def can_schedule_ahead(self, in_flight: SchedulerOutput) -> bool:
+        """Whether the next step may be scheduled before ``in_flight``'s result is applied:
+        it is the only step in flight, and none of its chunks has drafts (how many are
+        accepted decides where the next chunk starts) or samples for a constrained request
+        (the next grammar mask needs the token)."""
+        return (
+            len(self._in_flight) == 1
+            and self._in_flight[0].step_id == in_flight.step_id
+            and self._in_flight[0].allows_ahead
+            and not self._would_speculate()
+        )
+
+    def _would_speculate(self) -> bool:
+        """Whether the next step may give drafts (a step ahead never does, so while the
+        batch is small enough to speculate, steps are not scheduled ahead)."""
+        return (
+            self.config.num_speculative_tokens > 0
+            and len(self._running) <= self.config.speculate_max_batch_size
+        )
+
+    def abandon_step(self, step: SchedulerOutput) -> None:
+        """Forget ``step`` (in flight, oldest) without a result: its runner failed.  The
+        caller ends its requests (:meth:`finish_requests`); a step ahead of it stays."""
+        if self._in_flight and self._in_flight[0].step_id == step.step_id:
+            for chunk in step.chunks:
+                req = self._in_flight[0].requests[chunk.req_id]
+                if req.status is RequestStatus.RUNNING:
+                    req.num_in_flight_tokens -= len(chunk.token_ids)
+                    req.num_pending_outputs -= chunk.sample
+            del self._in_flight[0]
 
     def get_request(self, req_id: str) -> Request | None:
         """The unfinished request with this id, if any."""
@@ -169,17 +230,20 @@ class Scheduler:
             raise RuntimeError("running requests are not in arrival order")
         for req in self._running:
             held = self.kv.num_owned_blocks(req.req_id) * self.kv.block_size
-            if req.status is not RequestStatus.RUNNING or held < req.num_computed_tokens:
+            if req.status is not RequestStatus.RUNNING or held < req.num_scheduled_tokens:
                 raise RuntimeError(
-                    f"{req.req_id}: running with {held} slots, {req.num_computed_tokens} computed"
+                    f"{req.req_id}: running with {held} slots, {req.num_scheduled_tokens} "
+                    "computed or in flight"
                 )
             if not 0 <= req.num_computed_tokens < req.num_tokens:
                 raise RuntimeError(f"{req.req_id}: num_computed_tokens out of range")
         for req in self._waiting:
             if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise RuntimeError(f"{req.req_id}: waiting with status {req.status}")
-            if req.num_computed_tokens or self.kv.num_owned_blocks(req.req_id):
+            if req.num_scheduled_tokens or self.kv.num_owned_blocks(req.req_id):
                 raise RuntimeError(f"{req.req_id}: waiting but holds KV")
+            if req.num_pending_outputs:
+                raise RuntimeError(f"{req.req_id}: waiting with a token pending")
 
     # ---- requests in and out --------------------------------------------------------------
 
@@ -234,6 +298,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.num_in_flight_tokens = req.num_pending_outputs = 0  # their results are dropped
         del self._requests[req.req_id]
         del self._arrival_seq[req.req_id]
         del self._next_prompt_logprob_pos[req.req_id]
@@ -253,6 +318,9 @@ class Scheduler:
         # recomputation is mostly a prefix-cache hit.
         self.kv.free(req, keep_block_hashes=True)
         req.num_computed_tokens = 0
+        # A token being sampled for it is dropped with the step's result: the recomputation
+        # samples it again (the same token: sampling depends on the sequence, seed and index).
+        req.num_in_flight_tokens = req.num_pending_outputs = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self._num_preemptions += 1
@@ -264,7 +332,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring).  The result may have no chunks
         (nothing runnable); then it also carries no ``finished_req_ids``: those wait for the
-        next step with chunks, so an engine may skip running empty steps."""
+        next step with chunks, so an engine may skip running empty steps.  With a step in
+        flight (see :meth:`can_schedule_ahead`) this is the step ahead of it."""
+        if self._in_flight and (len(self._in_flight) > 1 or not self._in_flight[0].allows_ahead):
+            raise RuntimeError("schedule() called with a step in flight that forbids it")
+        ahead = bool(self._in_flight)
         self._step_id += 1
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []
@@ -272,10 +344,8 @@ class Scheduler:
         had_running = bool(self._running)
 
         preempted = False
-        speculate = (
-            self.config.num_speculative_tokens > 0
-            and len(self._running) <= self.config.speculate_max_batch_size
-        )
+        # A step ahead never drafts: the proposer needs the token still being sampled.
+        speculate = not ahead and self._would_speculate()
         i = 0
         while i < len(self._running):
             req = self._running[i]
@@ -293,7 +363,8 @@ class Scheduler:
                     chunks.append(spec_chunk)
                     i += 1
                     continue
-            while self.kv.allocate_slots(req, num_new) is None:
+            # Slots count from the computed positions: those in flight need theirs too.
+            while self.kv.allocate_slots(req, req.num_in_flight_tokens + num_new) is None:
                 preempted = True
                 victim = self._running.pop()  # newest arrival
                 self._preempt(victim)
@@ -321,6 +392,15 @@ class Scheduler:
         num_prefill = self.config.max_batch_prefill_tokens - budget
         self._last_step = (len(chunks), num_tokens, num_prefill)
         bitmask, grammar_ids = self._grammar_bitmask(chunks)
+        allows_ahead = not grammar_ids
+        for c in chunks:
+            req = self._requests[c.req_id]
+            req.num_in_flight_tokens += len(c.token_ids)
+            req.num_pending_outputs += c.sample
+            allows_ahead = allows_ahead and not c.num_draft_tokens
+        if chunks:
+            requests = {c.req_id: self._requests[c.req_id] for c in chunks}
+            self._in_flight.append(_InFlight(self._step_id, allows_ahead, requests))
         return SchedulerOutput(
             step_id=self._step_id,
             chunks=tuple(chunks),
@@ -353,8 +433,14 @@ class Scheduler:
 
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
         """Tokens a running request gets this step: its decode token, or a prompt chunk
-        within the budget (0 if the budget is spent)."""
-        remaining = req.num_tokens - req.num_computed_tokens
+        within the budget (0 if the budget is spent, or if the token the step in flight
+        samples for it is its last: it is known to end)."""
+        if (
+            req.num_pending_outputs
+            and req.num_output_tokens + req.num_pending_outputs >= req.stopping.max_new_tokens
+        ):
+            return 0
+        remaining = req.num_expected_tokens - req.num_scheduled_tokens
         if remaining <= 1:
             return remaining
         if not self.config.chunked_prefill_enabled:
@@ -432,30 +518,41 @@ class Scheduler:
         (``stopping.eos_token_ids`` unless ``ignore_eos``) or ``max_new_tokens`` (length is
         checked first, as TGI does), freeing their blocks.  Requests finished while the step
         ran are skipped.  Raises ``RuntimeError`` before changing anything if the result does
-        not match the step (the engine then ends the step's requests with ERROR)."""
+        not match the step (the step is then abandoned, see :meth:`abandon_step`; the engine
+        ends its requests with ERROR)."""
         if result.step_id != step.step_id:
             raise RuntimeError(f"result of step {result.step_id} given for step {step.step_id}")
+        if not step.chunks:
+            return []  # nothing ran (the engine does not run such steps)
+        if not self._in_flight or self._in_flight[0].step_id != step.step_id:
+            raise RuntimeError(f"step {step.step_id} is not the oldest step in flight")
+        scheduled = self._in_flight[0].requests
         sampled: dict[str, list[SampledToken]] = {}
         for token in result.sampled:
             sampled.setdefault(token.req_id, []).append(token)
         prompt_logprobs = {p.req_id: p for p in result.prompt_logprobs}
         live: list[tuple[ScheduledChunk, Request]] = []
         for chunk in step.chunks:
-            req = self._requests.get(chunk.req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # finished (e.g. aborted) while the step ran
+            req = scheduled[chunk.req_id]
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished (e.g. aborted, stopped a step late) while the step ran
             if req.num_computed_tokens != chunk.start_pos:
+                self.abandon_step(step)
                 raise RuntimeError(f"{chunk.req_id}: step {step.step_id} is stale")
             num_tokens = len(sampled.get(chunk.req_id, ()))
             if not chunk.sample <= num_tokens <= chunk.sample + chunk.num_draft_tokens:
+                self.abandon_step(step)
                 raise RuntimeError(
                     f"{chunk.req_id}: runner returned {num_tokens} tokens for a chunk with "
                     f"{chunk.num_draft_tokens} drafts in step {step.step_id}"
                 )
             live.append((chunk, req))
+        del self._in_flight[0]
 
         outputs: list[EngineCoreOutput] = []
         for chunk, req in live:
+            req.num_in_flight_tokens -= len(chunk.token_ids)
+            req.num_pending_outputs -= chunk.sample
             tokens = sampled.get(req.req_id, [])
             reason: FinishReason | None = None
             kept = 0

@@ -24,15 +24,28 @@ def token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
 
 
 def plain_chunk(req: Request, num_new: int, kv: KVCacheManager) -> ScheduledChunk:
-    """The next ``num_new`` tokens of ``req`` (its slots already allocated)."""
-    start = req.num_computed_tokens
+    """The next ``num_new`` tokens of ``req`` (its slots already allocated), after those
+    already scheduled.  When the step in flight samples ``req``'s next token, the chunk is
+    that one decode token, as a placeholder the runner fills (``token_from_last_step``)."""
+    start = req.num_scheduled_tokens
     end = start + num_new
+    if end > req.num_tokens:  # the token is being sampled by the step in flight
+        if (start, end) != (req.num_tokens, req.num_tokens + 1):
+            raise AssertionError(f"{req.req_id}: chunk {start}..{end} past a pending token")
+        return ScheduledChunk(
+            req_id=req.req_id,
+            token_ids=(0,),
+            start_pos=start,
+            block_ids=kv.block_ids(req.req_id),
+            sample=True,
+            token_from_last_step=True,
+        )
     return ScheduledChunk(
         req_id=req.req_id,
         token_ids=token_slice(req, start, end),
         start_pos=start,
         block_ids=kv.block_ids(req.req_id),
-        sample=end == req.num_tokens,
+        sample=end == req.num_expected_tokens,
     )
 
 

@@ -45,6 +45,8 @@ _SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("decode_layer_cpu.cpp"))  # one op per decode layer
 # --cpu-int-dot: integer dot products on 8-/4-bit blocks (kernels/int_dot.py)
 _SOURCES.append(Path(__file__).with_name("int_dot_cpu.cpp"))
+# the routed experts of a mixture-of-experts layer, one op per layer (model/moe.py)
+_SOURCES.append(Path(__file__).with_name("moe_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
 _HEADERS += [
     Path(__file__).with_name(n) for n in ("int_dot.h", "int_dot_tile.inc", "int_dot_ymm_vnni.inc")
@@ -63,6 +65,7 @@ _OPS = (
     "greedy_stats",
     "int_dot_linear",
     "set_batch_invariant",
+    "moe_experts",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 

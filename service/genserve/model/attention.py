@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from genserve.kernels.triton_rotary_kv import BLOCKS_FIRST, HEADS_FIRST
+
 # Below this many decodes in a half-precision step, SDPA beats the two-matmul path.
 _MIN_DECODES_FOR_MATMUL = 4
 
@@ -59,6 +61,14 @@ class SeqSpec:
 
 class AttentionMetadata(Protocol):
     """Per-step attention inputs, built once and used by every layer."""
+
+    slots: torch.Tensor  # [num_tokens] int64: each token's cache slot
+
+    @property
+    def kv_layout(self) -> int:
+        """The cache layout (``kernels/triton_rotary_kv``: ``HEADS_FIRST``,
+        ``BLOCKS_FIRST``), for the fused GPU rotary + K/V store."""
+        ...
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new ``k``, ``v`` (``[num_tokens, num_kv_heads, head_dim]``)."""
@@ -175,6 +185,10 @@ class TorchAttentionMetadata:
     def fused_kv_slots(self) -> torch.Tensor | None:
         # The CPU kernels' layout is this one: [2, kv_heads, blocks, block_size, head_dim].
         return self.slots if self.use_cpu_kernel else None
+
+    @property
+    def kv_layout(self) -> int:
+        return HEADS_FIRST
 
     def sequence_lengths(self) -> torch.Tensor:
         ends = [self.decode_context_lens]
@@ -443,6 +457,10 @@ class FlashAttentionMetadata:
     @property
     def fused_kv_slots(self) -> torch.Tensor | None:
         return None  # a CUDA layout: write_kv stores K/V
+
+    @property
+    def kv_layout(self) -> int:
+        return BLOCKS_FIRST
 
     def sequence_lengths(self) -> torch.Tensor:
         q_lens = self.cu_seqlens_q.diff().long()

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
-from genserve.model.decoder import DecoderLayer
+from genserve.model.decoder import MLP, DecoderLayer
 from genserve.model.fused_decode import FusedDecodeArgs, unsupported_reason
 from genserve.model.huge_pages import huge_page_region, release_freed_heap
 from genserve.model.layers import ParallelLMHead, VocabParallelEmbedding, _Packable
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.norms import RMSNorm, make_norm
-from genserve.model.rotary import RotaryEmbedding, identity_cos_sin
+from genserve.model.rotary import RotaryAngles, RotaryEmbedding, identity_cos_sin
 from genserve.model.spec import ModelConfig, UnsupportedModelError
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
@@ -70,6 +70,10 @@ class DecoderForCausalLM(nn.Module):
         self.num_local_kv_heads = layers[0].self_attn.num_kv_heads
         # Decode-only CPU steps through genserve::decode_layer (set by use_fused_cpu_ops).
         self._decode_layers_fused = False
+        # The fused GPU layer ops (set by use_fused_gpu_ops): per rotary embedding, its
+        # cos/sin table by position, or None where angles are computed per step.
+        self._gpu_fused = False
+        self._gpu_tables: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
     @property
     def rotary(self) -> RotaryEmbedding:
@@ -87,6 +91,23 @@ class DecoderForCausalLM(nn.Module):
             tables.append(identity_cos_sin(n, d, dtype, positions.device))
         return [tables[i] for i in self._layer_tables]
 
+    def _gpu_angles(
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
+    ) -> list[RotaryAngles | None]:
+        """Per layer, the angles the fused GPU rotary reads (None: a no-rope layer): the
+        load-time table indexed by position, or this step's angles where they depend on
+        sequence lengths."""
+        lengths = meta.sequence_lengths() if self._needs_lengths else None
+        angles: list[RotaryAngles | None] = []
+        for rotary, table in zip(self._rotaries, self._gpu_tables, strict=True):
+            if table is not None:
+                angles.append(RotaryAngles(table[0], table[1], positions))
+            else:
+                cos, sin = rotary.half_angles(positions, dtype, lengths)
+                angles.append(RotaryAngles(cos, sin, None))
+        angles.append(None)  # index len(rotaries): layers without rotary
+        return [angles[i] for i in self._layer_tables]
+
     def forward(
         self,
         token_ids: torch.Tensor,
@@ -100,6 +121,14 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens.forward(token_ids)
         if self.config.embed_scale != 1.0:
             x = x * self.embed_scale
+        if self._gpu_fused:
+            residual: torch.Tensor | None = None
+            gpu_angles = self._gpu_angles(positions, x.dtype, meta)
+            for layer, kv_cache, layer_angles in zip(
+                self._layers, kv_caches, gpu_angles, strict=True
+            ):
+                x, residual = layer.forward_carry(x, residual, layer_angles, kv_cache, meta)
+            return x if residual is None else residual + x
         angles = self._angles(positions, x.dtype, meta)
         if (
             self._decode_layers_fused
@@ -178,6 +207,26 @@ class DecoderForCausalLM(nn.Module):
                 layer.set_fused_decode(FusedDecodeArgs.of(self._linears(layer)))
             self._decode_layers_fused = all(layer.fused_decode for layer in self._layers)
 
+    def use_fused_gpu_ops(self, max_positions: int) -> None:
+        """Run every layer through the fused GPU ops (``kernels/fused_gpu_ops.py``: residual
+        add + RMSNorm, rotary + paged K/V store, gated activation; one Triton launch each)
+        wherever the layer's parts are ones they implement (RMSNorms, SiLU / GELU-tanh gated
+        MLPs, any rotary), the eager ops elsewhere.  ``max_positions``: the longest context
+        a request may reach; rotary tables are computed now for every position below it.
+        Call once, on CUDA with Triton (the runner does), or on any device to run the ops'
+        torch references (the CPU proof tests)."""
+        for layer in self._layers:
+            layer.use_fused_gpu_ops()
+        self.norm.gpu_fused = isinstance(self.norm, RMSNorm)
+        with torch.inference_mode():
+            self._gpu_tables = [r.half_table(max_positions, self.dtype) for r in self._rotaries]
+        self._gpu_fused = True
+        log.info(
+            "fused_gpu_layers",
+            rotary_tables=[t is not None for t in self._gpu_tables],
+            max_positions=max_positions,
+        )
+
     def _pack_streamed_weights(self) -> None:
         """Pack every matrix in column panels and copy what a decode step streams into one
         region of 2 MiB pages (``model/huge_pages.py``; none where THP is not in madvise
@@ -216,8 +265,10 @@ class DecoderForCausalLM(nn.Module):
 
     @staticmethod
     def _linears(layer: DecoderLayer) -> tuple[_Packable, ...]:
-        attn, mlp = layer.self_attn, layer.mlp
-        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        """The layer's projections: attention's and its MLP's (a MoE layer's: its shared
+        expert's; the routed experts are ``moe.SparseMoeBlock``'s own)."""
+        attn = layer.self_attn
+        return attn.qkv_proj, attn.o_proj, *layer.mlp.linears()
 
     def enable_lora(self, step: StepAdapters) -> dict[str, tuple[LoraHook, ModuleSplit]]:
         """Attach a LoRA hook to every adaptable projection; returns, per PEFT module path
@@ -229,6 +280,7 @@ class DecoderForCausalLM(nn.Module):
         self._decode_layers_fused = False  # the fused layer op has no LoRA deltas
         for i, layer in enumerate(self._layers):
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, MLP)  # lora_blocker refuses MoE models
             qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
             for linear in (qkv, o, gate_up, down):
                 linear.lora = LoraHook(step)

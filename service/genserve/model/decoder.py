@@ -12,6 +12,7 @@ step, which on a small model is a visible share of a decode step.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.kernels import fused_gpu_ops
 from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
 from genserve.model.fused_decode import FusedDecodeArgs
 from genserve.model.layers import (
@@ -26,9 +28,11 @@ from genserve.model.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    _Packable,
 )
+from genserve.model.moe import SparseMoeBlock
 from genserve.model.norms import Norm, RMSNorm, make_norm
-from genserve.model.rotary import apply_rotary, head_permutation
+from genserve.model.rotary import RotaryAngles, apply_rotary, head_permutation
 from genserve.model.spec import Activation, ModelConfig, QKNorm, QKVLayout, UnsupportedModelError
 from genserve.model.weight_views import RowView, RowViews, head_rows
 from genserve.model.weights import WeightSource
@@ -84,14 +88,9 @@ class Attention(nn.Module):
             self.q_norm = make_norm(spec.qk_norm_spec, q_shape, dtype, device)
             self.k_norm = make_norm(spec.qk_norm_spec, k_shape, dtype, device)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projection's Q and K heads (q/k-normed where the spec says), ``[num_tokens,
+        h + kvh, d]``, and V ``[num_tokens, kvh, d]`` (views of the projection's output)."""
         num_tokens = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # [num_tokens, (h + 2 * kvh) * d]
@@ -106,7 +105,18 @@ class Attention(nn.Module):
             q = self.q_norm.forward(qkv[:, : h * d].view(num_tokens, h, d))
             k = self.k_norm.forward(qkv[:, h * d : (h + kvh) * d].view(num_tokens, kvh, d))
             qk_in = torch.cat((q, k), dim=1)  # [num_tokens, h + kvh, d]
-        v = qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)
+        return qk_in, qkv[:, (h + kvh) * d :].view(num_tokens, kvh, d)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.num_heads
+        qk_in, v = self._qk_v(x)
         slots = meta.fused_kv_slots if self.fused else None
         if slots is not None:  # CPU kernels: rotary and the K/V store in one op
             qk = torch.ops.genserve.rotary_write_kv(qk_in, cos, sin, v, kv_cache, slots)
@@ -116,6 +126,27 @@ class Attention(nn.Module):
         if slots is None:
             meta.write_kv(kv_cache, k, v)
         out = meta.attend(q, k, v, kv_cache, self.scale, self.window, self.softcap)
+        return self.o_proj.forward(out)  # out: [num_tokens, h * d]
+
+    def forward_gpu(
+        self,
+        x: torch.Tensor,
+        angles: RotaryAngles | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """:meth:`forward` with rotary and the K/V store as one fused op
+        (``genserve_gpu::rotary_store_kv``, rotating Q and K in place); ``angles`` None: a
+        layer without rotary."""
+        h = self.num_heads
+        qk, v = self._qk_v(x)
+        cos, sin, positions = (None, None, None) if angles is None else (
+            angles.cos, angles.sin, angles.positions
+        )  # fmt: skip
+        fused_gpu_ops.rotary_store_kv(
+            qk, v, cos, sin, positions, meta.slots, kv_cache, meta.kv_layout
+        )
+        out = meta.attend(qk[:, :h], qk[:, h:], v, kv_cache, self.scale, self.window, self.softcap)
         return self.o_proj.forward(out)  # out: [num_tokens, h * d]
 
     def load(self, weights: WeightSource, prefix: str) -> None:
@@ -163,6 +194,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     fused = False  # genserve's CPU silu_and_mul op
+    # genserve_gpu::gated_act's name for the activation (use_fused_gpu_ops; None: eager).
+    gpu_activation: str | None = None
 
     def __init__(
         self, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device: torch.device
@@ -192,8 +225,13 @@ class MLP(nn.Module):
             return self.down_proj.forward(self._act(gate_up))
         if self.fused and self.activation is Activation.SILU:
             return self.down_proj.forward(torch.ops.genserve.silu_and_mul(gate_up))
+        if self.gpu_activation is not None:
+            return self.down_proj.forward(fused_gpu_ops.gated_act(gate_up, self.gpu_activation))
         gate, up = gate_up[:, : self.local_size], gate_up[:, self.local_size :]
         return self.down_proj.forward(self._act(gate) * up)
+
+    def linears(self) -> tuple[_Packable, ...]:
+        return self.gate_up_proj, self.down_proj
 
     def load(self, weights: WeightSource, prefix: str) -> None:
         n = self.config.names
@@ -215,6 +253,28 @@ class MLP(nn.Module):
         self.down_proj.load(weights, f"{prefix}.{n.down}")
 
 
+def _make_mlp(
+    config: ModelConfig, layer_idx: int, ctx: ParallelContext, dtype: torch.dtype,
+    device: torch.device,
+) -> MLP | SparseMoeBlock:  # fmt: skip
+    """The layer's dense MLP, or its mixture of experts where the spec has one there."""
+    moe = config.moe
+    if moe is None or not moe.layers[layer_idx]:
+        return MLP(config, ctx, dtype, device)
+    shared = None
+    if moe.shared_intermediate_size:
+        # The shared expert is a dense MLP of its own width under its own names.
+        names = replace(
+            config.names,
+            gate=f"{moe.names.shared}.gate_proj",
+            up=f"{moe.names.shared}.up_proj",
+            down=f"{moe.names.shared}.down_proj",
+        )
+        shared_config = replace(config, intermediate_size=moe.shared_intermediate_size, names=names)
+        shared = MLP(shared_config, ctx, dtype, device)
+    return SparseMoeBlock(config, ctx, dtype, device, shared)
+
+
 class DecoderLayer(nn.Module):
     # Set by DecoderForCausalLM.use_fused_cpu_ops (unsharded models), through set_fused_decode.
     fused_decode: FusedDecodeArgs | None = None
@@ -234,7 +294,7 @@ class DecoderLayer(nn.Module):
         self.llama_block = config.block.is_llama
         self.rope_index = config.rope_index(layer_idx)
         self.self_attn = Attention(config, layer_idx, ctx, dtype, device)
-        self.mlp = MLP(config, ctx, dtype, device)
+        self.mlp: MLP | SparseMoeBlock = _make_mlp(config, layer_idx, ctx, dtype, device)
         hidden = (config.hidden_size,)
         b = config.block
 
@@ -277,6 +337,58 @@ class DecoderLayer(nn.Module):
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm.forward(m)
         return x + (m if scale == 1.0 else m * scale)
+
+    def forward_carry(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        angles: RotaryAngles | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused GPU path's layer (``use_fused_gpu_ops``): the layer's input is ``x +
+        residual`` (``x`` alone when ``residual`` is None) and so is its output, returned as
+        ``(x, residual)``.  Sequential blocks hand their residual stream on unsummed, so that
+        each add lands in the next fused add + RMSNorm (vLLM's scheme): a Llama layer is nine
+        launches.  Parallel blocks (attention and MLP side by side) sum as the eager path
+        does and return ``(output, None)``.  Every sum is the eager path's, in its order."""
+        attn, mlp, block = self.self_attn, self.mlp, self.block
+        if self.pre_attn_norm is None:
+            if residual is not None:
+                x = x + residual
+            attn_in = x
+        elif residual is None:
+            attn_in = self.pre_attn_norm.forward(x)
+        else:
+            x, attn_in = self.pre_attn_norm.add_forward(x, residual)
+        h = attn.forward_gpu(attn_in, angles, kv_cache, meta)
+        if block.parallel:
+            mlp_in = attn_in if self.pre_mlp_norm is None else self.pre_mlp_norm.forward(x)
+            return x + h + mlp.forward(mlp_in), None
+        scale = block.residual_multiplier
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm.forward(h)
+        h = h if scale == 1.0 else h * scale
+        if self.pre_mlp_norm is None:
+            x = x + h
+            mlp_in = x
+        else:
+            x, mlp_in = self.pre_mlp_norm.add_forward(h, x)
+        m = mlp.forward(mlp_in)
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm.forward(m)
+        return (m if scale == 1.0 else m * scale), x
+
+    def use_fused_gpu_ops(self) -> None:
+        """Route this layer's RMSNorms, gated activation and rotary + K/V store through the
+        fused GPU ops (``kernels/fused_gpu_ops.py``); called by the model on CUDA."""
+        attn = self.self_attn
+        for norm in [*self.norms(), attn.q_norm, attn.k_norm]:  # q/k norms: full or per head
+            if isinstance(norm, RMSNorm):
+                norm.gpu_fused = True
+        mlp = self.mlp
+        if mlp.gated and mlp.activation in (Activation.SILU, Activation.GELU_TANH):
+            mlp.gpu_activation = "silu" if mlp.activation is Activation.SILU else "gelu_tanh"
 
     def decode_forward(
         self,

@@ -19,6 +19,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     weight is the same op), rotary over whole heads (partial and interleaved rotary are
     permuted into that form, no-rope layers get identity angles), no q/k norm, no soft-cap."""
     block, attn, mlp = config.block, config.attention, config.mlp
+    if config.moe is not None:
+        return "mixture-of-experts MLP (its experts run as genserve::moe_experts)"
     if not block.is_llama:
         return "block is not sequential pre-norm"
     if config.norm.kind is NormKind.LAYER:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.kernels import fused_gpu_ops
 from genserve.model.spec import NormKind, NormSpec
 from genserve.model.weights import WeightSource
 
@@ -32,6 +33,8 @@ class RMSNorm(nn.Module):
 
     # Set by the decoder's use_fused_cpu_ops: genserve's one-pass CPU op (same roundings).
     fused: bool = False
+    # Set by the decoder's use_fused_gpu_ops: one Triton launch (kernels/fused_gpu_ops.py).
+    gpu_fused: bool = False
 
     def __init__(
         self,
@@ -54,6 +57,9 @@ class RMSNorm(nn.Module):
         if self.fused:
             out: torch.Tensor = torch.ops.genserve.rms_norm(x, self.weight, self.eps)
             return out
+        if self.gpu_fused:
+            fused_out: torch.Tensor = fused_gpu_ops.rms_norm(x, self.weight, self.eps)
+            return fused_out
         normed = F.rms_norm(x.float(), self.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -65,6 +71,11 @@ class RMSNorm(nn.Module):
         if self.fused:
             summed, normed = torch.ops.genserve.add_rms_norm(x, residual, self.weight, self.eps)
             return summed, normed
+        if self.gpu_fused:
+            added: tuple[torch.Tensor, torch.Tensor] = fused_gpu_ops.add_rms_norm(
+                x, residual, self.weight, self.eps
+            )
+            return added
         summed = residual + x
         return summed, self.forward(summed)
 

@@ -21,6 +21,7 @@ import structlog
 import torch
 
 from genserve.model.causal_lm import DecoderForCausalLM
+from genserve.model.decoder import MLP
 from genserve.model.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -92,10 +93,12 @@ def model_weight_bytes(model: DecoderForCausalLM) -> int:
 
 
 def _from_float(model: DecoderForCausalLM, method: str, summary: QuantizeSummary) -> None:
-    for layer in model._layers:
+    for i, layer in enumerate(model._layers):
         for linear in model._linears(layer):
             linear.set_quantized(quantize(linear.weight, method))
             summary.quantized += 1
+        if not isinstance(layer.mlp, MLP):  # routed experts: no quantized expert op yet
+            summary.kept.append(f"model.layers.{i} experts")
     embed = quantize_int8(model.embed_tokens.weight)
     model.embed_tokens.set_quantized(embed)
     if model.config.tie_word_embeddings:
@@ -115,6 +118,11 @@ def _from_gguf(
         plan += [
             (layer.self_attn.qkv_proj, [f"{attn}.{p}_proj.weight" for p in "qkv"]),
             (layer.self_attn.o_proj, [f"{attn}.o_proj.weight"]),
+        ]
+        if not isinstance(layer.mlp, MLP):  # a mixture of experts: stays in the model dtype
+            summary.kept.append(f"model.layers.{i} experts")
+            continue
+        plan += [
             (layer.mlp.gate_up_proj, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]),
             (layer.mlp.down_proj, [f"{mlp}.down_proj.weight"]),
         ]

@@ -17,6 +17,7 @@ So the CPU ``rotary`` / ``rotary_write_kv`` ops and the fused decode layer serve
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -189,6 +190,47 @@ class RotaryEmbedding(nn.Module):
                 cos[:, half + keep :] = 1.0
         sin[:, : freqs.shape[1]].neg_()
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    def half_angles(
+        self, positions: torch.Tensor, dtype: torch.dtype, lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and *unsigned* ``sin`` halves ``[num_tokens, head_dim // 2]``: the values
+        :meth:`cos_sin` repeats over the two halves of a head (its ``sin`` is this one
+        negated on the first half), computed with the same ops, so the two agree bit for bit.
+        The fused GPU rotary (``kernels/triton_rotary_kv``) reads angles in this form."""
+        freqs = self._freqs(positions, lengths)  # [num_tokens, rotary_dim / 2]
+        pad = (self.head_dim - self.rotary_dim) // 2
+        if pad:  # features that do not rotate: cos 1, sin 0 (see head_permutation)
+            freqs = torch.cat((freqs, freqs.new_zeros(freqs.shape[0], pad)), dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+            if pad:
+                cos[:, self.rotary_dim // 2 :] = 1.0
+        return cos.to(dtype), sin.to(dtype)
+
+    def half_table(
+        self, max_positions: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`half_angles` of every position below ``max_positions``, computed once (at
+        load time) for the fused GPU rotary to index by position; None where the angles
+        depend on more than the position (:attr:`needs_lengths`: dynamic NTK, longrope),
+        which are then computed per step."""
+        if self.needs_lengths:
+            return None
+        positions = torch.arange(max_positions, device=self.inv_freq.device)
+        return self.half_angles(positions, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RotaryAngles:
+    """The angles a fused GPU rotary op rotates a step's tokens by: ``cos`` / ``sin`` halves
+    ``[rows, head_dim // 2]``, row ``positions[t]`` for token ``t`` (a table computed at
+    load time) or, ``positions`` None, row ``t`` (computed for this step)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None
 
 
 def identity_cos_sin(

@@ -67,6 +67,7 @@ def choose_serving_path(
         if model_impl == "auto":
             native = load_model_config(model_dir, trust_remote_code)
             _check_native_build(native)
+            _check_native_weights(native, model_dir)
             return ServingPath(native.architecture, NATIVE, "implemented natively")
     except UnsupportedModelError as exc:
         native_refusal = str(exc)
@@ -109,6 +110,18 @@ def _check_native_build(config: ModelConfig) -> None:
         if rope is not None:
             rope_inv_freq(rope, attn.rotary_dim or config.head_dim)
     head_permutation(config.head_dim, attn.rotary_dim or config.head_dim, attn.interleaved_rotary)
+
+
+def _check_native_weights(config: ModelConfig, model_dir: Path) -> None:
+    """Raise :class:`UnsupportedModelError` where the native model could not read the
+    weights: a GGUF file's expert tensors (``ffn_*_exps``) have no native reader yet, so a
+    mixture-of-experts GGUF goes to the fallback, which has transformers dequantize it."""
+    from genserve.model.loader import transformers_weights_kwargs
+
+    if config.moe is not None and "gguf_file" in transformers_weights_kwargs(model_dir):
+        raise UnsupportedModelError(
+            "the native reader of GGUF files has no mixture-of-experts tensors yet"
+        )
 
 
 def causal_lm_class(hf: Any, model_dir: Path, trust_remote_code: bool) -> type | None:

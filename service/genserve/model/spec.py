@@ -110,6 +110,64 @@ class BlockSpec:
         )
 
 
+class Scoring(StrEnum):
+    SOFTMAX = "softmax"  # softmax over every expert, then top-k (Mixtral, Qwen-MoE)
+    SIGMOID = "sigmoid"  # independent sigmoids (DeepSeek-V3, GLM-4.5, MiniMax-M2)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """How a token picks its experts and weighs them (``model/moe.py`` implements it).
+
+    Softmax: ``top-k(softmax(logits))``, renormalised to sum 1 when ``renormalize``.
+    Sigmoid: experts are chosen by ``sigmoid(logits) + correction bias`` within the
+    ``topk_groups`` best of ``num_groups`` groups (a group scores by its two best experts),
+    weighted by their plain sigmoid scores (renormalised when ``renormalize``).  Either way
+    the weights are then multiplied by ``scaling_factor``."""
+
+    num_experts: int
+    top_k: int
+    scoring: Scoring = Scoring.SOFTMAX
+    renormalize: bool = False
+    correction_bias: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MoeNames:
+    """Checkpoint names of a MoE layer's parts, under the layer's prefix.  Each expert's
+    projections are ``{experts}.{e}.{gate|up|down}`` (or, where the checkpoint stacks
+    them, ``{experts}.gate_up_proj`` ``[E, 2I, H]`` and ``{experts}.down_proj``)."""
+
+    router: str = "mlp.gate"
+    correction_bias: str = "mlp.gate.e_score_correction_bias"
+    experts: str = "mlp.experts"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    shared: str = "mlp.shared_expert"  # {shared}.gate_proj ... (the dense MLP's names)
+    shared_gate: str = "mlp.shared_expert_gate"
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts MLP: routed SiLU-gated experts of width ``intermediate_size``,
+    plus an always-on shared expert (width ``shared_intermediate_size``; 0: none) whose
+    output is scaled by ``sigmoid(x . w)`` when ``shared_gate`` (Qwen2-MoE).  ``layers``
+    says per layer whether its MLP is the MoE one (else the dense ``MlpSpec`` MLP of
+    ``ModelConfig.intermediate_size``: DeepSeek's first dense layers, Qwen's
+    ``mlp_only_layers``)."""
+
+    router: RouterSpec
+    intermediate_size: int
+    layers: tuple[bool, ...]
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+    names: MoeNames = MoeNames()
+
+
 class QKVLayout(StrEnum):
     SEPARATE = "separate"  # q_proj, k_proj, v_proj
     FUSED = "fused"  # one [q | k | v] matrix (Phi-3 qkv_proj)
@@ -184,6 +242,8 @@ class ModelConfig:
     logit_scale: float = 1.0
     logit_divisor: float = 1.0
     final_softcap: float | None = None
+    # Mixture-of-experts MLPs (None: every layer's MLP is dense).
+    moe: MoeSpec | None = None
 
     @property
     def qkv_bias(self) -> bool:
@@ -198,6 +258,8 @@ class ModelConfig:
         """Why LoRA adapters cannot be applied to this model (None: they can): the
         adapter paths name Llama's separate projections, unpermuted."""
         n, attn = self.names, self.attention
+        if self.moe is not None:
+            return "its mixture-of-experts MLPs have no adapter path"
         if n.qkv_layout is not QKVLayout.SEPARATE or not n.gate or not self.mlp.gated:
             return "its checkpoint fuses the q/k/v or gate/up projections"
         if (attn.rotary_dim or self.head_dim) != self.head_dim or attn.interleaved_rotary:

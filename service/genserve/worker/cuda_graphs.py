@@ -17,11 +17,17 @@ How (the same shape as TGI's ``cuda_graph_warmup``, vLLM's CUDAGraphRunner and S
   SDPA fallback gathers the whole padded width every step, and flash-attn takes its maximum
   context length as a host integer, which a graph would freeze.
 - Every bucket shares one memory pool, captured largest first so smaller ones reuse it.
-- What is replayed: ``model.forward`` only (embeddings → last layer).  The LM head, sampling,
-  grammar masks and penalties stay eager on the rows that exist, so they are independent of the
-  graph.  Pure-decode steps replay (speculative chunks too: each draft token is a decode row);
-  steps with a prefill chunk, with LoRA rows (the adapter hooks index per-step row tensors
-  that the graph would freeze), or with a context longer than the table run eagerly.
+- What is replayed: ``model.forward`` (embeddings → last layer), then the final norm and the
+  LM head into a static float32 logits buffer ``[largest bucket, vocab]`` (issue #29: they
+  ran eagerly after the replay), one graph per bucket.  A second graph per bucket, the
+  *greedy tail*, takes each row's argmax and its log-probability (the sampler's greedy ops,
+  so the same values) into a static ``[largest bucket, 2]`` block: a step whose rows are all
+  plain greedy replays both and reads that block back, nothing else running after the
+  replay but the one copy.  Other steps sample eagerly from the static logits (penalties,
+  temperature and filters, grammar masks, top-n), so the sampler stays independent of the
+  graph.  Pure-decode steps replay (speculative chunks too: each draft token is a decode
+  row); steps with a prefill chunk, with LoRA rows (the adapter hooks index per-step row
+  tensors that the graph would freeze), or with a context longer than the table run eagerly.
 
 The pure functions (bucket lists, padding) run anywhere and are unit-tested on CPU;
 :class:`DecodeGraphs` with ``capture=False`` runs the same static-buffer forward eagerly, which
@@ -129,8 +135,10 @@ class DecodeGraphs:
     """Static decode buffers and, on CUDA, one captured graph per bucket.
 
     ``model`` is the runner's model (``forward(token_ids, positions, kv_caches, meta)`` →
-    hidden ``[rows, hidden]``).  With ``capture=False`` (CPU tests) :meth:`run` calls that
-    forward eagerly on the buffers, so padding is checked without a GPU."""
+    hidden ``[rows, hidden]``; ``compute_logits(hidden)`` → float32 ``[rows, vocab]``;
+    ``config.vocab_size``).  Where nothing was captured (CPU tests) :meth:`run` and
+    :meth:`greedy` run the same code eagerly on the buffers, so padding, the logits and the
+    greedy tail are checked without a GPU."""
 
     def __init__(
         self,
@@ -171,8 +179,15 @@ class DecodeGraphs:
             for _ in range(2)
         ]
         self._next_staging = 0
+        # What the graphs write: the final norm + LM head's logits, the greedy tail's
+        # [token id, its logprob] rows (ids exact in float32 below 2**24, as the sampler's).
+        vocab = int(model.config.vocab_size)
+        self.logits_buffer = torch.zeros((largest, vocab), dtype=torch.float32, device=device)
+        self.greedy_buffer = torch.zeros((largest, 2), dtype=torch.float32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._bucket: int | None = None  # the bucket the last run replayed
         self.capture_seconds = 0.0
         self.num_runs = 0  # steps served from the buffers (tests check the path was taken)
         self._reset_to_padding()
@@ -199,10 +214,23 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int) -> torch.Tensor:
+        """A bucket's graph: the forward, then the final norm and the LM head into the
+        logits buffer.  Returns the hidden states (before the final norm)."""
         out: torch.Tensor = self.model(
             self.token_ids[:size], self.positions[:size], self.kv_caches, self._meta(size)
         )
+        self.logits_buffer[:size].copy_(self.model.compute_logits(out))
         return out
+
+    def _greedy_tail(self, size: int) -> None:
+        """A bucket's greedy tail: the sampler's greedy ops over the logits buffer (first
+        argmax, the chosen token's ``log_softmax``), packed as it packs them."""
+        logits = self.logits_buffer[:size]
+        token_ids = logits.argmax(dim=-1)  # [size]
+        chosen = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None])  # [size, 1]
+        self.greedy_buffer[:size].copy_(
+            torch.cat((token_ids.to(torch.float32)[:, None], chosen), 1)
+        )
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -219,11 +247,16 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 self._reset_to_padding()
                 self._forward(size)  # lazy inits (Triton compile, cuBLAS handles) stay outside
+                self._greedy_tail(size)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._outputs[size] = self._forward(size)
                 self._graphs[size] = graph
+                tail = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(tail, pool=pool, stream=stream):
+                    self._greedy_tail(size)
+                self._greedy_graphs[size] = tail
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
@@ -232,14 +265,17 @@ class DecodeGraphs:
         """Drop the graphs, their outputs and the buffers, so that the memory pool and the
         KV cache the graphs reference can be freed."""
         self._graphs.clear()
+        self._greedy_graphs.clear()
         self._outputs.clear()
         self.kv_caches = []
         self.model = None
 
     def run(self, padded: PaddedDecode) -> torch.Tensor:
         """Hidden states ``[num_rows, hidden]`` of a padded decode step (valid until the next
-        call: they live in the graph's output buffer)."""
+        call: they live in the graph's output buffer); :meth:`logits` and :meth:`greedy`
+        then read the same step."""
         b = padded.bucket
+        self._bucket = b
         inputs, table = self._staging[self._next_staging]
         self._next_staging ^= 1
         host = inputs.numpy()
@@ -260,6 +296,24 @@ class DecodeGraphs:
             return self._forward(b)[: padded.num_rows]
         graph.replay()
         return self._outputs[b][: padded.num_rows]
+
+    def logits(self, num_rows: int) -> torch.Tensor:
+        """float32 ``[num_rows, vocab]`` logits of the last :meth:`run`'s first rows
+        (``model.compute_logits`` of its hidden states, computed in the graph)."""
+        return self.logits_buffer[:num_rows]
+
+    def greedy(self, num_rows: int) -> torch.Tensor:
+        """float32 ``[num_rows, 2]``: for each of the last :meth:`run`'s first rows, its
+        argmax token id and that token's log-probability (replays the greedy tail)."""
+        b = self._bucket
+        if b is None:
+            raise RuntimeError("greedy() reads the step run() replayed: run() first")
+        tail = self._greedy_graphs.get(b)
+        if tail is None:  # not captured (CPU tests): the same ops, eagerly
+            self._greedy_tail(b)
+        else:
+            tail.replay()
+        return self.greedy_buffer[:num_rows]
 
 
 def measure_capture_bytes(build: Any, device: torch.device) -> int:

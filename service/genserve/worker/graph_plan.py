@@ -25,6 +25,8 @@ from genserve.worker.cuda_graphs import (
     pad_decode_batch,
     pick_bucket,
 )
+from genserve.worker.device_io import Readback
+from genserve.worker.sampler import SamplerOutput, SamplingRow
 
 if TYPE_CHECKING:
     from genserve.step import ScheduledChunk
@@ -174,3 +176,31 @@ def graph_forward(
     if padded is None:
         return None
     return graphs.run(padded)
+
+
+def plain_greedy(row: SamplingRow) -> bool:
+    """Whether the sampler would take ``row``'s token as the argmax of the model's own
+    logits and report nothing but its logprob: greedy, no penalty, logit bias, active
+    ``min_new_tokens`` ban, watermark or top-n alternatives (grammar masks are the step's,
+    checked by the caller)."""
+    p = row.params
+    return (
+        p.greedy
+        and not p.uses_penalties
+        and not p.logit_bias
+        and not (row.output_index < p.min_new_tokens and p.min_tokens_banned_ids)
+        and not p.watermark
+        and p.num_top_tokens == 0
+    )
+
+
+def graph_greedy(
+    graphs: DecodeGraphs, rows: Sequence[SamplingRow], readback: Readback
+) -> SamplerOutput | None:
+    """The tokens of a graph-replayed step whose rows (its first ``len(rows)`` rows) are all
+    :func:`plain_greedy`, from the greedy tail graph and one readback (what the sampler would
+    return, bit for bit: the same ops); None when a row needs the sampler."""
+    if not rows or not all(plain_greedy(r) for r in rows):
+        return None
+    host = readback.fetch(graphs.greedy(len(rows))).tolist()
+    return SamplerOutput([int(r[0]) for r in host], [r[1] for r in host], [()] * len(host))

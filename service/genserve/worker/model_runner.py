@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from genserve.kernels import fused_gpu_ops
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
 from genserve.model.config import UnsupportedModelError, load_model_config
@@ -44,8 +45,14 @@ from genserve.step import (
 )
 from genserve.worker.adapters import PreparedAdapter, install, prepare, read_adapter
 from genserve.worker.cuda_graphs import DecodeGraphs
-from genserve.worker.device_io import DeviceIO
-from genserve.worker.graph_plan import GraphPlan, GraphTarget, graph_forward, plan_graphs
+from genserve.worker.device_io import DeviceIO, Readback
+from genserve.worker.graph_plan import (
+    GraphPlan,
+    GraphTarget,
+    graph_forward,
+    graph_greedy,
+    plan_graphs,
+)
 from genserve.worker.request_state import PenaltyCounts, RequestState
 from genserve.worker.runner_setup import (
     available_ram_bytes,
@@ -53,7 +60,8 @@ from genserve.worker.runner_setup import (
     load_weights,
     zeros,
 )
-from genserve.worker.sampler import Sampler
+from genserve.worker.sampler import Sampler, SamplingRow
+from genserve.worker.sampling_table import SamplingTable, TableRows, uses_output_count
 from genserve.worker.step_inputs import StepLayout, flat_inputs, layout
 from genserve.worker.step_outputs import (
     accept,
@@ -135,6 +143,14 @@ class ModelRunner:
         else:
             with torch.inference_mode():
                 self.model.pack_weights()
+            if device.type == "cuda" and fused_gpu_ops.triton_runs(device):
+                # One Triton launch per norm, rotary + K/V store and activation (#29); the
+                # rotary tables cover every position the limits let a request reach.
+                self.model.use_fused_gpu_ops(
+                    rope_scaling.scaled_max_positions(
+                        self.config.max_position_embeddings, model.rope_scaling, model.rope_factor
+                    )
+                )
         self.model.eval()
         self._init_state(model)
 
@@ -167,6 +183,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, self.io)
         self._requests: dict[str, RequestState] = {}
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
+        # Sampling parameters on the device, one slot per request, kept across steps.
+        self._table = SamplingTable(self.device, self.io)
         # LoRA: hooks are attached on the first adapter request, so base-only serving pays
         # nothing; _slot_ids says which adapter each slot holds now.
         self._lora_step = StepAdapters()
@@ -182,6 +200,11 @@ class ModelRunner:
         self.backend: AttentionBackend | None = None
         self._graph_plan: GraphPlan | None = None  # CUDA graphs for decode steps (#12)
         self._graphs: DecodeGraphs | None = None
+        self._graph_readback = Readback(self.io)  # all-greedy graph steps' one copy back
+        # The last sampling step's token ids on the device and each request's row in them:
+        # a placeholder chunk of the next step reads its input token there (issue #29).
+        self._last_ids: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         log.info(
             "model_loaded",
             model_id=model.model_id,
@@ -290,6 +313,8 @@ class ModelRunner:
         if self.serving.per_request_state:
             self.model.end_requests()  # type: ignore[operator]
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
+        self._table = SamplingTable(self.device, self.io)
+        self._last_ids, self._last_rows = None, {}
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
         self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
@@ -324,18 +349,26 @@ class ModelRunner:
         return self._graphs.captured_sizes if self._graphs is not None else ()
 
     # ------------------------------------------------------------------------- steps
+    @property
+    def supports_token_from_last_step(self) -> bool:
+        """Whether chunks may carry a placeholder token (overlapped scheduling): one rank
+        only; shard workers never see rank 0's sampled ids."""
+        return self.parallel.world_size == 1
+
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
         """Run one step as described by :class:`genserve.step.SchedulerOutput`."""
         for req_id in step.finished_req_ids:
             self._requests.pop(req_id, None)
             self._penalties.remove(req_id)
+            self._table.remove(req_id)
         if self.serving.per_request_state and step.finished_req_ids:
             self.model.end_requests(step.finished_req_ids)  # type: ignore[operator]
         for new in step.new_requests:
             if new.adapter is not None:
                 self._ensure_adapter(new.adapter)
             self._requests[new.req_id] = RequestState.from_new(new)
+            self._table.add(new.req_id, new.sampling, new.num_prompt_tokens, new.num_output_tokens)
             self._penalties.remove(new.req_id)  # a readmission recounts from its tokens
             if new.sampling.uses_penalties:
                 self._penalties.add(new)
@@ -345,14 +378,21 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
 
         plan = layout(step)
+        placeholders = [
+            i for i, c in enumerate(plan.chunks[: plan.num_single]) if c.token_from_last_step
+        ]
         hidden = None
         if self._graphs is not None and plan.pure_decode:
-            hidden = graph_forward(
-                self._graphs, self._lora_rows(plan.chunks), plan.chunks, plan.seqs
-            )
+            # The graph's inputs are staged on the host: placeholders take the host's copy
+            # of the last tokens (the step before has been read back by now).
+            chunks = self._with_host_tokens(plan.chunks) if placeholders else plan.chunks
+            hidden = graph_forward(self._graphs, self._lora_rows(plan.chunks), chunks, plan.seqs)
+        replayed = self._graphs if hidden is not None else None  # logits computed there too
         if hidden is None:
             meta = self.backend.build(plan.seqs, plan.num_decodes, self.block_size)
             token_ids, positions = flat_inputs(plan, self.io)
+            if placeholders:
+                self._fill_placeholders(token_ids, placeholders, plan.chunks)
             if self._lora_targets is not None:
                 slots = [self._requests[c.req_id].adapter_slot for c in plan.chunks]
                 self._lora_step.set_rows(
@@ -363,7 +403,40 @@ class ModelRunner:
                 rows = [(c.req_id, len(c.token_ids), c.start_pos) for c in plan.chunks]
                 self.model.bind_step(rows)  # type: ignore[operator]
             hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [tokens, hidden]
-        return self._finish_step(step, plan, hidden)
+        return self._finish_step(step, plan, hidden, replayed)
+
+    def _fill_placeholders(
+        self, token_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]
+    ) -> None:
+        """Write into ``token_ids[rows]`` (placeholders are one-token decode chunks, laid
+        out first: ``chunks[i]`` is flat row ``i``) the token each one's request got in the
+        last step, copied on the device from that step's sampled ids: no round trip through
+        the host."""
+        req_ids = [chunks[i].req_id for i in rows]
+        missing = [r for r in req_ids if r not in self._last_rows]
+        if missing:
+            raise RuntimeError(f"placeholder tokens without a token sampled last step: {missing}")
+        # A steady batch reads the same rows step after step: uploaded once.
+        dst = self.io.upload_cached("placeholder_dst", rows)
+        if self._last_ids is None:
+            # The last step's ids left the device only as host values (the graph's greedy
+            # tail reads back its packed block): write the host copies.
+            host = [self._state(r).last_token for r in req_ids]
+            token_ids.index_copy_(0, dst, self.io.upload(host, torch.int64))
+            return
+        src = self.io.upload_cached("placeholder_src", [self._last_rows[r] for r in req_ids])
+        token_ids.index_copy_(0, dst, self._last_ids.index_select(0, src))
+
+    def _with_host_tokens(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """``chunks`` with each placeholder replaced by the host's copy of the token."""
+        return [
+            dataclasses.replace(
+                c, token_ids=(self._state(c.req_id).last_token,), token_from_last_step=False
+            )
+            if c.token_from_last_step
+            else c
+            for c in chunks
+        ]
 
     def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether any chunk of the step runs under a LoRA adapter."""
@@ -372,20 +445,31 @@ class ModelRunner:
         return any(self._requests[c.req_id].adapter_slot >= 0 for c in chunks)
 
     def _finish_step(
-        self, step: SchedulerOutput, plan: StepLayout, hidden: torch.Tensor
+        self,
+        step: SchedulerOutput,
+        plan: StepLayout,
+        hidden: torch.Tensor,
+        graphs: DecodeGraphs | None = None,
     ) -> RunnerOutput:
-        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``."""
+        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``
+        (``graphs``: replayed from them, which computed the logits of its rows as well)."""
         sampled: tuple[SampledToken, ...] = ()
+        self._last_ids, self._last_rows = None, {}
         rows, leading = plan.sample_rows()
         if rows:
             # A pure decode step samples rows 0..n-1: a view, nothing to upload or gather.
-            if leading:
-                picked = hidden[: len(rows)]
+            if leading and graphs is not None:
+                logits = graphs.logits(len(rows))  # the final norm and LM head ran in it
             else:
-                picked = hidden.index_select(0, self.io.upload(rows, torch.int64))
-            logits = self.model.compute_logits(picked)  # [rows, vocab]
+                if leading:
+                    picked = hidden[: len(rows)]
+                else:
+                    picked = hidden.index_select(0, self.io.upload(rows, torch.int64))
+                logits = self.model.compute_logits(picked)  # [rows, vocab]
+                graphs = None
             if self.parallel.is_driver:
-                sampled = self._sample(logits, [c for c in plan.chunks if c.sample], step)
+                chunks = [c for c in plan.chunks if c.sample]
+                sampled = self._sample(logits, chunks, step, graphs)
         parts = prompt_logprob_parts(plan.chunks, plan.offsets, self._requests)
         prompt: tuple[PromptLogprobs, ...] = ()
         if parts:
@@ -454,22 +538,51 @@ class ModelRunner:
         logits: torch.Tensor,
         chunks: list[ScheduledChunk],
         step: SchedulerOutput | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> tuple[SampledToken, ...]:
         """One row of ``logits`` per sampling position (``num_draft_tokens + 1`` a chunk);
         worker/step_outputs.py says which tokens each chunk keeps.  Penalty counts are then
-        advanced from the device's token ids in one scatter."""
+        advanced from the device's token ids in one scatter.  ``graphs``: the step was
+        replayed from them (``logits`` their rows), whose greedy tail serves all-greedy
+        steps."""
         if not chunks:
             return ()
         states = [self._state(c.req_id) for c in chunks]
         rows = sampling_rows(chunks, states, self._penalties)
-        out = self.sampler(logits, rows, *grammar_rows(chunks, step))
+        speculative = any(c.num_draft_tokens for c in chunks)
+        table = self._table.rows(
+            [c.req_id for c in chunks for _ in range(c.num_draft_tokens + 1)],
+            [j for c in chunks for j in range(c.num_draft_tokens + 1)] if speculative else None,
+        )
+        bitmask, constrained = grammar_rows(chunks, step)
+        out = None
+        if graphs is not None and bitmask is None:
+            out = graph_greedy(graphs, rows, self._graph_readback)
+        if out is None:
+            out = self.sampler(logits, rows, bitmask, constrained, table=table)
         accepted = accept(out, chunks, states, self._penalties)
+        if speculative:  # how many tokens each chunk kept is known on the host only
+            self._table.set_output_counts(
+                [c.req_id for c in chunks], [s.num_output_tokens for s in states]
+            )
+        else:
+            self._advance_output_counts(table, rows)
+        self._last_ids, self._last_rows = out.device_token_ids, accepted.last_rows
         if accepted.penalised_req_ids and out.device_token_ids is not None:
             ids = out.device_token_ids
             if len(accepted.penalised_rows) != len(rows):
                 ids = ids.index_select(0, self.io.upload(accepted.penalised_rows, torch.int64))
             self._penalties.record(accepted.penalised_req_ids, ids)
         return accepted.sampled
+
+    def _advance_output_counts(self, table: TableRows, rows: list[SamplingRow]) -> None:
+        """One more output token on the device for the rows whose output count is read
+        (seeded draws, TGI's frequency penalty): an all-greedy step launches nothing."""
+        counted = [i for i, r in enumerate(rows) if uses_output_count(r.params)]
+        if len(counted) == len(rows):
+            self._table.advance(table)
+        elif counted:
+            self._table.advance(table.subset(self.io.upload_cached("counted_rows", counted)))
 
     def shutdown(self) -> None:
         """Release the CUDA graphs (and with them their memory pool), the KV cache and the
@@ -483,6 +596,8 @@ class ModelRunner:
         if self.serving.per_request_state:
             self.model.end_requests()  # type: ignore[operator]
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
+        self._table = SamplingTable(self.device, self.io)
+        self._last_ids, self._last_rows = None, {}
         self.backend = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -28,6 +28,7 @@ class RequestState:
     num_output_tokens: int
     prompt_token_ids: tuple[int, ...]  # kept only when prompt logprobs are wanted
     adapter_slot: int = -1  # LoRA slot, -1: the base model
+    last_token: int = 0  # the last known token (a placeholder chunk's, on the host)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> RequestState:
@@ -41,6 +42,7 @@ class RequestState:
             if p.prompt_logprobs
             else (),
             adapter_slot=new.adapter.slot if new.adapter is not None else -1,
+            last_token=new.all_token_ids[-1],
         )
 
 
@@ -92,7 +94,9 @@ class PenaltyCounts:
             return
         vocab = self.vocab_size
         plane = self.table.shape[1] * vocab
-        base = self.io.upload([self._slots[r] * vocab for r in req_ids], torch.int64) + token_ids
+        # The same requests step after step: their slot offsets are uploaded once.
+        bases = self.io.upload_cached("penalty_bases", [self._slots[r] * vocab for r in req_ids])
+        base = bases + token_ids
         index = torch.cat((base, base + plane))
         ones = torch.ones(index.shape, dtype=self.table.dtype, device=self.device)
         self.table.view(-1).scatter_add_(0, index, ones)

@@ -44,6 +44,7 @@ from genserve.worker.watermark import watermark_rows
 
 if TYPE_CHECKING:
     from genserve.worker.grammar_mask import BitmaskApplier
+    from genserve.worker.sampling_table import TableRows
 
 _MASK64 = (1 << 64) - 1
 
@@ -122,10 +123,14 @@ class Sampler:
         rows: Sequence[SamplingRow],
         grammar_bitmask: torch.Tensor | None = None,
         grammar_rows: Sequence[int] = (),
+        table: TableRows | None = None,
     ) -> SamplerOutput:
         """``logits``: float32 ``[num_rows, vocab]``, one row per entry of ``rows``.
         ``grammar_bitmask[i]`` (xgrammar's packed int32 layout) masks row ``grammar_rows[i]``
-        after the penalties, before temperature and filtering; other rows are untouched."""
+        after the penalties, before temperature and filtering; other rows are untouched.
+        ``table``: the rows' parameters (and seeds, output counts) already on the device
+        (worker/sampling_table.py), read instead of uploading them from ``rows``; the
+        decisions that need no device value (which filters run) still come from ``rows``."""
         num_rows = len(rows)
         params = [r.params for r in rows]
         max_top = max((p.num_top_tokens for p in params), default=0)
@@ -144,11 +149,13 @@ class Sampler:
             if scores is logits:
                 scores = logits.clone()
             if len(penalised) == num_rows:
-                scores = self._apply_penalties(scores, rows)
+                scores = self._apply_penalties(scores, rows, table)
             else:
-                index = self.io.upload(penalised, torch.int64)
+                index = self.io.upload_cached("penalised_rows", penalised)
                 part = self._apply_penalties(
-                    scores.index_select(0, index), [rows[i] for i in penalised]
+                    scores.index_select(0, index),
+                    [rows[i] for i in penalised],
+                    table.subset(index) if table is not None else None,
                 )
                 scores.index_copy_(0, index, part)
 
@@ -163,7 +170,7 @@ class Sampler:
 
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == num_rows:  # no argmax to overwrite
-            token_ids = self._sample(scores, rows)
+            token_ids = self._sample(scores, rows, table)
         else:
             # [num_rows]; kept for greedy rows (stats' own tensor: nothing else reads it)
             if stats is not None and scores is logits:
@@ -171,8 +178,12 @@ class Sampler:
             else:
                 token_ids = first_argmax(scores, cpu_trick=not self.sync_free)
             if sampled:
-                index = self.io.upload(sampled, torch.int64)
-                picked = self._sample(scores.index_select(0, index), [rows[i] for i in sampled])
+                index = self.io.upload_cached("sampled_rows", sampled)
+                picked = self._sample(
+                    scores.index_select(0, index),
+                    [rows[i] for i in sampled],
+                    table.subset(index) if table is not None else None,
+                )
                 token_ids.index_copy_(0, index, picked)
 
         if stats is not None:  # log_softmax's (x - max) - log(sum(exp(x - max)))
@@ -214,21 +225,23 @@ class Sampler:
                 )
         return SamplerOutput(ids, [row[1] for row in host], top_tokens, token_ids)
 
-    def _apply_penalties(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(
+        self, scores: torch.Tensor, rows: Sequence[SamplingRow], table: TableRows | None = None
+    ) -> torch.Tensor:
         # scores: [n, vocab] (a copy); counts: [n, vocab]
         counts = torch.stack([_counts(r) for r in rows])
-        upload = self.io.upload
-        rep = upload([r.params.repetition_penalty for r in rows], torch.float32)[:, None]
+        values = _RowValues(rows, self.io, table)
+        rep = values.column("repetition_penalty")[:, None]
         seen = counts > 0
         # HF/TGI repetition penalty: divide positive logits, multiply negative ones.
         penalised = torch.where(scores < 0, scores * rep, scores / rep)
         scores = torch.where(seen, penalised, scores)
         if any(r.params.frequency_penalty != 0.0 for r in rows):
-            freq = upload([r.params.frequency_penalty for r in rows], torch.float32)
-            lengths = upload([max(r.num_tokens, 1) for r in rows], torch.int64)
+            freq = values.column("frequency_penalty")
+            lengths = values.num_tokens()
             scores = scores - counts / lengths[:, None] * freq[:, None]
         if any(r.params.presence_penalty != 0.0 for r in rows):
-            presence = upload([r.params.presence_penalty for r in rows], torch.float32)
+            presence = values.column("presence_penalty")
             # OpenAI/vLLM: subtracted once for each distinct token already generated.
             present = torch.stack(
                 [
@@ -246,32 +259,32 @@ class Sampler:
                     for r, c, f in zip(rows, counts, out_freq, strict=True)
                 ]
             )
-            scores = scores - generated * upload(out_freq, torch.float32)[:, None]
+            scores = scores - generated * values.column("output_frequency_penalty")[:, None]
         return scores
 
-    def _sample(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _sample(
+        self, scores: torch.Tensor, rows: Sequence[SamplingRow], table: TableRows | None = None
+    ) -> torch.Tensor:
         """Draw one token per row from the filtered, tempered distribution."""
         params = [r.params for r in rows]
-        upload = self.io.upload
-        temperature = upload([p.temperature for p in params], torch.float32)
+        values = _RowValues(rows, self.io, table)
+        temperature = values.column("temperature")
         scores = scores / temperature[:, None]  # [n, vocab]
         if any(p.top_k > 0 for p in params):
-            scores = _top_k(scores, [p.top_k for p in params], self.io)
+            k = table.top_k() if table is not None else None
+            scores = _top_k(scores, [p.top_k for p in params], self.io, k)
         if any(p.top_p < 1.0 for p in params):
-            top_p = [p.top_p for p in params]
             if self.sync_free:
-                scores = _top_p_sync_free(scores, upload(top_p, torch.float32))
+                scores = _top_p_sync_free(scores, values.column("top_p"))
             else:
-                scores = _top_p(scores, top_p)
+                scores = _top_p(scores, [p.top_p for p in params])
         if any(p.min_p > 0.0 for p in params):  # transformers' order: after top-p
-            scores = min_p_filter(scores, upload([p.min_p for p in params], scores.dtype))
+            scores = min_p_filter(scores, values.column("min_p"))
         if any(p.typical_p < 1.0 for p in params):
-            scores = _typical_p(scores, upload([p.typical_p for p in params], torch.float32))
+            scores = _typical_p(scores, values.column("typical_p"))
         probs = torch.softmax(scores, dim=-1)  # [n, vocab]
         cumulative = probs.cumsum(dim=-1)
-        uniform = upload(
-            [row_uniform(r.params.seed, r.output_index) for r in rows], cumulative.dtype
-        )
+        uniform = values.uniform().to(cumulative.dtype)
         # Scaled by the row's own total, so rounding in the float32 sum biases nothing.
         target = (uniform * cumulative[:, -1])[:, None]
         vocab = probs.shape[-1]
@@ -324,6 +337,36 @@ def first_argmax(x: torch.Tensor, cpu_trick: bool = True) -> torch.Tensor:
     return best_chunk * _ARGMAX_CHUNK + inside
 
 
+class _RowValues:
+    """Per-row values for a sampling pass: gathered from the device table when there is
+    one, otherwise built from ``rows`` and uploaded (tests, callers without a table)."""
+
+    def __init__(self, rows: Sequence[SamplingRow], io: DeviceIO, table: TableRows | None) -> None:
+        self.rows = rows
+        self.io = io
+        self.table = table
+
+    def column(self, name: str) -> torch.Tensor:
+        """float32 ``[rows]`` of the ``SamplingParams`` field ``name``."""
+        if self.table is not None:
+            return self.table.column(name)
+        return self.io.upload([getattr(r.params, name) for r in self.rows], torch.float32)
+
+    def num_tokens(self) -> torch.Tensor:
+        """int64 ``[rows]``: prompt + output tokens before each row's token (at least 1)."""
+        if self.table is not None:
+            return self.table.num_tokens().clamp(min=1)
+        return self.io.upload([max(r.num_tokens, 1) for r in self.rows], torch.int64)
+
+    def uniform(self) -> torch.Tensor:
+        """float64 ``[rows]``: each row's uniform draw (:func:`row_uniform`)."""
+        if self.table is not None:
+            return self.table.uniform()
+        return self.io.upload(
+            [row_uniform(r.params.seed, r.output_index) for r in self.rows], torch.float64
+        )
+
+
 def _counts(row: SamplingRow) -> torch.Tensor:
     if row.token_counts is None:
         raise ValueError("a penalised row needs token_counts")
@@ -336,16 +379,27 @@ def _output_counts(row: SamplingRow) -> torch.Tensor:
     return row.output_counts
 
 
-def _top_k(scores: torch.Tensor, top_k: list[int], io: DeviceIO | None = None) -> torch.Tensor:
-    """Keep scores >= the k-th largest of their row (ties kept); ``k == 0`` keeps all."""
+def _top_k(
+    scores: torch.Tensor,
+    top_k: list[int],
+    io: DeviceIO | None = None,
+    device_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Keep scores >= the k-th largest of their row (ties kept); ``k == 0`` keeps all.
+    ``device_k``: the same ``top_k`` already on the device (int64), read instead of
+    uploading (the host list still gives the widest ``k``)."""
     io = io if io is not None else DeviceIO(scores.device)
     vocab = scores.shape[-1]
     ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
     kth = scores.topk(max(ks), dim=-1).values  # [n, max_k], descending
-    index = io.upload([k - 1 for k in ks], torch.int64)[:, None]
+    if device_k is not None:
+        index = (torch.where(device_k > 0, device_k.clamp(max=vocab), vocab) - 1)[:, None]
+        disabled = (device_k == 0)[:, None]
+    else:
+        index = io.upload([k - 1 for k in ks], torch.int64)[:, None]
+        # Rows with k == 0 (or k >= vocab) would otherwise cut at the max_k-th value.
+        disabled = io.upload([k == 0 for k in top_k], torch.bool)[:, None]
     threshold = kth.gather(1, index)
-    # Rows with k == 0 (or k >= vocab) would otherwise cut at the max_k-th value.
-    disabled = io.upload([k == 0 for k in top_k], torch.bool)[:, None]
     threshold = threshold.masked_fill(disabled, float("-inf"))
     return scores.masked_fill(scores < threshold, float("-inf"))
 

@@ -50,7 +50,9 @@ def sampling_rows(
                 s.num_tokens + j,
                 counts,
                 output if _uses_output_counts(s.sampling) else None,
-                c.token_ids[len(c.token_ids) - c.num_draft_tokens - 1 + j],
+                s.last_token
+                if c.token_from_last_step
+                else c.token_ids[len(c.token_ids) - c.num_draft_tokens - 1 + j],
             )
             for j in range(c.num_draft_tokens + 1)
         ]
@@ -62,6 +64,8 @@ class Accepted:
     sampled: tuple[SampledToken, ...]
     penalised_req_ids: list[str]  # requests with penalty counts, in row order
     penalised_rows: list[int]  # their sampling rows (one each: no drafts with penalties)
+    # The row of each chunk's last kept token: where a placeholder of the next step reads.
+    last_rows: dict[str, int]
 
 
 def accept(
@@ -74,6 +78,7 @@ def accept(
     result: list[SampledToken] = []
     pen_ids: list[str] = []
     pen_rows: list[int] = []
+    last_rows: dict[str, int] = {}
     row = 0
     for c, state in zip(chunks, states, strict=True):
         drafts = c.token_ids[len(c.token_ids) - c.num_draft_tokens :]
@@ -91,8 +96,10 @@ def accept(
             pen_rows.append(row)
         state.num_output_tokens += num_accepted + 1
         state.num_tokens += num_accepted + 1
+        last_rows[c.req_id] = row + num_accepted
+        state.last_token = out.token_ids[row + num_accepted]
         row += c.num_draft_tokens + 1
-    return Accepted(tuple(result), pen_ids, pen_rows)
+    return Accepted(tuple(result), pen_ids, pen_rows, last_rows)
 
 
 def grammar_rows(

@@ -22,7 +22,10 @@ What it records, as a GPU would see it:
   ``nonzero``, boolean-mask indexing, ...) on a device tensor, and ``tolist()`` / ``numpy()``
   of a device tensor (patched while the audit runs: they do not dispatch on the CPU).
 * ``kernels``: ops that would launch a kernel (not views, allocations or metadata), in total
-  and per decoder layer when a layer module is given.
+  and per decoder layer when a layer module is given.  A custom op (the Triton kernels'
+  ``genserve_gpu::*`` ops, a stubbed kernel) is one op here, as it is one launch on a GPU.
+  With ``graphs`` (a ``DecodeGraphs``), the kernels of what its CUDA graphs hold (the
+  forward + LM head, the greedy tail) are counted apart too: the rest is what runs eagerly.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class AuditCounts:
     syncs: int = 0
     kernels: int = 0
     layer_kernels: int = 0
+    graph_kernels: int = 0  # inside what DecodeGraphs captures (see SyncAudit's graphs)
     details: Counter[str] = field(default_factory=Counter)  # "kind:op" → count
 
     def summary(self) -> dict[str, int]:
@@ -97,18 +101,24 @@ class AuditCounts:
             "syncs": self.syncs,
             "kernels": self.kernels,
             "layer_kernels": self.layer_kernels,
+            "graph_kernels": self.graph_kernels,
         }
 
 
 class SyncAudit(TorchDispatchMode):
     """``with SyncAudit(device_tensors, host_tensors, layer) as audit: step()`` then read
-    ``audit.counts``.  ``layer``: a module whose forward's ops are also counted apart."""
+    ``audit.counts``.  ``layer``: a module whose forward's ops are also counted apart (its
+    ``forward``, or ``forward_carry`` where the model's fused GPU path calls that)."""
+
+    _LAYER_METHODS = ("forward", "forward_carry")
+    _GRAPH_METHODS = ("_forward", "_greedy_tail")  # DecodeGraphs: what a bucket captures
 
     def __init__(
         self,
         device_tensors: Iterable[torch.Tensor] = (),
         host_tensors: Iterable[torch.Tensor] = (),
         layer: torch.nn.Module | None = None,
+        graphs: object | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.counts = AuditCounts()
@@ -119,7 +129,9 @@ class SyncAudit(TorchDispatchMode):
         for t in host_tensors:
             self._host[t] = True
         self._in_layer = False
+        self._in_graph = False
         self._layer = layer
+        self._graphs = graphs
         self._patched: list[tuple[str, Any]] = []
 
     # ------------------------------------------------------------------ classification
@@ -162,6 +174,9 @@ class SyncAudit(TorchDispatchMode):
             if dst_dev or src_dev:
                 c.kernels += 1
                 c.layer_kernels += self._in_layer
+                c.graph_kernels += self._in_graph
+                if self._graphs is not None and not self._in_graph:
+                    self._record("outside_graph", name)
             return out
         any_device = any(d for _, d in known)
         if name in _SYNC_OPS and any_device:
@@ -189,7 +204,10 @@ class SyncAudit(TorchDispatchMode):
         if is_kernel:
             c.kernels += 1
             c.layer_kernels += self._in_layer
+            c.graph_kernels += self._in_graph
             self._record("kernel", name)
+            if self._graphs is not None and not self._in_graph:
+                self._record("outside_graph", name)
         self._mark(out, device=any_device or factory)
         return out
 
@@ -219,24 +237,35 @@ class SyncAudit(TorchDispatchMode):
         layer = self._layer
         if layer is not None:
             # The model calls ``layer.forward`` directly (no module hooks): wrap the bound
-            # method on the instance for the audit's duration.
-            forward = layer.forward
-
-            def counted(*a: Any, **kw: Any) -> Any:
-                audit._in_layer = True
-                try:
-                    return forward(*a, **kw)
-                finally:
-                    audit._in_layer = False
-
-            layer.forward = counted  # type: ignore[method-assign]
+            # methods on the instance for the audit's duration.
+            for name in self._LAYER_METHODS:
+                if hasattr(layer, name):
+                    setattr(layer, name, self._counted(getattr(layer, name), "_in_layer"))
+        if self._graphs is not None:
+            for name in self._GRAPH_METHODS:
+                setattr(self._graphs, name, self._counted(getattr(self._graphs, name), "_in_graph"))
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
+
+    def _counted(self, method: Any, flag: str) -> Any:
+        def counted(*a: Any, **kw: Any) -> Any:
+            setattr(self, flag, True)
+            try:
+                return method(*a, **kw)
+            finally:
+                setattr(self, flag, False)
+
+        return counted
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
         for method, original in self._patched:
             setattr(torch.Tensor, method, original)
         self._patched.clear()
-        if self._layer is not None:
-            del self._layer.forward
+        for target, names in (
+            (self._layer, self._LAYER_METHODS),
+            (self._graphs, self._GRAPH_METHODS),
+        ):
+            for name in names if target is not None else ():
+                if name in vars(target):
+                    delattr(target, name)

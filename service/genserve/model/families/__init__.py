@@ -15,13 +15,16 @@ from genserve.model.families import (
     gemma,
     gemma2,
     gemma3,
+    glm4_moe,
     gpt_neox,
     granite,
     llama,
+    mixtral,
     olmo2,
     phi,
     phi3,
     qwen3,
+    qwen_moe,
     smollm3,
     stablelm,
     starcoder2,
@@ -30,7 +33,8 @@ from genserve.model.spec import ModelConfig, UnsupportedModelError
 
 _MODULES = (
     llama, qwen3, gemma, gemma2, gemma3, phi3, granite, olmo2, stablelm, phi, gpt_neox,
-    starcoder2, cohere, smollm3,
+    starcoder2, cohere, smollm3, mixtral, qwen_moe,
+    glm4_moe,
 )  # fmt: skip
 
 FAMILIES: dict[str, Callable[[Any, str], ModelConfig]] = {
@@ -43,6 +47,10 @@ _BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 NATIVE_ARCHITECTURES = tuple(FAMILIES)

@@ -1,0 +1,199 @@
+"""Mixture-of-experts MLPs: routing (:func:`route`) and expert execution
+(:class:`SparseMoeBlock`), as a :class:`~genserve.model.spec.MoeSpec` describes them.
+
+A token's router logits (float32, from a replicated ``[E, H]`` matrix) pick its top-k
+experts as the family's :class:`~genserve.model.spec.RouterSpec` says; the chosen experts'
+SiLU-gated MLPs run and their outputs are summed with the routing weights, plus the shared
+expert where the family has one.  On CPU with genserve's kernels the routed part is one op
+per layer (``kernels/moe_cpu.cpp``: rows grouped by expert, only the chosen experts' weights
+read); elsewhere a loop over the chosen experts in torch, as transformers computes it.
+
+Tensor parallelism splits every expert's width (its gate/up rows and down columns) between
+the shards, as the dense MLP is split: each shard computes a partial sum for every token and
+one all-reduce joins them.  Routing runs on every shard on the same input, so they agree.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from genserve.model.layers import _Packable
+from genserve.model.spec import ModelConfig, MoeSpec, RouterSpec, Scoring
+from genserve.model.weights import WeightSource
+from genserve.parallel import ParallelContext
+
+
+class SharedExpert(Protocol):
+    """The dense MLP the decoder builds for a shared expert (``decoder.MLP``)."""
+
+    fused: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def load(self, weights: WeightSource, prefix: str) -> None: ...
+
+    def linears(self) -> tuple[_Packable, ...]: ...
+
+
+def route(
+    logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[num_tokens, E]`` (float32) → ``(weights, expert_ids)``, both
+    ``[num_tokens, top_k]`` (float32, int64), computed in the order transformers' routers
+    compute them so that ties and roundings agree."""
+    if spec.scoring is Scoring.SOFTMAX:
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        scores = logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias
+        if spec.num_groups > 1:
+            num_tokens = logits.shape[0]
+            grouped = choice.view(num_tokens, spec.num_groups, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [num_tokens, groups]
+            best = torch.topk(group_scores, spec.topk_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores).scatter_(1, best, 1.0).bool()
+            keep = keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, -1)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if spec.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if spec.scaling_factor != 1.0:
+        weights = weights * spec.scaling_factor
+    return weights, ids
+
+
+def experts_torch(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts in torch: one pass per chosen expert over the rows that chose it
+    (transformers' loop; the portable path and the kernel's reference).  ``x`` ``[T, H]``,
+    ``ids``/``weights`` ``[T, K]``, ``w13`` ``[E, 2L, H]`` (gate rows, then up rows), ``w2``
+    ``[E, H, L]`` → ``[T, H]`` in ``x``'s dtype."""
+    out = torch.zeros_like(x)
+    width = w13.shape[1] // 2
+    for expert in torch.unique(ids).tolist():
+        token_idx, k_pos = torch.where(ids == expert)
+        gate_up = F.linear(x[token_idx], w13[expert])  # [rows, 2L]
+        act = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+        y = F.linear(act, w2[expert]) * weights[token_idx, k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """A MoE layer's MLP: ``forward(x [num_tokens, hidden]) -> [num_tokens, hidden]``.
+
+    ``shared`` is the shared expert (a dense MLP module built by the decoder, or None); its
+    output joins the routed sum, scaled by ``sigmoid(x . shared_gate)`` where the spec has
+    that gate."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: ParallelContext,
+        dtype: torch.dtype,
+        device: torch.device,
+        shared: SharedExpert | None,
+    ) -> None:
+        super().__init__()
+        assert config.moe is not None
+        spec: MoeSpec = config.moe
+        self.spec = spec
+        self.ctx = ctx
+        hidden, num_experts = config.hidden_size, spec.router.num_experts
+        if spec.router.top_k > num_experts:
+            raise ValueError(f"top-{spec.router.top_k} of {num_experts} experts")
+        if spec.router.num_groups > 1 and num_experts % spec.router.num_groups:
+            raise ValueError(f"{num_experts} experts in {spec.router.num_groups} groups")
+        # Routing runs in float32 on every shard (a replicated matrix; see the module doc).
+        self.router = _param(torch.empty(num_experts, hidden, device=device))
+        self.correction_bias = (
+            _param(torch.empty(num_experts, device=device)) if spec.router.correction_bias else None
+        )
+        self.width_range = ctx.shard(spec.intermediate_size, "expert width")
+        width = self.width_range[1] - self.width_range[0]
+        self.w13 = _param(torch.empty(num_experts, 2 * width, hidden, dtype=dtype, device=device))
+        self.w2 = _param(torch.empty(num_experts, hidden, width, dtype=dtype, device=device))
+        self.shared = shared
+        self.shared_gate = (
+            _param(torch.empty(1, hidden, dtype=dtype, device=device))
+            if shared is not None and spec.shared_gate
+            else None
+        )
+        self._fused = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether the routed experts run as ``genserve::moe_experts`` (CPU kernels loaded;
+        set by ``DecoderForCausalLM.use_fused_cpu_ops``, as the dense MLP's flag is)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self._fused = value
+        if self.shared is not None:
+            self.shared.fused = value
+
+    def linears(self) -> tuple[_Packable, ...]:
+        """The projections the dense paths (panels, --quantize) handle: the shared
+        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype."""
+        return self.shared.linears() if self.shared is not None else ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.router)  # [num_tokens, E]
+        weights, ids = route(logits, self.spec.router, self.correction_bias)
+        if self._fused and x.device.type == "cpu":
+            out: torch.Tensor = torch.ops.genserve.moe_experts(x, ids, weights, self.w13, self.w2)
+        else:
+            out = experts_torch(x, ids, weights, self.w13, self.w2)
+        out = self.ctx.all_reduce(out)  # each shard summed its slice of every expert's width
+        if self.shared is not None:
+            shared = self.shared.forward(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + shared
+        return out
+
+    @torch.no_grad()
+    def load(self, weights: WeightSource, prefix: str) -> None:
+        """This shard's slice of every expert, from per-expert matrices or stacked ones."""
+        n = self.spec.names
+        self.router.copy_(weights.get(f"{prefix}.{n.router}.weight"))
+        if self.correction_bias is not None:
+            self.correction_bias.copy_(weights.get(f"{prefix}.{n.correction_bias}"))
+        start, stop = self.width_range
+        full = self.spec.intermediate_size
+        width = stop - start
+        experts = f"{prefix}.{n.experts}"
+        if weights.has(f"{experts}.gate_up_proj"):  # [E, 2I, H] and [E, H, I]
+            stacked = f"{experts}.gate_up_proj"
+            self.w13[:, :width].copy_(weights.get_slice(stacked, 1, start, stop))
+            self.w13[:, width:].copy_(weights.get_slice(stacked, 1, full + start, full + stop))
+            self.w2.copy_(weights.get_slice(f"{experts}.down_proj", 2, start, stop))
+        else:
+            rows = weights.get_slice
+            for e in range(self.spec.router.num_experts):
+                at = f"{experts}.{e}"
+                self.w13[e, :width].copy_(rows(f"{at}.{n.gate}.weight", 0, start, stop))
+                self.w13[e, width:].copy_(rows(f"{at}.{n.up}.weight", 0, start, stop))
+                self.w2[e].copy_(rows(f"{at}.{n.down}.weight", 1, start, stop))
+        if self.shared is not None:
+            self.shared.load(weights, prefix)
+        if self.shared_gate is not None:
+            self.shared_gate.copy_(weights.get(f"{prefix}.{n.shared_gate}.weight"))
+
+
+def _param(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)

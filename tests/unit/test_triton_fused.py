@@ -1,0 +1,213 @@
+"""genserve's fused Triton layer kernels (the CUDA path's residual add + RMSNorm, rotary + paged
+K/V store, gated activation; ``kernels/fused_gpu_ops.py``), run on CPU through Triton's
+interpreter (``TRITON_INTERPRET=1``) against their torch references, and inside the model
+against the eager layers.
+
+The interpreter must be switched on before the kernels are defined, so each check runs in a
+fresh interpreter process.  The interpreter rounds float32 → bfloat16 by truncation, not to
+nearest as a GPU does (checked: its sums equal torch's truncated, not torch's rounded), so
+bfloat16 results are compared within a few bfloat16 steps; float32 results within float32
+rounding.  The references themselves equal the eager model op for op (the last tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TinyModelFactory
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed (CPU-only torch wheels do not ship it)",
+)
+# float32: rounding of differently ordered sums; bfloat16: the interpreter's truncation
+# compounds over two or three roundings (each at most one step, 2**-7 relative).
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def _run_interpreted(code: str, *args: str) -> None:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    atol, rtol = TOLERANCE[want.dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def check_norms() -> None:
+    from genserve.kernels import fused_gpu_ops as ops
+
+    assert ops.triton_runs(torch.device("cpu"))  # the interpreter: kernels, not references
+    gen = torch.Generator().manual_seed(0)
+    # (rows, hidden, row stride): one row, an odd width, a wide row, rows inside a wider
+    # tensor (the [q | k | v] projection's q part, a full-width q norm's input); then heads.
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, hidden, stride in ((1, 64, 64), (7, 333, 333), (3, 1000, 1000), (5, 96, 160)):
+            wide = torch.randn(rows, stride, generator=gen).to(dtype)
+            x = wide[:, :hidden]
+            residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+            weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+            what = f"{dtype} {rows}x{hidden}"
+            want, _ = ops.rms_norm_reference(x, weight, 1e-6)
+            _close(ops.rms_norm(x, weight, 1e-6), want, f"rms_norm {what}")
+            want_normed, want_summed = ops.rms_norm_reference(x, weight, 1e-5, residual)
+            summed, normed = ops.add_rms_norm(x, residual, weight, 1e-5)
+            assert want_summed is not None
+            _close(summed, want_summed, f"add {what}")
+            _close(normed, want_normed, f"add_rms_norm {what}")
+            if dtype == torch.float32:  # one float32 rounding of one add: exact
+                assert torch.equal(summed, want_summed)
+        # A per-head q/k norm's input: [tokens, heads, head_dim] heads of a wider projection.
+        qkv = torch.randn(3, 7 * 24, generator=gen).to(dtype)
+        heads = qkv[:, : 5 * 24].view(3, 5, 24)
+        weight = (torch.rand(24, generator=gen) + 0.5).to(dtype)
+        want, _ = ops.rms_norm_reference(heads, weight, 1e-6)
+        _close(ops.rms_norm(heads, weight, 1e-6), want, f"per-head rms_norm {dtype}")
+
+
+def check_gated_act() -> None:
+    from genserve.kernels import fused_gpu_ops as ops
+
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        # Widths: odd, exactly one 1,024-wide program, several programs with a ragged end.
+        for rows, n in ((1, 77), (5, 1024), (3, 2500)):
+            gate_up = (torch.randn(rows, 2 * n, generator=gen) * 3).to(dtype)
+            for activation in ops.ACTIVATIONS:
+                want = ops.gated_act_reference(gate_up, activation)
+                got = ops.gated_act(gate_up, activation)
+                _close(got, want, f"{activation} {dtype} {rows}x{n}")
+
+
+def check_rotary_store_kv() -> None:
+    from genserve.kernels import fused_gpu_ops as ops
+
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, block_size, num_blocks, max_positions = 5, 4, 6, 40
+    slots = torch.tensor([0, 9, 23, 4, 17])  # scattered over blocks, one reused block offset
+    positions = torch.tensor([3, 39, 0, 17, 8])
+    # (heads, kv_heads, head_dim): MHA, GQA, MQA, a half width (40) that is no power of two.
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, kv_heads, head_dim in ((4, 4, 16), (6, 2, 16), (8, 1, 32), (3, 1, 80)):
+            half = head_dim // 2
+            width = (heads + 2 * kv_heads) * head_dim
+            for layout in (ops.HEADS_FIRST, ops.BLOCKS_FIRST):
+                for mode in ("table", "per-token", "none"):
+                    qkv = torch.randn(num_tokens, width, generator=gen).to(dtype)
+                    rows = max_positions if mode == "table" else num_tokens
+                    cos = torch.rand(rows, half, generator=gen).to(dtype)
+                    sin = torch.rand(rows, half, generator=gen).to(dtype)
+                    if layout == ops.HEADS_FIRST:
+                        shape = (2, kv_heads, num_blocks, block_size, head_dim)
+                    else:
+                        shape = (2, num_blocks, block_size, kv_heads, head_dim)
+                    cache = torch.randn(shape, generator=gen).to(dtype)
+                    want_qkv, want_cache = qkv.clone(), cache.clone()
+                    args = (
+                        (cos, sin, positions)
+                        if mode == "table"
+                        else (cos, sin, None)
+                        if mode == "per-token"
+                        else (None, None, None)
+                    )
+                    for buf, kv in ((qkv, cache), (want_qkv, want_cache)):
+                        qk = buf[:, : (heads + kv_heads) * head_dim]
+                        qk = qk.view(num_tokens, heads + kv_heads, head_dim)
+                        v = buf[:, (heads + kv_heads) * head_dim :]
+                        v = v.view(num_tokens, kv_heads, head_dim)
+                        if kv is cache:
+                            ops.rotary_store_kv(qk, v, *args, slots, kv, layout)
+                        else:
+                            ops.rotary_store_kv_reference(qk, v, *args, slots, kv, layout)
+                    what = f"{dtype} {heads}/{kv_heads}x{head_dim} layout {layout} {mode}"
+                    _close(qkv, want_qkv, f"rotated q/k {what}")
+                    _close(cache, want_cache, f"cache {what}")
+                    if mode == "none":  # a copy: exact
+                        assert torch.equal(cache, want_cache), what
+
+
+def check_model(model_dir: str) -> None:
+    """Prefill, then decode steps: the fused layers (Triton, interpreted) against the eager
+    layers, float32: the same greedy tokens, logits within float32 rounding."""
+    from genserve.model.attention import SeqSpec, TorchPagedAttention
+    from genserve.model.config import load_model_config
+    from genserve.model.registry import build_model
+    from genserve.model.weights import SafetensorsWeights
+    from genserve.parallel import ParallelContext
+
+    config = load_model_config(Path(model_dir))
+    cpu = torch.device("cpu")
+    block_size = 16
+    backend = TorchPagedAttention(cpu)
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            model = build_model(config, ParallelContext.single(), torch.float32, cpu)
+            with SafetensorsWeights(Path(model_dir)) as weights:
+                model.load_weights(weights)
+            if fused:
+                model.use_fused_gpu_ops(config.max_position_embeddings)
+            shape = backend.kv_cache_shape(8, block_size, model.num_local_kv_heads, config.head_dim)
+            caches = [torch.zeros(shape) for _ in range(config.num_layers)]
+            lengths = [5, 19]
+            blocks = [(3, 5), (7, 1)]
+            gen = torch.Generator().manual_seed(1)
+            tokens = torch.randint(3, 1000, (sum(lengths),), generator=gen)
+            positions = torch.cat([torch.arange(n) for n in lengths])
+            seqs = [SeqSpec(n, 0, b) for n, b in zip(lengths, blocks, strict=True)]
+            hidden = model(tokens, positions, caches, backend.build(seqs, 0, block_size))
+            ends = torch.tensor(lengths).cumsum(0) - 1
+            logits = [model.compute_logits(hidden[ends])]
+            for step in range(3):
+                next_tokens = logits[-1].argmax(-1)
+                decode = [SeqSpec(1, n + step, b) for n, b in zip(lengths, blocks, strict=True)]
+                next_positions = torch.tensor(lengths) + step
+                meta = backend.build(decode, 2, block_size)
+                logits.append(
+                    model.compute_logits(model(next_tokens, next_positions, caches, meta))
+                )
+            return logits
+
+    for want, got in zip(run(False), run(True), strict=True):
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+def test_each_kernel_matches_its_reference() -> None:
+    """One interpreter process for the three kernels (starting one costs seconds)."""
+    _run_interpreted(
+        "from tests.unit.test_triton_fused import check_norms, check_gated_act, "
+        "check_rotary_store_kv; check_norms(); check_gated_act(); check_rotary_store_kv()"
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_fused_layers_match_the_eager_model(
+    tiny_model_factory: TinyModelFactory, arch: str
+) -> None:
+    """Llama (the nine-launch layer), Phi-3 (partial rotary, longrope angles per step)."""
+    model_dir = tiny_model_factory(arch)
+    _run_interpreted(
+        "import sys; from tests.unit.test_triton_fused import check_model; "
+        "check_model(sys.argv[1])",
+        str(model_dir),
+    )
