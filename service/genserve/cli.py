@@ -245,20 +245,26 @@ def _size_and_warm_up(
     if on_cuda and num_shard == 1 and config.cuda_graphs != ():  # before sizing: #12
         _enable_cuda_graphs(config, runner, hf_config.get("max_position_embeddings"))
     bytes_per_block = runner.kv_cache_bytes_per_block(config.block_size)
-    memory_num_blocks = runner.available_kv_memory_bytes(fraction) // bytes_per_block
+    memory_budget = runner.available_kv_memory_bytes(fraction)
+    memory_num_blocks = memory_budget // bytes_per_block
     limits = derive_limits(
         config,
         _scaled_max_pos(hf_config.get("max_position_embeddings"), config),
         int(memory_num_blocks),
         on_cuda,
     )
+    # What was taken and why: the limits' need, unless the memory budget (or an explicit
+    # --max-batch-total-tokens) set it.
     log.info(
         "kv_cache_sized",
         num_blocks=limits.num_kv_blocks,
         block_size=limits.block_size,
         max_batch_total_tokens=limits.max_batch_total_tokens,
+        bytes=limits.num_kv_blocks * bytes_per_block,
         bytes_per_block=bytes_per_block,
-        from_memory=config.max_batch_total_tokens is None,
+        sized_by=limits.kv_sized_by,
+        needed_bytes=limits.kv_blocks_needed * bytes_per_block,
+        memory_budget_bytes=memory_budget,
         memory_fraction=fraction,
     )
     runner.initialize_kv_cache(limits.num_kv_blocks, limits.block_size)
@@ -298,6 +304,8 @@ def _size_and_warm_up(
         architecture=runner.serving.architecture,
         implementation=runner.serving.implementation,
         disabled_features=list(disabled_features(runner.serving)),
+        kv_cache_bytes=limits.num_kv_blocks * bytes_per_block,
+        kv_cache_sized_by=limits.kv_sized_by,
         fill_in_middle=tokenizer.fim_tokens is not None,
     )
     features = chat_features(config, chat.template, info)

@@ -26,6 +26,12 @@ class ServingLimits:
     # What lowered max_input/max_total_tokens below their defaults (None: nothing did), for
     # the log and for the messages of requests refused by those limits.
     lowered_by: str | None = None
+    # What set num_kv_blocks: "--max-batch-total-tokens", "limits" (every request the
+    # scheduler may run at once, at full length, fits) or "memory" (the memory budget
+    # allowed fewer blocks than that).
+    kv_sized_by: str = "limits"
+    # Blocks the limits can ever use (see :func:`kv_blocks_needed`).
+    kv_blocks_needed: int = 0
 
     @property
     def max_batch_total_tokens(self) -> int:
@@ -59,6 +65,17 @@ def token_limits(config: Config, max_position_embeddings: int | None) -> tuple[i
     return inputs, total
 
 
+def kv_blocks_needed(config: Config, max_total_tokens: int) -> int:
+    """KV blocks the scheduler can ever fill: every request it may run at once (the lesser
+    of --max-concurrent-requests and --max-batch-size) at --max-total-tokens, plus the draft
+    slots --speculate reserves per sequence.  A larger cache is memory nobody can use."""
+    running = config.max_concurrent_requests
+    if config.max_batch_size is not None:
+        running = min(running, config.max_batch_size)
+    per_request = -(-(max_total_tokens + config.speculate) // config.block_size)
+    return running * per_request
+
+
 def derive_limits(
     config: Config,
     max_position_embeddings: int | None,
@@ -69,12 +86,14 @@ def derive_limits(
     --max-batch-total-tokens is not given."""
     max_input, max_total = token_limits(config, max_position_embeddings)
     block_size = config.block_size
+    needed = kv_blocks_needed(config, max_total)
     if config.max_batch_total_tokens is not None:
         num_blocks = -(-config.max_batch_total_tokens // block_size)
+        sized_by = "--max-batch-total-tokens"
     else:
-        # More KV than every allowed request at full length is memory nobody can use.
-        useful = config.max_concurrent_requests * max_total
-        num_blocks = min(memory_num_blocks, -(-useful // block_size))
+        # Sized from what the limits can use, the memory budget only capping it.
+        num_blocks = min(memory_num_blocks, needed)
+        sized_by = "limits" if num_blocks == needed else "memory"
     capacity = num_blocks * block_size
     lowered_by = None
     if capacity < max_total:
@@ -129,4 +148,6 @@ def derive_limits(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         lowered_by=lowered_by,
+        kv_sized_by=sized_by,
+        kv_blocks_needed=needed,
     )

@@ -328,3 +328,15 @@ def test_cancellation_and_deadline_are_counted(observed: Observed) -> None:
     assert _delta(before, after, "genserve_request_success_total") == 0
     (line,) = (x for x in observed.log_lines('"obs-deadline"') if x["event"] == "request_cancelled")
     assert line["outcome"] == "deadline"
+
+
+def test_info_and_the_log_say_what_the_kv_cache_took(observed: Observed) -> None:
+    info = observed.stub.Info(pb.InfoRequest())
+    # --max-batch-total-tokens set it here; without, "limits" or "memory" (test_config.py).
+    assert info.kv_cache_sized_by == "--max-batch-total-tokens"
+    assert info.num_kv_blocks * info.block_size >= 32768
+    (line,) = [e for e in observed.log_lines("kv_cache_sized") if e["event"] == "kv_cache_sized"]
+    assert line["bytes"] == info.kv_cache_bytes > 0
+    assert line["num_blocks"] == info.num_kv_blocks
+    assert line["sized_by"] == info.kv_cache_sized_by
+    assert line["bytes"] == line["bytes_per_block"] * info.num_kv_blocks

@@ -109,3 +109,27 @@ def test_chat_flags_and_env_vars() -> None:
     assert config.chat_template == "{{ x }}" and config.tokenizer_config_path == Path("/c")
     assert config.served_model_name == "flag"  # the flag wins
     assert load_config([], environ={}).served_model_name is None  # the model id, at start-up
+
+
+def test_kv_cache_is_sized_from_the_limits_and_capped_by_memory() -> None:
+    # Every request the scheduler may run, at full length: 2 x ceil(2048 / 16) blocks.
+    limits = derive_limits(Config(max_concurrent_requests=2), 2048, 10**6, on_cuda=False)
+    assert (limits.num_kv_blocks, limits.kv_sized_by) == (256, "limits")
+    assert limits.kv_blocks_needed == 256
+    # --max-batch-size bounds the running batch below --max-concurrent-requests: the rest
+    # wait in the queue and hold no KV.
+    limits = derive_limits(
+        Config(max_concurrent_requests=128, max_batch_size=4), 2048, 10**6, on_cuda=False
+    )
+    assert (limits.num_kv_blocks, limits.kv_sized_by) == (4 * 128, "limits")
+    # Draft tokens (--speculate) need their slots too.
+    limits = derive_limits(
+        Config(max_concurrent_requests=1, speculate=4), 2048, 10**6, on_cuda=False
+    )
+    assert limits.num_kv_blocks == -(-(2048 + 4) // 16)
+    # The memory budget caps it, and says so.
+    limits = derive_limits(Config(max_concurrent_requests=8), 2048, 300, on_cuda=False)
+    assert (limits.num_kv_blocks, limits.kv_sized_by) == (300, "memory")
+    assert limits.kv_blocks_needed == 8 * 128
+    limits = derive_limits(Config(max_batch_total_tokens=160), 2048, 10**6, on_cuda=False)
+    assert (limits.num_kv_blocks, limits.kv_sized_by) == (10, "--max-batch-total-tokens")

@@ -1240,8 +1240,14 @@ type InfoResponse struct {
 	// Features the implementation cannot serve, switched off at start-up, as
 	// "feature: reason" (e.g. "lora: adapters attach to genserve's native layers").
 	DisabledFeatures []string `protobuf:"bytes,46,rep,name=disabled_features,json=disabledFeatures,proto3" json:"disabled_features,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Issue #28: bytes of the KV cache taken at start-up (num_kv_blocks blocks, every layer).
+	KvCacheBytes uint64 `protobuf:"varint,47,opt,name=kv_cache_bytes,json=kvCacheBytes,proto3" json:"kv_cache_bytes,omitempty"`
+	// What sized it: "limits" (every request the scheduler may run at once, at
+	// max_total_tokens, fits), "memory" (the memory budget, --cpu/cuda-memory-fraction, capped
+	// it below that) or "--max-batch-total-tokens" (set explicitly).
+	KvCacheSizedBy string `protobuf:"bytes,48,opt,name=kv_cache_sized_by,json=kvCacheSizedBy,proto3" json:"kv_cache_sized_by,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1531,6 +1537,20 @@ func (x *InfoResponse) GetDisabledFeatures() []string {
 		return x.DisabledFeatures
 	}
 	return nil
+}
+
+func (x *InfoResponse) GetKvCacheBytes() uint64 {
+	if x != nil {
+		return x.KvCacheBytes
+	}
+	return 0
+}
+
+func (x *InfoResponse) GetKvCacheSizedBy() string {
+	if x != nil {
+		return x.KvCacheSizedBy
+	}
+	return ""
 }
 
 type TokenizeRequest struct {
@@ -3387,7 +3407,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xea\v\n" +
+	"\vInfoRequest\"\xbb\f\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -3429,7 +3449,9 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0efill_in_middle\x18+ \x01(\bR\ffillInMiddle\x12\"\n" +
 	"\farchitecture\x18, \x01(\tR\farchitecture\x12&\n" +
 	"\x0eimplementation\x18- \x01(\tR\x0eimplementation\x12+\n" +
-	"\x11disabled_features\x18. \x03(\tR\x10disabledFeatures\"s\n" +
+	"\x11disabled_features\x18. \x03(\tR\x10disabledFeatures\x12$\n" +
+	"\x0ekv_cache_bytes\x18/ \x01(\x04R\fkvCacheBytes\x12)\n" +
+	"\x11kv_cache_sized_by\x180 \x01(\tR\x0ekvCacheSizedBy\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +

@@ -2,6 +2,7 @@
 transformers, each in this process on the same prompts, next to the machine's limits.
 
     genserve-bench cpu --streams 1,32 --new-tokens 64 --repeats 3 --llamacpp F32,Q8_0
+    genserve-bench cpu --model m.Q4_0.gguf --streams 1,8 -- --cpu-int-dot on   # vs llama-server
 
 Every engine runs the same random prompts (``--prompt-len`` tokens) with greedy decoding;
 a run is one prefill of all streams then ``new-tokens - 1`` batched decode steps, and the
@@ -262,7 +263,23 @@ def _csv(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str]) -> int:
+    """``--model FILE.gguf ...``: genserve's server against llama-server on those files
+    (``genserve.bench.server_compare``; genserve's flags after ``--``); without it, the
+    in-process comparison on the embedded model described above."""
+    from genserve.bench import server_compare
+    from genserve.bench.launch import split_server_args
+
+    argv, server_args = split_server_args(argv)
     parser = argparse.ArgumentParser(prog="genserve-bench cpu", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        default=[],
+        help="a GGUF file to serve with genserve and llama-server (repeatable); the "
+        "server comparison of genserve.bench.server_compare",
+    )
+    server_compare.add_arguments(parser)
     parser.add_argument("--streams", type=lambda t: [int(x) for x in _csv(t)], default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -290,8 +307,19 @@ def main(argv: Sequence[str]) -> int:
         help="JSON file to write (a directory: cpu.json inside it)",
     )
     args = parser.parse_args(argv)
+    args.server_args = server_args
     if args.out.is_dir():  # checked first: a run takes minutes, its end must not fail
         args.out = args.out / "cpu.json"
+    if args.model:
+        missing = [str(m) for m in args.model if not m.is_file()]
+        if missing or not args.streams or min(args.streams) < 1 or args.new_tokens < 2:
+            parser.error(f"--model files must exist ({missing}); --streams >= 1, --new-tokens >= 2")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = server_compare.run_servers(args)
+        args.out.write_text(json.dumps(record, indent=2))
+        return 0
+    if server_args:
+        parser.error("server arguments after -- go with --model")
     bad = [f for f in args.llamacpp if f not in FTYPES]
     bad += [p for p in args.precisions if p not in _PRECISIONS and not _is_gguf_format(p)]
     if bad:

@@ -81,6 +81,11 @@ class LaunchedServer:
                 env=env,
             )
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (for /proc readings such as VmHWM)."""
+        return None if self._process is None else self._process.pid
+
     def log_tail(self, num_lines: int = 30) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()

@@ -11,7 +11,7 @@ from torch import nn
 from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
 from genserve.model.decoder import MLP, DecoderLayer
 from genserve.model.fused_decode import FusedDecodeArgs, unsupported_reason
-from genserve.model.huge_pages import huge_page_region
+from genserve.model.huge_pages import huge_page_region, release_freed_heap
 from genserve.model.layers import ParallelLMHead, VocabParallelEmbedding, _Packable
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
 from genserve.model.norms import RMSNorm, make_norm
@@ -198,16 +198,9 @@ class DecoderForCausalLM(nn.Module):
         # The head's logits are float32 from the matvec at any row count (layers.py).
         self.lm_head.matvec_rows = _EVERY_ROW
         # float32 and quantized weights move to the column-panel layout every step size runs
-        # on (the kernel's one copy replaces the plain one; half precision keeps matvec).
-        with torch.inference_mode():
-            for layer in self._layers:
-                for linear in self._linears(layer):
-                    linear.use_panels()
-            if self.config.tie_word_embeddings:
-                self.lm_head.use_tied_panels(self.embed_tokens)
-            else:
-                self.lm_head.use_panels()
-        self._move_streamed_weights_to_huge_pages()
+        # on (the kernel's one copy replaces the plain one; half precision keeps matvec),
+        # and from there to huge pages, one matrix at a time.
+        self._pack_streamed_weights()
         # Decode-only steps run each layer as one C++ op where no rank has to all-reduce
         # between its projections, and the op implements the layer's parts.
         reason = unsupported_reason(self.config)
@@ -248,33 +241,41 @@ class DecoderForCausalLM(nn.Module):
             max_positions=max_positions,
         )
 
-    def _move_streamed_weights_to_huge_pages(self) -> None:
-        """Copy every weight a decode step streams into one region of 2 MiB pages
-        (``model/huge_pages.py``; nothing where THP is not in madvise mode).  A tied
-        embedding follows its head to the copies."""
+    def _pack_streamed_weights(self) -> None:
+        """Pack every matrix in column panels and copy what a decode step streams into one
+        region of 2 MiB pages (``model/huge_pages.py``; none where THP is not in madvise
+        mode), matrix by matrix: each is packed, its stored form freed and handed back to
+        the OS, then the packed copy placed, so loading holds about one copy of the weights
+        plus one matrix (packing them all first and moving them after held two at the end:
+        a GGUF load peaked at ~4x its file).  A tied embedding follows its head."""
         holders: list[_Packable] = [
             linear for layer in self._layers for linear in self._linears(layer)
         ]
         holders.append(self.lm_head)
+        embed, head = self.embed_tokens, self.lm_head
+        tied = self.config.tie_word_embeddings
         with (
             torch.inference_mode(),
-            huge_page_region(
-                [t.nbytes for holder in holders for t in holder.streamed_weights()],
-                self.lm_head.weight.device,
-            ) as region,
+            huge_page_region([_packed_bytes_bound(holders)], head.weight.device) as region,
         ):
-            if region is None:
-                return
-            embed, head = self.embed_tokens, self.lm_head
-            shared = [
-                attr
-                for attr in ("weight", "panels", "qpanels")
-                if getattr(head, attr) is not None and getattr(embed, attr) is getattr(head, attr)
-            ]
             for holder in holders:
+                if holder is head and tied:
+                    head.use_tied_panels(embed)  # drops the embedding's stored form too
+                else:
+                    holder.use_panels()
+                if region is None:
+                    continue
+                release_freed_heap()  # the stored form's pages, before the copy takes new ones
+                shared = [
+                    attr
+                    for attr in ("weight", "panels", "qpanels")
+                    if holder is head
+                    and getattr(head, attr) is not None
+                    and getattr(embed, attr) is getattr(head, attr)
+                ]
                 holder.move_streamed_weights(region)
-            for attr in shared:
-                setattr(embed, attr, getattr(head, attr))
+                for attr in shared:
+                    setattr(embed, attr, getattr(head, attr))
 
     @staticmethod
     def _linears(layer: DecoderLayer) -> tuple[_Packable, ...]:
@@ -340,3 +341,15 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.load(weights, f"{n.lm_head}.weight")
         if self.lm_head_bias is not None:
             self.lm_head_bias.copy_(weights.get(f"{n.lm_head}.bias"))
+
+
+def _packed_bytes_bound(holders: list[_Packable]) -> int:
+    """An upper bound of the bytes ``holders``' streamed weights take once packed: twice
+    their stored size plus a megabyte each (panels pad rows to 32 columns, the integer
+    kernels' layout repeats a per-channel scale per block of 32).  Only the pages used are
+    ever committed, and a matrix that would not fit stays on small pages."""
+    total = 0
+    for holder in holders:
+        stored = holder.quant.nbytes if holder.quant is not None else holder.weight.nbytes
+        total += 2 * stored + (1 << 20)
+    return total

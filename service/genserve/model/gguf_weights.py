@@ -123,10 +123,12 @@ class GGUFWeights:
     """
 
     def __init__(self, gguf_file: Path, num_heads: int, num_kv_heads: int) -> None:
-        from gguf import GGUFReader
+        from genserve.model.gguf_index import GGUFIndex
 
         self._file = gguf_file
-        self._reader = GGUFReader(gguf_file)
+        # Not gguf.GGUFReader: its per-element parse of the tokenizer's arrays alone cost
+        # ~160 MB of resident memory while loading (model/gguf_index.py).
+        self._reader = GGUFIndex(gguf_file)
         arch = _field(self._reader, "general.architecture")
         layout = gguf_names.layout(arch)
         if layout is None:

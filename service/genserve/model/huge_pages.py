@@ -33,6 +33,8 @@ _ALIGN = 64  # a cache line: the kernels' vector loads
 # Bytes placed between two trims of glibc's heap (see huge_page_region).
 _TRIM_EVERY = 64 << 20
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# Linux's MAP_NORESERVE (the mmap module does not export it); 0 elsewhere.
+_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
 
 
 def thp_mode() -> str:
@@ -56,7 +58,9 @@ class HugePageRegion:
     def __init__(self, size: int) -> None:
         self._size = _round_up(max(size, 1), _HUGE_PAGE)
         # Private: a shared anonymous mapping is shmem, which THP in madvise mode skips.
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        # No reserve: a region may be sized by an upper bound (pages never touched cost
+        # nothing), which the kernel's overcommit heuristic must not count.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         self._map = mmap.mmap(-1, self._size + _HUGE_PAGE, flags=flags)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)  # shares the mapping
         offset = _round_up(raw.data_ptr(), _HUGE_PAGE) - raw.data_ptr()
@@ -78,8 +82,12 @@ class HugePageRegion:
         return window
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of the contiguous CPU ``tensor`` in the region (same dtype and shape)."""
+        """A copy of the contiguous CPU ``tensor`` in the region (same dtype and shape), or
+        ``tensor`` itself where the region has no room left for it (a region sized by an
+        estimate never fails a load: what does not fit stays on small pages)."""
         nbytes = tensor.numel() * tensor.element_size()
+        if self._used + nbytes > self._size:
+            return tensor
         if self._since_trim >= _TRIM_EVERY:  # the originals placed so far are freed by now
             _malloc_trim()
             self._since_trim = 0
@@ -102,6 +110,14 @@ def huge_page_region(sizes: list[int], device: torch.device) -> Iterator[HugePag
     yield region if region.advised else None
     # The originals were mostly small enough for glibc to serve from its heap, whose freed
     # middle it keeps mapped: without a trim the process would hold the weights twice.
+    _malloc_trim()
+
+
+def release_freed_heap() -> None:
+    """Hand the pages of freed heap blocks back to the OS (glibc ``malloc_trim``; nothing
+    elsewhere).  Loading frees large tensors (a matrix's stored form once it is packed)
+    that glibc would keep mapped: trimmed before the next large allocation, the peak
+    resident size holds them once, not twice."""
     _malloc_trim()
 
 

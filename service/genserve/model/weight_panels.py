@@ -20,11 +20,20 @@ PANEL = 32  # output features per panel (the kernel's kPanel)
 
 def _panels(t: torch.Tensor, n: int) -> torch.Tensor:
     """``[N, X]`` -> ``[P, X, 32]``: output rows padded to whole panels (zeros), each panel
-    transposed so its 32 rows become the innermost dimension."""
-    p = -(-n // PANEL)
-    padded = torch.zeros((p * PANEL, t.shape[1]), dtype=t.dtype, device=t.device)
-    padded[:n] = t
-    return padded.view(p, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+    transposed so its 32 rows become the innermost dimension.  Written straight into the
+    result (only the last, partial panel goes through a padded copy): a padded copy of the
+    whole matrix would hold it three times at once while loading (the embedding of a
+    real model: hundreds of MB)."""
+    p, x = -(-n // PANEL), int(t.shape[1])
+    out = torch.empty((p, x, PANEL), dtype=t.dtype, device=t.device)
+    full = n // PANEL
+    if full:
+        out[:full].copy_(t[: full * PANEL].reshape(full, PANEL, x).transpose(1, 2))
+    if full < p:
+        tail = torch.zeros((PANEL, x), dtype=t.dtype, device=t.device)
+        tail[: n - full * PANEL] = t[full * PANEL :]
+        out[full].copy_(tail.t())
+    return out
 
 
 def pack_float(weight: torch.Tensor) -> torch.Tensor:

@@ -216,7 +216,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "vocab_size", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id", "watermark_gamma", "watermark_delta", "cuda_graph_batch_sizes", "quantize", "model_weight_bytes", "tool_call_parser", "reasoning_parser", "fill_in_middle", "architecture", "implementation", "disabled_features")
+    __slots__ = ("model_id", "model_sha", "model_dtype", "model_device_type", "num_shard", "block_size", "num_kv_blocks", "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_client_batch_size", "version", "speculate", "has_chat_template", "served_model_name", "grammar_support", "vocab_size", "max_active_adapters", "loaded_adapters", "max_loras_per_batch", "default_adapter_id", "watermark_gamma", "watermark_delta", "cuda_graph_batch_sizes", "quantize", "model_weight_bytes", "tool_call_parser", "reasoning_parser", "fill_in_middle", "architecture", "implementation", "disabled_features", "kv_cache_bytes", "kv_cache_sized_by")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,8 @@ class InfoResponse(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
     DISABLED_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SIZED_BY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     model_dtype: str
@@ -291,7 +293,9 @@ class InfoResponse(_message.Message):
     architecture: str
     implementation: str
     disabled_features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ..., watermark_gamma: _Optional[float] = ..., watermark_delta: _Optional[float] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., quantize: _Optional[str] = ..., model_weight_bytes: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., fill_in_middle: _Optional[bool] = ..., architecture: _Optional[str] = ..., implementation: _Optional[str] = ..., disabled_features: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_cache_bytes: int
+    kv_cache_sized_by: str
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., model_dtype: _Optional[str] = ..., model_device_type: _Optional[str] = ..., num_shard: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_best_of: _Optional[int] = ..., max_stop_sequences: _Optional[int] = ..., max_top_n_tokens: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., max_batch_prefill_tokens: _Optional[int] = ..., max_batch_total_tokens: _Optional[int] = ..., max_client_batch_size: _Optional[int] = ..., version: _Optional[str] = ..., speculate: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., served_model_name: _Optional[str] = ..., grammar_support: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_active_adapters: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., default_adapter_id: _Optional[str] = ..., watermark_gamma: _Optional[float] = ..., watermark_delta: _Optional[float] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., quantize: _Optional[str] = ..., model_weight_bytes: _Optional[int] = ..., tool_call_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., fill_in_middle: _Optional[bool] = ..., architecture: _Optional[str] = ..., implementation: _Optional[str] = ..., disabled_features: _Optional[_Iterable[str]] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_sized_by: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "add_special_tokens")

@@ -1,0 +1,374 @@
+"""``genserve-bench cpu --model FILE.gguf``: genserve against llama.cpp's ``llama-server`` on
+the same GGUF file, both as servers on this machine (issue #28's real-size comparison).
+
+    genserve-bench cpu --model model.Q4_0.gguf --streams 1,8 --new-tokens 64 \\
+        --prefill 512,2048 --llama-cpp-bin /work/llamacpp/build/bin -- --cpu-int-dot on
+
+For each server in turn (never both at once: they share the cores):
+
+* start it on the file (genserve: ``genserve --model-id FILE`` plus the arguments after
+  ``--``; llama.cpp: ``llama-server -m FILE -t THREADS -np PARALLEL``, continuous batching),
+  and record the seconds until it answers its health check and its peak resident size
+  (``VmHWM``) after start-up and after the run;
+* decode: ``streams`` requests at once, each the same random token-id prompt
+  (``--prompt-len``) per stream for both servers, greedy, exactly ``--new-tokens`` tokens
+  (end-of-sequence ignored); the figure is the tokens all streams received per second over the
+  window in which every stream was generating (from the last stream's first token to the
+  first stream's last token), so neither prefill nor a straggler counts; the median over
+  ``--repeats``;
+* prefill: one request of ``--prefill`` prompt tokens and one new token; prompt tokens per
+  second of time to first token (the prompt cache is off: nothing is reused).
+
+``llama-bench -p N -n 0`` (llama.cpp's own prefill benchmark, no server) is reported beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from genserve.bench.launch import LaunchedServer
+from genserve.v1 import generate_pb2, generate_pb2_grpc
+
+_HOST = "127.0.0.1"
+# Token ids drawn for prompts stay clear of special tokens at either end of a vocabulary.
+_ID_RANGE = (1000, 30000)
+
+
+@dataclass(slots=True)
+class ServerResult:
+    """One server's figures on one file."""
+
+    server: str
+    startup_s: float
+    peak_rss_after_start_mib: float
+    peak_rss_mib: float = 0.0
+    decode_tok_s: dict[int, float] = field(default_factory=dict)  # streams -> median
+    decode_runs: dict[int, list[float]] = field(default_factory=dict)
+    prefill_tok_s: dict[int, float] = field(default_factory=dict)  # prompt tokens -> rate
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((_HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def vm_hwm_mib(pid: int) -> float:
+    """Peak resident size of process ``pid`` in MiB (0 where /proc cannot be read)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def decode_rate(token_times: Sequence[Sequence[float]]) -> float:
+    """Tokens per second all streams received while every one of them was generating:
+    from the last stream's first token to the first stream's last token."""
+    start = max(times[0] for times in token_times)
+    end = min(times[-1] for times in token_times)
+    if end <= start:  # one token each, or streams that never overlapped
+        raise ValueError("the streams never generated at the same time")
+    inside = sum(1 for times in token_times for t in times if start < t <= end)
+    return inside / (end - start)
+
+
+def random_prompts(streams: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*_ID_RANGE) for _ in range(length)] for _ in range(streams)]
+
+
+# ---------------------------------------------------------------------------- genserve
+async def _genserve_stream(
+    stub: generate_pb2_grpc.TextGenerationServiceStub, ids: list[int], new_tokens: int
+) -> list[float]:
+    params = generate_pb2.GenerateParameters(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True
+    )
+    request = generate_pb2.GenerateStreamRequest(input_ids=ids, parameters=params)
+    times: list[float] = []
+    async for _message in stub.GenerateStream(request, timeout=3600):  # one token each
+        times.append(time.perf_counter())
+    return times
+
+
+def _genserve_client(address: str) -> Callable[[list[int], int], Awaitable[list[float]]]:
+    channel = grpc.aio.insecure_channel(address)
+    stub = generate_pb2_grpc.TextGenerationServiceStub(channel)
+
+    async def one(ids: list[int], new_tokens: int) -> list[float]:
+        return await _genserve_stream(stub, ids, new_tokens)
+
+    return one
+
+
+# ---------------------------------------------------------------------------- llama.cpp
+def _llama_client(url: str) -> Callable[[list[int], int], Awaitable[list[float]]]:
+    client = httpx.AsyncClient(timeout=3600)
+
+    async def one(ids: list[int], new_tokens: int) -> list[float]:
+        body = {
+            "prompt": ids,
+            "n_predict": new_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": False,
+            "stream": True,
+            "return_tokens": True,
+        }
+        times: list[float] = []
+        async with client.stream("POST", f"{url}/completion", json=body) as reply:
+            reply.raise_for_status()
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                n = len(event.get("tokens") or []) or (1 if event.get("content") else 0)
+                now = time.perf_counter()
+                times.extend([now] * n)
+        return times
+
+    return one
+
+
+async def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with code {process.returncode}")
+            try:
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.25)
+    raise TimeoutError(f"llama-server not healthy after {timeout_s} s")
+
+
+# ---------------------------------------------------------------------------- the runs
+async def _measure(
+    result: ServerResult,
+    one: Callable[[list[int], int], Awaitable[list[float]]],
+    args: argparse.Namespace,
+) -> None:
+    await one(random_prompts(1, 8, seed=99)[0], 4)  # warm-up
+    for rep in range(args.repeats):
+        for streams in args.streams:
+            prompts = random_prompts(streams, args.prompt_len, seed=rep)
+            runs = await asyncio.gather(*(one(p, args.new_tokens) for p in prompts))
+            rate = decode_rate(runs)
+            result.decode_runs.setdefault(streams, []).append(rate)
+            print(f"  {result.server} x{streams} repeat {rep}: {rate:.1f} tok/s", flush=True)
+    for streams, rates in result.decode_runs.items():
+        result.decode_tok_s[streams] = statistics.median(rates)
+    for length in args.prefill:
+        prompt = random_prompts(1, length, seed=length)[0]
+        start = time.perf_counter()
+        times = await one(prompt, 1)
+        result.prefill_tok_s[length] = length / (times[0] - start)
+        print(f"  {result.server} prefill {length}: {result.prefill_tok_s[length]:.1f} tok/s")
+
+
+def _context_tokens(args: argparse.Namespace) -> int:
+    lengths: list[int] = [args.prompt_len + args.new_tokens, *(n + 2 for n in args.prefill)]
+    return max(lengths)
+
+
+async def run_genserve(model: Path, args: argparse.Namespace, log_dir: Path) -> ServerResult:
+    port = free_port()
+    total = _context_tokens(args)
+    server_args = [
+        "--model-id",
+        str(model),
+        "--max-total-tokens",
+        str(total),
+        "--max-input-tokens",
+        str(total - 1),
+        "--max-concurrent-requests",
+        str(max(args.parallel, *args.streams)),
+        *args.server_args,
+    ]
+    launched = LaunchedServer(server_args, _HOST, port, args.threads, log_dir / "genserve.log")
+    started = time.perf_counter()
+    with launched:
+        await launched.wait_healthy(args.startup_timeout)
+        pid = launched.pid
+        assert pid is not None
+        result = ServerResult("genserve", time.perf_counter() - started, vm_hwm_mib(pid))
+        await _measure(result, _genserve_client(f"{_HOST}:{port}"), args)
+        result.peak_rss_mib = vm_hwm_mib(pid)
+    return result
+
+
+async def run_llama_server(model: Path, args: argparse.Namespace, log_dir: Path) -> ServerResult:
+    port = free_port()
+    exe = args.llama_cpp_bin / "llama-server"
+    command = [
+        str(exe),
+        "-m",
+        str(model),
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "-np",
+        str(args.parallel),
+        "-c",
+        str(args.parallel * _context_tokens(args)),
+        "--cont-batching",
+        "--host",
+        _HOST,
+        "--port",
+        str(port),
+    ]
+    started = time.perf_counter()
+    process = _spawn(command, log_dir / "llama-server.log")
+    try:
+        url = f"http://{_HOST}:{port}"
+        await _wait_http(url, process, args.startup_timeout)
+        result = ServerResult(
+            "llama-server", time.perf_counter() - started, vm_hwm_mib(process.pid)
+        )
+        await _measure(result, _llama_client(url), args)
+        result.peak_rss_mib = vm_hwm_mib(process.pid)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return result
+
+
+def _spawn(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``command`` with its output in ``log_path`` (the child keeps the file open)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def llama_bench_prefill(model: Path, args: argparse.Namespace) -> dict[int, float]:
+    """``llama-bench -p N -n 0``'s prompt tokens per second for each ``--prefill`` N."""
+    if not args.prefill:
+        return {}
+    command = [
+        str(args.llama_cpp_bin / "llama-bench"),
+        "-m",
+        str(model),
+        "-t",
+        str(args.threads),
+        "-p",
+        ",".join(str(n) for n in args.prefill),
+        "-n",
+        "0",
+        "-r",
+        "1",
+        "-o",
+        "json",
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return {int(row["n_prompt"]): float(row["avg_ts"]) for row in json.loads(out)}
+
+
+def format_table(model: Path, results: list[ServerResult], bench_pp: dict[int, float]) -> str:
+    by = {r.server: r for r in results}
+    g, ll = by.get("genserve"), by.get("llama-server")
+    lines = [f"### {model.name} ({model.stat().st_size / 2**20:.0f} MiB)", ""]
+    lines += ["| | genserve | llama-server | genserve / llama.cpp |", "|---|---|---|---|"]
+
+    def row(label: str, a: float | None, b: float | None, fmt: str = "{:.1f}") -> None:
+        ratio = f"{a / b:.2f}x" if a and b else ""
+        cells = [fmt.format(v) if v is not None else "" for v in (a, b)]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {ratio} |")
+
+    streams = sorted({s for r in results for s in r.decode_tok_s})
+    for s in streams:
+        row(
+            f"decode tok/s, {s} stream{'s' if s > 1 else ''}",
+            g.decode_tok_s.get(s) if g else None,
+            ll.decode_tok_s.get(s) if ll else None,
+        )
+    for n in sorted({n for r in results for n in r.prefill_tok_s}):
+        row(
+            f"prefill tok/s, {n}-token prompt (TTFT)",
+            g.prefill_tok_s.get(n) if g else None,
+            ll.prefill_tok_s.get(n) if ll else None,
+        )
+        if n in bench_pp:
+            row(f"prefill tok/s, {n} (`llama-bench -p`)", None, bench_pp[n])
+    for label, attr, fmt in (
+        ("start-up s (to healthy)", "startup_s", "{:.1f}"),
+        ("peak RSS MiB (start-up)", "peak_rss_after_start_mib", "{:.0f}"),
+        ("peak RSS MiB (end)", "peak_rss_mib", "{:.0f}"),
+    ):
+        a = None if g is None else float(getattr(g, attr))
+        b = None if ll is None else float(getattr(ll, attr))
+        row(label, a, b, fmt)
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parallel", type=int, default=8, help="llama-server -np")
+    parser.add_argument(
+        "--prefill",
+        type=lambda t: [int(x) for x in t.split(",") if x.strip()],
+        default=[512, 2048],
+        help="prompt lengths for the prefill figures (empty: none)",
+    )
+    parser.add_argument(
+        "--llama-cpp-bin",
+        type=Path,
+        default=Path(os.environ.get("LLAMA_CPP_BIN", "/work/llamacpp/build/bin")),
+        help="directory with llama-server and llama-bench (env LLAMA_CPP_BIN)",
+    )
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--servers", default="genserve,llama-server", help="which servers to run, in order"
+    )
+
+
+def run_servers(args: argparse.Namespace) -> dict[str, object]:
+    """Every ``--model`` file through every server in ``--servers``; the JSON record."""
+    out: dict[str, object] = {"load_average_before": os.getloadavg(), "files": []}
+    tables = []
+    for model in args.model:
+        log_dir = args.out.parent / f"logs-{model.stem}"
+        results = []
+        for server in args.servers.split(","):
+            run = run_genserve if server == "genserve" else run_llama_server
+            results.append(asyncio.run(run(model, args, log_dir)))
+        bench_pp = llama_bench_prefill(model, args) if "llama-server" in args.servers else {}
+        tables.append(format_table(model, results, bench_pp))
+        files = out["files"]
+        assert isinstance(files, list)
+        files.append(
+            {
+                "model": str(model),
+                "bytes": model.stat().st_size,
+                "results": [asdict(r) for r in results],
+                "llama_bench_prefill_tok_s": bench_pp,
+                "load_average": os.getloadavg(),
+            }
+        )
+        print(tables[-1], flush=True)
+    out["load_average_after"] = os.getloadavg()
+    out["tables"] = tables
+    return out
