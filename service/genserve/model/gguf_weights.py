@@ -101,6 +101,18 @@ def _quantized(blocks: np.ndarray, qtype: Any) -> QuantizedWeight:
 
 
 _BLOCK_BYTES = {"Q8_0": 2 + _BLOCK, "Q4_1": 4 + _BLOCK // 2, "Q4_0": 2 + _BLOCK // 2}
+# Rows of a matrix copied out of the file mapping at a time (see _copy_in_chunks).
+_CHUNK_BYTES = 4 << 20
+
+
+def _empty_like_rows(part: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """A QuantizedWeight of ``rows`` rows with ``part``'s layout, to be filled chunk by chunk."""
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
+
+    mins = None if part.mins is None else rows_of(part.mins)
+    return QuantizedWeight(rows_of(part.data), rows_of(part.scales), mins, part.bits, part.group)
 
 
 class GGUFWeights:
@@ -218,14 +230,38 @@ class GGUFWeights:
             raise ValueError(
                 f"{self._file}: {tensor.name} ({qtype}, {k}x{n}) has data of shape {data.shape}"
             )
-        qw: AnyQuantized
-        if qtype in K_TYPES:
-            qw = KQuantWeight.from_blocks(data, qtype)  # bytes as stored, one copy
-        else:
-            qw = _quantized(data.reshape(n, k // _BLOCK, size), tensor.tensor_type)
-        self._release(tensor)
+        qw = self._copy_in_chunks(tensor, data, qtype, n, k)
         index = self._row_order(tensor)
         return qw if index is None else qw.rows(index)
+
+    def _copy_in_chunks(
+        self, tensor: Any, data: np.ndarray, qtype: str, n: int, k: int
+    ) -> AnyQuantized:
+        """``data`` (``[N, row bytes]``, the file mapping) in genserve's layout, copied a
+        few MiB of rows at a time with each chunk's file pages released after it: the load
+        peak holds the copy plus one chunk of the file, not the copy plus the whole matrix."""
+        row_bytes = int(data.shape[1])
+        step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+        if qtype in K_TYPES:  # the bytes as stored
+            out = np.empty((n, row_bytes), dtype=np.uint8)
+            for r0 in range(0, n, step):
+                out[r0 : r0 + step] = data[r0 : r0 + step]
+                self._release_rows(tensor, r0, min(r0 + step, n), row_bytes)
+            return KQuantWeight.from_owned(out, qtype)
+        size = _BLOCK_BYTES[qtype]
+        whole: QuantizedWeight | None = None
+        for r0 in range(0, n, step):
+            r1 = min(r0 + step, n)
+            part = _quantized(data[r0:r1].reshape(-1, k // _BLOCK, size), tensor.tensor_type)
+            if whole is None:
+                whole = _empty_like_rows(part, n)
+            whole.data[r0:r1] = part.data
+            whole.scales[r0:r1] = part.scales
+            if whole.mins is not None and part.mins is not None:
+                whole.mins[r0:r1] = part.mins
+            self._release_rows(tensor, r0, r1, row_bytes)
+        assert whole is not None  # n > 0: a GGUF matrix has rows
+        return whole
 
     def quantized_view(self) -> Mapping[str, AnyQuantized]:
         """:meth:`quantized` as a read-only mapping that reads a matrix when it is looked
@@ -246,6 +282,22 @@ class GGUFWeights:
         if not self._permuted or kind not in self._heads:
             return None
         return reverse_permutation(int(tensor.shape[-1]), self._heads[kind])
+
+    def _release_rows(self, tensor: Any, r0: int, r1: int, row_bytes: int) -> None:
+        """Drop the file pages of rows ``[r0, r1)`` of ``tensor`` (they were copied)."""
+        mapping = getattr(self._reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mapping, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        begin = int(tensor.data_offset) + r0 * row_bytes
+        start = begin // page * page
+        # Whole pages only: the page shared with the next chunk is released with it.
+        end = (int(tensor.data_offset) + r1 * row_bytes) // page * page
+        if r1 * row_bytes >= int(tensor.n_bytes):
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > start:
+            with contextlib.suppress(OSError, ValueError):
+                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _release(self, tensor: Any) -> None:
         """Drop ``tensor``'s pages of the file mapping from this process's resident set

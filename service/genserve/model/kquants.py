@@ -76,6 +76,16 @@ class KQuantWeight:
             )
 
     @classmethod
+    def from_owned(cls, blocks: np.ndarray, qtype: str) -> KQuantWeight:
+        """One matrix from its GGUF bytes, uint8 ``[N, K / 256 * block bytes]``, taken over
+        without a copy (the caller gives up ``blocks``)."""
+        if qtype not in K_TYPES:
+            raise QuantizationError(f"not a K-quant type: {qtype}")
+        n, width = blocks.shape
+        k = width // K_TYPES[qtype][1] * SUPER_BLOCK
+        return cls(torch.from_numpy(blocks).reshape(-1), (qtype,), (int(n),), int(k))
+
+    @classmethod
     def from_blocks(cls, blocks: torch.Tensor | np.ndarray, qtype: str) -> KQuantWeight:
         """One matrix from its GGUF bytes, uint8 ``[N, K / 256 * block bytes]`` (copied)."""
         if qtype not in K_TYPES:
