@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genserve.model.loader import default_gguf_path
+from genserve.model.loader import default_gguf_path, transformers_weights_kwargs
 from genserve.testing.tiny_model import default_tokenizer_dir
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
@@ -35,7 +35,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return default_tokenizer_dir()  # the embedded GGUF converted to safetensors (cached)
+    return default_tokenizer_dir()  # the embedded GGUF's cache entry: config and tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,9 @@ def test_default_model_with_a_peft_adapter_matches_peft(
         with ThreadPoolExecutor(len(jobs)) as pool:
             results = dict(zip(jobs, pool.map(generate, jobs), strict=True))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
+    )
     expected_base = {p: _reference(base, tok, p) for p in PROMPTS}
     tuned = PeftModel.from_pretrained(base, str(adapter_dir))
     expected_tuned = {p: _reference(tuned, tok, p) for p in PROMPTS}

@@ -34,8 +34,10 @@ def test_embedded_default_is_converted_once_and_cached() -> None:
     assert resolved.revision is not None and resolved.revision.startswith("sha256:")
     assert resolved.local_dir.parent == cache
     assert resolved.local_dir.name.startswith("gguf-")  # keyed by content, not file name
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    for name in ("config.json", "tokenizer.json"):
         assert (resolved.local_dir / name).is_file()
+    # No float copy of the weights: they are read from the GGUF file itself at every start.
+    assert not list(resolved.local_dir.glob("*.safetensors"))
     config = load_model_config(resolved.local_dir)
     assert (config.num_layers, config.num_heads, config.num_kv_heads) == (30, 9, 3)
     started = time.monotonic()

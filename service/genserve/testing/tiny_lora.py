@@ -27,7 +27,12 @@ def make_lora_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    from genserve.model.loader import transformers_weights_kwargs
+
+    # A GGUF cache entry holds no weights: transformers reads them from its GGUF file.
+    base = AutoModelForCausalLM.from_pretrained(
+        str(base_dir), dtype=torch.float32, **transformers_weights_kwargs(base_dir)
+    )
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
