@@ -38,7 +38,10 @@ def make_random_adapters(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    from genserve.model.loader import transformers_weights_kwargs
+
+    weights = transformers_weights_kwargs(base_dir)  # a GGUF entry: read from its file
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, **weights)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets))
     model = get_peft_model(base, config)
     dirs = []

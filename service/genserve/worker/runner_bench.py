@@ -101,7 +101,10 @@ def _hf_run(
     """Generated tokens/s of padded batched ``generate()`` (prefill included)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    from genserve.model.loader import transformers_weights_kwargs
+
+    weights = transformers_weights_kwargs(model_dir)  # a GGUF entry: read from its file
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **weights).eval()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(100, model.config.vocab_size, (batch, prompt_len), generator=gen)
     kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
