@@ -102,3 +102,22 @@ def test_native_path_changes_nothing(tmp_path: Path) -> None:
     config = load_config(["--quantize", "int8"], environ={})
     assert restrict_for_fallback(config, path) == config
     assert disabled_features(path) == ()
+
+
+def test_gguf_of_a_layout_not_read_natively_takes_the_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF whose llama.cpp tensor layout the native reader does not map goes to the
+    transformers fallback (which dequantizes the file) instead of failing at load."""
+    from genserve.model import gguf_names
+    from genserve.model.loader import resolve_model
+    from genserve.testing.tiny_gguf import make_tiny_gguf
+
+    gguf = make_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0", seed=5)
+    resolved = resolve_model(str(gguf), cache_dir=tmp_path / "models")
+    assert choose_serving_path(resolved.local_dir).implementation == NATIVE
+    without_llama = {k: v for k, v in gguf_names.LAYOUTS.items() if k != "llama"}
+    monkeypatch.setattr(gguf_names, "LAYOUTS", without_llama)
+    path = choose_serving_path(resolved.local_dir)
+    assert path.implementation == TRANSFORMERS
+    assert "GGUF architecture 'llama' is not read natively" in path.reason

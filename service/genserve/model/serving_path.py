@@ -114,13 +114,27 @@ def _check_native_build(config: ModelConfig) -> None:
 
 def _check_native_weights(config: ModelConfig, model_dir: Path) -> None:
     """Raise :class:`UnsupportedModelError` where the native model could not read the
-    weights: a GGUF file's expert tensors (``ffn_*_exps``) have no native reader yet, so a
-    mixture-of-experts GGUF goes to the fallback, which has transformers dequantize it."""
+    weights, so the model goes to the fallback (transformers dequantizes the file) instead
+    of failing at load: a GGUF file's expert tensors (``ffn_*_exps``) have no native reader
+    yet, and a GGUF of an architecture whose llama.cpp tensor layout ``gguf_names`` does not
+    map (e.g. ``stablelm``, ``starcoder2``) cannot be read natively."""
+    from genserve.model import gguf_names
+    from genserve.model.gguf_index import GGUFIndex
     from genserve.model.loader import transformers_weights_kwargs
 
-    if config.moe is not None and "gguf_file" in transformers_weights_kwargs(model_dir):
+    gguf_file = transformers_weights_kwargs(model_dir).get("gguf_file")
+    if gguf_file is None:
+        return
+    if config.moe is not None:
         raise UnsupportedModelError(
             "the native reader of GGUF files has no mixture-of-experts tensors yet"
+        )
+    field = GGUFIndex(gguf_file).fields.get("general.architecture")
+    arch = None if field is None else field.contents()
+    if gguf_names.layout(arch) is None:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not read natively (native GGUF layouts: "
+            f"{sorted(gguf_names.LAYOUTS)})"
         )
 
 
