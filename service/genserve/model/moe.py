@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genserve.model.layers import _Packable
+from genserve.model.moe_gguf import QuantizedExperts, experts_gguf_torch
 from genserve.model.spec import ModelConfig, MoeSpec, RouterSpec, Scoring
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
@@ -133,6 +134,8 @@ class SparseMoeBlock(nn.Module):
             else None
         )
         self._fused = False
+        # Set from a GGUF file's blocks (``set_quantized_experts``): replaces w13/w2.
+        self.quantized_experts: QuantizedExperts | None = None
 
     @property
     def fused(self) -> bool:
@@ -145,17 +148,44 @@ class SparseMoeBlock(nn.Module):
         self._fused = value
         if self.shared is not None:
             self.shared.fused = value
+        if self.quantized_experts is not None:  # the kernel path, as quantized linears pick it
+            from genserve.kernels import int_dot
+            from genserve.model.kquants import FLOAT_PATH
+
+            choice = int_dot.choose() if value and int_dot.active() else None
+            isa = FLOAT_PATH if choice is None or choice.isa is None else int(choice.isa)
+            self.quantized_experts = self.quantized_experts.serving(isa)
+
+    def set_quantized_experts(self, experts: QuantizedExperts) -> None:
+        """Serve the routed experts from ``experts`` (a GGUF file's blocks) and drop the
+        float ``w13``/``w2`` (never written: they cost no memory until then)."""
+        num_experts, hidden = self.spec.router.num_experts, self.router.shape[1]
+        width = self.width_range[1] - self.width_range[0]
+        expected = ((num_experts, width), (num_experts, width), (num_experts, hidden))
+        got = tuple(tuple(t.shape[:2]) for t in (experts.gate, experts.up, experts.down))
+        if got != expected:
+            raise ValueError(f"expert blocks of shapes {got}, expected {expected}")
+        self.quantized_experts = experts
+        self.w13 = _param(self.w13.new_empty(0, 0, 0))
+        self.w2 = _param(self.w2.new_empty(0, 0, 0))
 
     def linears(self) -> tuple[_Packable, ...]:
         """The projections the dense paths (panels, --quantize) handle: the shared
-        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype."""
+        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype, or in a
+        GGUF file's blocks (``quantized_experts``)."""
         return self.shared.linears() if self.shared is not None else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.router)  # [num_tokens, E]
         weights, ids = route(logits, self.spec.router, self.correction_bias)
-        if self._fused and x.device.type == "cpu":
-            out: torch.Tensor = torch.ops.genserve.moe_experts(x, ids, weights, self.w13, self.w2)
+        out: torch.Tensor
+        if self.quantized_experts is not None:
+            if self._fused and x.device.type == "cpu":
+                out = self.quantized_experts.forward(x, ids, weights)
+            else:
+                out = experts_gguf_torch(x, ids, weights, self.quantized_experts)
+        elif self._fused and x.device.type == "cpu":
+            out = torch.ops.genserve.moe_experts(x, ids, weights, self.w13, self.w2)
         else:
             out = experts_torch(x, ids, weights, self.w13, self.w2)
         out = self.ctx.all_reduce(out)  # each shard summed its slice of every expert's width
@@ -177,7 +207,13 @@ class SparseMoeBlock(nn.Module):
         full = self.spec.intermediate_size
         width = stop - start
         experts = f"{prefix}.{n.experts}"
-        if weights.has(f"{experts}.gate_up_proj"):  # [E, 2I, H] and [E, H, I]
+        if self.quantized_experts is not None:  # kept as the GGUF file's blocks
+            pass
+        elif weights.has(f"{experts}.gate_proj"):  # GGUF stacks: [E, I, H] twice, [E, H, I]
+            self.w13[:, :width].copy_(weights.get_slice(f"{experts}.gate_proj", 1, start, stop))
+            self.w13[:, width:].copy_(weights.get_slice(f"{experts}.up_proj", 1, start, stop))
+            self.w2.copy_(weights.get_slice(f"{experts}.down_proj", 2, start, stop))
+        elif weights.has(f"{experts}.gate_up_proj"):  # [E, 2I, H] and [E, H, I]
             stacked = f"{experts}.gate_up_proj"
             self.w13[:, :width].copy_(weights.get_slice(stacked, 1, start, stop))
             self.w13[:, width:].copy_(weights.get_slice(stacked, 1, full + start, full + stop))
