@@ -108,7 +108,7 @@ def write_moe_gguf(
     embedding, head) in ``matrix_type``; returns ``(path, reference_dir)``, the reference
     being ``model_dir``'s checkpoint with every weight as gguf-py dequantizes it from the
     file (beside ``path``, named ``{stem}-reference``)."""
-    from gguf import GGMLQuantizationType, GGUFWriter, dequantize
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, dequantize
     from safetensors.numpy import load_file, save_file
 
     from genserve.model.loader import default_gguf_path
@@ -135,6 +135,8 @@ def write_moe_gguf(
 
     def add(gguf: str, w: np.ndarray, type_name: str) -> np.ndarray:
         qtype = GGMLQuantizationType[type_name]
+        if w.shape[-1] % GGML_QUANT_SIZES[qtype][0]:  # rows not whole blocks: F32, as
+            qtype = GGMLQuantizationType.F32  # llama-quantize falls back for such shapes
         if qtype == GGMLQuantizationType.F32:
             writer.add_tensor(gguf, w)
             return w
