@@ -25,8 +25,6 @@ import torch
 from genserve.model.causal_lm import DecoderForCausalLM
 from genserve.model.decoder import MLP
 from genserve.model.kquants import AnyQuantized, cat_any, zero_rows
-from genserve.model.moe import SparseMoeBlock
-from genserve.model.moe_gguf import ExpertBlockSource, read_quantized_experts
 from genserve.model.layers import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -34,6 +32,8 @@ from genserve.model.layers import (
     VocabParallelEmbedding,
     _Packable,
 )
+from genserve.model.moe import SparseMoeBlock
+from genserve.model.moe_gguf import ExpertBlockSource, read_quantized_experts
 from genserve.model.quantization import QuantizationError, quantize, quantize_int8
 
 log = structlog.get_logger("genserve.model")

@@ -104,10 +104,11 @@ def write_moe_gguf(
     path: Path, model_dir: Path, expert_type: str = "F32", matrix_type: str = "F32"
 ) -> tuple[Path, Path]:
     """``model_dir`` (a Qwen2/3-MoE checkpoint, per-expert tensors) as a GGUF at ``path``,
-    its routed experts in ``expert_type`` (a GGML type, or a key of :data:`EXPERT_MIXES`) and its other matrices (attention, shared expert,
-    embedding, head) in ``matrix_type``; returns ``(path, reference_dir)``, the reference
-    being ``model_dir``'s checkpoint with every weight as gguf-py dequantizes it from the
-    file (beside ``path``, named ``{stem}-reference``)."""
+    its routed experts in ``expert_type`` (a GGML type, or a key of :data:`EXPERT_MIXES`)
+    and its other matrices (attention, shared expert, embedding, head) in ``matrix_type``;
+    returns ``(path, reference_dir)``, the reference being ``model_dir``'s checkpoint
+    with every weight as gguf-py dequantizes it from the file (beside ``path``, named
+    ``{stem}-reference``)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, dequantize
     from safetensors.numpy import load_file, save_file
 

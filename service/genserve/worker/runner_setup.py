@@ -25,7 +25,8 @@ def load_weights(model: DecoderForCausalLM, resolved: ResolvedModel) -> Quantize
     A GGUF model is read from the file itself (model/gguf_weights.py): with ``--quantize
     gguf`` its Q8_0/Q4 matrices (and a mixture of experts' stacked experts) are handed to
     the layers first, one module at a time, so those layers never hold (or read) a float
-    copy; everything else is dequantized tensor by tensor.  Other checkpoints load their safetensors, then quantize (int8 / int4)."""
+    copy; everything else is dequantized tensor by tensor.  Other checkpoints load their
+    safetensors, then quantize (int8 / int4)."""
     from genserve.model.quantization import QuantizationError
 
     method = resolved.quantize
