@@ -169,6 +169,46 @@ class _Prefill:
         return self.masks[window]
 
 
+@dataclass(frozen=True, slots=True)
+class _FreshBatch:
+    """Whole prompts from position 0 attended together: one SDPA call over ``[count,
+    max_len]`` right-padded copies of their q/k/v instead of one call per prompt (the host
+    cost of a step that carries many prompts on a GPU: an 8B model's eager step at 64 streams
+    spent about half its host time in that per-prompt loop).  Under ``is_causal`` a real
+    query row never reaches the padding after its own prompt, so its result is the
+    per-prompt one; padded rows are computed and dropped."""
+
+    rows: torch.Tensor  # [n] int64: the prompts' rows of the flat batch
+    batch: torch.Tensor  # [n] int64: each row's prompt, 0..count-1
+    pos: torch.Tensor  # [n] int64: each row's position in its prompt
+    count: int
+    max_len: int
+    token_starts: frozenset[int]  # the prefills (by token_start) it covers
+
+
+# Batch only while padding adds at most this share again of the prompts' own tokens.
+_MAX_FRESH_PADDING = 1.0
+
+
+def fresh_batch(prefills: list[_Prefill], device: torch.device) -> _FreshBatch | None:
+    """The :class:`_FreshBatch` of ``prefills``' whole prompts, or None where fewer than two
+    start at position 0 or padding them to one length would cost too much."""
+    fresh = [p for p in prefills if p.start_pos == 0]
+    if len(fresh) < 2:
+        return None
+    total = sum(p.num_tokens for p in fresh)
+    max_len = max(p.num_tokens for p in fresh)
+    if len(fresh) * max_len > (1 + _MAX_FRESH_PADDING) * total:
+        return None
+    rows = np.concatenate([np.arange(p.token_start, p.token_start + p.num_tokens) for p in fresh])
+    batch = np.repeat(np.arange(len(fresh)), [p.num_tokens for p in fresh])
+    pos = np.concatenate([np.arange(p.num_tokens) for p in fresh])
+    index = torch.from_numpy(np.stack([rows, batch, pos]).astype(np.int64)).to(device)
+    return _FreshBatch(
+        index[0], index[1], index[2], len(fresh), max_len, frozenset(p.token_start for p in fresh)
+    )
+
+
 @dataclass(slots=True)
 class TorchAttentionMetadata:
     slots: torch.Tensor  # [num_tokens] int64
@@ -182,6 +222,8 @@ class TorchAttentionMetadata:
     use_cpu_kernel: bool = False  # decodes through torch.ops.genserve.paged_decode_attention
     use_triton_decode: bool = False  # decodes through genserve.kernels.triton_attention
     dtype: torch.dtype | None = None
+    # Whole prompts attended in one padded SDPA call (TorchPagedAttention: on CUDA).
+    fresh: _FreshBatch | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -305,7 +347,12 @@ class TorchAttentionMetadata:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if d:
             out[:d] = self._attend_decodes(q, kv_cache, scale, window, softcap, sinks)
+        fresh = self.fresh if softcap is None and sinks is None and window is None else None
+        if fresh is not None:
+            self._attend_fresh(fresh, q, k, v, scale, out)
         for p in self.prefills:
+            if fresh is not None and p.token_start in fresh.token_starts:
+                continue
             s, n = p.token_start, p.num_tokens
             q_p = q[s : s + n].transpose(0, 1)[None]  # [1, heads, n, hd]
             prefill_mask = p.mask(window, self.device)
@@ -327,6 +374,30 @@ class TorchAttentionMetadata:
                 )  # fmt: skip
             out[s : s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return out
+
+    @staticmethod
+    def _attend_fresh(
+        f: _FreshBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """The prompts of ``f`` in one causal SDPA call over right-padded copies, into
+        their rows of ``out``."""
+        _, num_heads, head_dim = q.shape
+        padded = []
+        for x in (q, k, v):
+            buf = x.new_zeros(f.count, f.max_len, x.shape[1], head_dim)
+            buf[f.batch, f.pos] = x.index_select(0, f.rows)
+            padded.append(buf.transpose(1, 2))  # [count, heads, max_len, hd]
+        q_b, k_b, v_b = padded
+        o = F.scaled_dot_product_attention(
+            q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=num_heads != k.shape[1]
+        )
+        rows = o.transpose(1, 2)[f.batch, f.pos]  # [n, heads, hd]
+        out.index_copy_(0, f.rows, rows.reshape(-1, num_heads * head_dim))
 
     def _eager_prefill(
         self,
@@ -409,8 +480,13 @@ class TorchPagedAttention:
         use_cpu_kernel: bool = False,
         use_triton_decode: bool = False,
         per_token: bool = False,
+        batch_prompts: bool | None = None,
     ) -> None:
         self.device = device
+        # Whole prompts of a step in one SDPA call (fresh_batch): on CUDA, where the per-call
+        # host cost is what a step with many prompts pays; on CPU each prompt's own call
+        # stays (no padding computed).
+        self.batch_prompts = device.type == "cuda" if batch_prompts is None else batch_prompts
         self.use_cpu_kernel = use_cpu_kernel
         self.use_triton_decode = use_triton_decode
         # --deterministic (with the CPU kernel): every token of a prefill chunk is attended
@@ -466,6 +542,7 @@ class TorchPagedAttention:
             device=dev,
             use_cpu_kernel=self.use_cpu_kernel,
             use_triton_decode=self.use_triton_decode,
+            fresh=fresh_batch(prefills, dev) if self.batch_prompts else None,
         )
 
 
