@@ -94,10 +94,13 @@ class AttentionMetadata(Protocol):
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q``: ``[num_tokens, num_heads, head_dim]`` → ``[num_tokens, num_heads *
         head_dim]``; ``k``/``v`` are this step's new keys/values (already in the cache).
-        ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2)."""
+        ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
+        ``sinks``: float32 ``[num_heads]``, one more logit per head in each softmax's
+        denominator, whose value is zero (gpt-oss's attention sinks)."""
         ...
 
 
@@ -166,6 +169,46 @@ class _Prefill:
         return self.masks[window]
 
 
+@dataclass(frozen=True, slots=True)
+class _FreshBatch:
+    """Whole prompts from position 0 attended together: one SDPA call over ``[count,
+    max_len]`` right-padded copies of their q/k/v instead of one call per prompt (the host
+    cost of a step that carries many prompts on a GPU: an 8B model's eager step at 64 streams
+    spent about half its host time in that per-prompt loop).  Under ``is_causal`` a real
+    query row never reaches the padding after its own prompt, so its result is the
+    per-prompt one; padded rows are computed and dropped."""
+
+    rows: torch.Tensor  # [n] int64: the prompts' rows of the flat batch
+    batch: torch.Tensor  # [n] int64: each row's prompt, 0..count-1
+    pos: torch.Tensor  # [n] int64: each row's position in its prompt
+    count: int
+    max_len: int
+    token_starts: frozenset[int]  # the prefills (by token_start) it covers
+
+
+# Batch only while padding adds at most this share again of the prompts' own tokens.
+_MAX_FRESH_PADDING = 1.0
+
+
+def fresh_batch(prefills: list[_Prefill], device: torch.device) -> _FreshBatch | None:
+    """The :class:`_FreshBatch` of ``prefills``' whole prompts, or None where fewer than two
+    start at position 0 or padding them to one length would cost too much."""
+    fresh = [p for p in prefills if p.start_pos == 0]
+    if len(fresh) < 2:
+        return None
+    total = sum(p.num_tokens for p in fresh)
+    max_len = max(p.num_tokens for p in fresh)
+    if len(fresh) * max_len > (1 + _MAX_FRESH_PADDING) * total:
+        return None
+    rows = np.concatenate([np.arange(p.token_start, p.token_start + p.num_tokens) for p in fresh])
+    batch = np.repeat(np.arange(len(fresh)), [p.num_tokens for p in fresh])
+    pos = np.concatenate([np.arange(p.num_tokens) for p in fresh])
+    index = torch.from_numpy(np.stack([rows, batch, pos]).astype(np.int64)).to(device)
+    return _FreshBatch(
+        index[0], index[1], index[2], len(fresh), max_len, frozenset(p.token_start for p in fresh)
+    )
+
+
 @dataclass(slots=True)
 class TorchAttentionMetadata:
     slots: torch.Tensor  # [num_tokens] int64
@@ -179,6 +222,8 @@ class TorchAttentionMetadata:
     use_cpu_kernel: bool = False  # decodes through torch.ops.genserve.paged_decode_attention
     use_triton_decode: bool = False  # decodes through genserve.kernels.triton_attention
     dtype: torch.dtype | None = None
+    # Whole prompts attended in one padded SDPA call (TorchPagedAttention: on CUDA).
+    fresh: _FreshBatch | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -226,12 +271,13 @@ class TorchAttentionMetadata:
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All decode tokens in one batched op → ``[num_decodes, num_heads * head_dim]``."""
         d = self.num_decodes
         _, num_heads, head_dim = q.shape
-        # The CPU kernel caps scores itself; the Triton one does not: soft-capped layers
-        # take the gathered eager path there.
+        # The CPU kernel caps scores and adds sinks itself; the Triton one does neither:
+        # soft-capped layers and layers with sinks take the gathered eager path there.
         if self.use_cpu_kernel:
             out: torch.Tensor = torch.ops.genserve.paged_decode_attention(
                 q[:d],
@@ -241,9 +287,10 @@ class TorchAttentionMetadata:
                 scale,
                 -1 if window is None else window,
                 0.0 if softcap is None else softcap,
+                sinks,
             )
             return out.view(d, num_heads * head_dim)
-        if self.use_triton_decode and softcap is None:
+        if self.use_triton_decode and softcap is None and sinks is None:
             from genserve.kernels import triton_attention
 
             out = triton_attention.paged_decode_attention(
@@ -263,9 +310,11 @@ class TorchAttentionMetadata:
         # Fold the query heads of a KV group into the query-length axis:
         # [d, heads, hd] -> [kv_heads, d, group, hd]; one op over all (kv_head, seq) pairs.
         q_dec = q[:d].view(d, num_kv_heads, group, head_dim).transpose(0, 1)
-        if softcap is not None:
+        if softcap is not None or sinks is not None:
             mask = self._decode_mask(window, block_size, torch.float32)
-            o = eager_attention(q_dec, ctx[0], ctx[1], mask, scale, softcap)
+            # Head kvh * group + g's sink, beside its scores [kvh, d, g, L].
+            sink = None if sinks is None else sinks.view(num_kv_heads, 1, group, 1)
+            o = eager_attention(q_dec, ctx[0], ctx[1], mask, scale, softcap, sink)
         elif q.dtype == torch.float32 or d < _MIN_DECODES_FOR_MATMUL:
             mask = self._decode_mask(window, block_size, q.dtype)
             o = F.scaled_dot_product_attention(q_dec, ctx[0], ctx[1], attn_mask=mask, scale=scale)
@@ -287,22 +336,28 @@ class TorchAttentionMetadata:
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[1]
         group = num_heads // num_kv_heads
         d = self.num_decodes
         if not self.prefills:  # decode-only step: no output buffer to assemble
-            return self._attend_decodes(q, kv_cache, scale, window, softcap)
+            return self._attend_decodes(q, kv_cache, scale, window, softcap, sinks)
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if d:
-            out[:d] = self._attend_decodes(q, kv_cache, scale, window, softcap)
+            out[:d] = self._attend_decodes(q, kv_cache, scale, window, softcap, sinks)
+        fresh = self.fresh if softcap is None and sinks is None and window is None else None
+        if fresh is not None:
+            self._attend_fresh(fresh, q, k, v, scale, out)
         for p in self.prefills:
+            if fresh is not None and p.token_start in fresh.token_starts:
+                continue
             s, n = p.token_start, p.num_tokens
             q_p = q[s : s + n].transpose(0, 1)[None]  # [1, heads, n, hd]
             prefill_mask = p.mask(window, self.device)
-            if softcap is not None:
-                o = self._capped_prefill(p, q_p, k, v, kv_cache, scale, window, softcap)
+            if softcap is not None or sinks is not None:
+                o = self._eager_prefill(p, q_p, k, v, kv_cache, scale, window, softcap, sinks)
             elif prefill_mask is None:  # whole prompt from position 0: attend to the fresh K/V
                 k_p = k[s : s + n].transpose(0, 1)[None]
                 v_p = v[s : s + n].transpose(0, 1)[None]
@@ -320,7 +375,31 @@ class TorchAttentionMetadata:
             out[s : s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return out
 
-    def _capped_prefill(
+    @staticmethod
+    def _attend_fresh(
+        f: _FreshBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """The prompts of ``f`` in one causal SDPA call over right-padded copies, into
+        their rows of ``out``."""
+        _, num_heads, head_dim = q.shape
+        padded = []
+        for x in (q, k, v):
+            buf = x.new_zeros(f.count, f.max_len, x.shape[1], head_dim)
+            buf[f.batch, f.pos] = x.index_select(0, f.rows)
+            padded.append(buf.transpose(1, 2))  # [count, heads, max_len, hd]
+        q_b, k_b, v_b = padded
+        o = F.scaled_dot_product_attention(
+            q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=num_heads != k.shape[1]
+        )
+        rows = o.transpose(1, 2)[f.batch, f.pos]  # [n, heads, hd]
+        out.index_copy_(0, f.rows, rows.reshape(-1, num_heads * head_dim))
+
+    def _eager_prefill(
         self,
         p: _Prefill,
         q_p: torch.Tensor,
@@ -329,7 +408,8 @@ class TorchAttentionMetadata:
         kv_cache: torch.Tensor,
         scale: float,
         window: int | None,
-        softcap: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """One prefill chunk through :func:`eager_attention` → ``[1, heads, n, head_dim]``."""
         _, num_heads, n, head_dim = q_p.shape
@@ -355,7 +435,11 @@ class TorchAttentionMetadata:
         group = num_heads // num_kv_heads
         # [kvh, group * n, hd]: the query heads of a KV group share its keys.
         q_g = q_p[0].reshape(num_kv_heads, group, n, head_dim).reshape(num_kv_heads, group * n, -1)
-        o = eager_attention(q_g, keys, values, mask.repeat(group, 1), scale, softcap)
+        sink = None
+        if sinks is not None:  # row g * n + i of KV head h is query head h * group + g's
+            sink = sinks.view(num_kv_heads, group, 1).expand(num_kv_heads, group, n)
+            sink = sink.reshape(num_kv_heads, group * n, 1)
+        o = eager_attention(q_g, keys, values, mask.repeat(group, 1), scale, softcap, sink)
         return o.view(num_kv_heads, group, n, head_dim).reshape(1, num_heads, n, head_dim)
 
 
@@ -365,15 +449,24 @@ def eager_attention(
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """transformers' eager attention with score soft-capping: ``softmax(cap * tanh(q kᵀ *
-    scale / cap) + mask) v``, the softmax in float32.  ``q`` ``[..., m, hd]``, ``k``/``v``
-    ``[..., L, hd]``, ``mask`` additive, broadcastable to ``[..., m, L]``."""
+    """transformers' eager attention with score soft-capping and/or attention sinks:
+    ``softmax(cap * tanh(q kᵀ * scale / cap) + mask) v``, the softmax in float32, over one
+    more column per row holding its sink logit (then dropped: the sink's value is zero).
+    ``q`` ``[..., m, hd]``, ``k``/``v`` ``[..., L, hd]``, ``mask`` additive, broadcastable to
+    ``[..., m, L]``, ``sinks`` broadcastable to ``[..., m, 1]``."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    weights = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
-    return torch.matmul(weights, v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float() + mask
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)
 
 
 class TorchPagedAttention:
@@ -387,8 +480,13 @@ class TorchPagedAttention:
         use_cpu_kernel: bool = False,
         use_triton_decode: bool = False,
         per_token: bool = False,
+        batch_prompts: bool | None = None,
     ) -> None:
         self.device = device
+        # Whole prompts of a step in one SDPA call (fresh_batch): on CUDA, where the per-call
+        # host cost is what a step with many prompts pays; on CPU each prompt's own call
+        # stays (no padding computed).
+        self.batch_prompts = device.type == "cuda" if batch_prompts is None else batch_prompts
         self.use_cpu_kernel = use_cpu_kernel
         self.use_triton_decode = use_triton_decode
         # --deterministic (with the CPU kernel): every token of a prefill chunk is attended
@@ -444,6 +542,7 @@ class TorchPagedAttention:
             device=dev,
             use_cpu_kernel=self.use_cpu_kernel,
             use_triton_decode=self.use_triton_decode,
+            fresh=fresh_batch(prefills, dev) if self.batch_prompts else None,
         )
 
 
@@ -484,8 +583,12 @@ class FlashAttentionMetadata:
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+
+        if sinks is not None:  # the model runner picks the torch backend for such models
+            raise ValueError("flash-attn's paged kernel has no attention sinks")
 
         num_tokens, num_heads, head_dim = q.shape
         out = flash_attn_varlen_func(

@@ -165,7 +165,7 @@ def _moe_plan(
     types), and its shared expert's matrices planned as a dense MLP's."""
     names = moe.spec.names
     stacked = None
-    if experts is not None:
+    if experts is not None and moe.b13 is None and moe.spec.activation is None:
         stacked = read_quantized_experts(
             experts, f"{prefix}.{names.experts}", moe.width_range, moe.spec.intermediate_size
         )

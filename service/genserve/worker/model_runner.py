@@ -252,10 +252,14 @@ class ModelRunner:
         self.backend = select_backend(
             self.device, block_size, self.dtype, head_dim=self.config.head_dim
         )
-        if not self.serving.is_native and not isinstance(self.backend, TorchPagedAttention):
+        sinks = self.serving.is_native and self.config.attention.sinks
+        if (not self.serving.is_native or sinks) and not isinstance(
+            self.backend, TorchPagedAttention
+        ):
             from genserve.kernels import cpu as cpu_kernels
 
-            # The fallback's attention reads TorchAttentionMetadata (and its cache layout).
+            # The fallback's attention reads TorchAttentionMetadata (and its cache layout);
+            # flash-attn's paged kernel has no attention sinks (gpt-oss).
             self.backend = TorchPagedAttention(
                 self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
             )
@@ -331,6 +335,9 @@ class ModelRunner:
         a trial capture).  No-op on CPU or without the Triton decode kernel (logged)."""
         if not self.serving.is_native:
             log.info("cuda_graphs_off", reason="the transformers fallback runs eagerly")
+            return
+        if self.config.attention.sinks:
+            log.info("cuda_graphs_off", reason="attention sinks decode through eager attention")
             return
         target = GraphTarget(
             self.model,
