@@ -238,20 +238,28 @@ def _build_and_load() -> bool:
     if compiled:
         log.info("cpu_kernels_compiling", directory=str(directory), hint=_BOOTSTRAP_HINT)
     try:
-        from torch.utils import cpp_extension
+        if directory != _settings.cache_dir / name:
+            # The bootstrap's finished build of these very sources (the name hashes them):
+            # load it as it is.  Going through cpp_extension.load would run ninja in a
+            # directory this process does not own, and ninja rebuilds whenever the sources'
+            # paths differ from the ones it was built from (another checkout of the same
+            # code), under a lock every other server starting meanwhile waits on.
+            torch.ops.load_library(str(_library(directory, name)))
+        else:
+            from torch.utils import cpp_extension
 
-        _put_ninja_on_path()
-        directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=name,
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=[*_OPT_FLAGS, *_ISA_FLAGS.get(level, [])],
-            extra_include_paths=[str(_SOURCES[0].parent)],
-            extra_ldflags=_LINK_FLAGS,
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+            _put_ninja_on_path()
+            directory.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name=name,
+                sources=[str(source) for source in _SOURCES],
+                extra_cflags=[*_OPT_FLAGS, *_ISA_FLAGS.get(level, [])],
+                extra_include_paths=[str(_SOURCES[0].parent)],
+                extra_ldflags=_LINK_FLAGS,
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
         for op in (*_OPS, *_LORA_OPS):
             getattr(torch.ops.genserve, op)  # raises if the library did not register it
         torch.ops.genserve.set_batch_invariant(_settings.batch_invariant)
