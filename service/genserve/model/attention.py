@@ -21,16 +21,18 @@ Two backends:
   differs from SDPA only in the order of float32 sums.  On CUDA, decodes go through
   genserve's Triton kernel (``genserve.kernels.triton_attention``), which also reads the
   blocks in place.
-- :class:`FlashPagedAttention` (CUDA with ``flash_attn``, float16/bfloat16, and block size a
-  multiple of 256, which its paged kernels require): cache per layer ``[2, num_blocks, block_size,
-  num_kv_heads, head_dim]`` and one ``flash_attn_varlen_func`` call with ``block_table`` for
-  the whole batch (causal masks are bottom-right aligned there, which is what chunked prefill
-  needs).
+- ``FlashPagedAttention`` (:mod:`genserve.model.flash_attention`; CUDA with ``flash_attn``,
+  float16/bfloat16, and block size a multiple of 256, which its paged kernels require): cache
+  per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` and one
+  ``flash_attn_varlen_func`` call with ``block_table`` for the whole batch.
+
+This module holds the contracts every backend implements (:class:`SeqSpec`,
+:class:`AttentionMetadata`, :class:`AttentionBackend`, the slot mapping and block tables)
+and the torch backend; :mod:`genserve.model.attention_backend` chooses one for a device.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from genserve.kernels.triton_rotary_kv import BLOCKS_FIRST, HEADS_FIRST
+from genserve.kernels.triton_rotary_kv import HEADS_FIRST
 
 # Below this many decodes in a half-precision step, SDPA beats the two-matmul path.
 _MIN_DECODES_FOR_MATMUL = 4
@@ -128,7 +130,7 @@ def slot_mapping(seqs: list[SeqSpec], num_decodes: int, block_size: int) -> np.n
     return np.concatenate(parts)
 
 
-def _block_table(seqs: list[SeqSpec], block_size: int) -> tuple[np.ndarray, int]:
+def block_table(seqs: list[SeqSpec], block_size: int) -> tuple[np.ndarray, int]:
     """``[num_seqs, max_blocks]`` of the blocks covering each context (padded with block 0,
     always masked out) and ``max_blocks``."""
     needed = [-(-s.context_len // block_size) for s in seqs]
@@ -421,7 +423,7 @@ class TorchPagedAttention:
                 ),
             ]
             num_decodes = len(seqs)
-        table, max_blocks = _block_table(seqs[:num_decodes], block_size)
+        table, max_blocks = block_table(seqs[:num_decodes], block_size)
         decode_positions = np.fromiter(
             (s.start_pos for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes
         )
@@ -445,123 +447,3 @@ class TorchPagedAttention:
             use_cpu_kernel=self.use_cpu_kernel,
             use_triton_decode=self.use_triton_decode,
         )
-
-
-@dataclass(slots=True)
-class FlashAttentionMetadata:
-    slots: torch.Tensor  # [num_tokens] int64
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, cumulative context lengths
-    max_seqlen_q: int
-    max_seqlen_k: int
-    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
-
-    @property
-    def fused_kv_slots(self) -> torch.Tensor | None:
-        return None  # a CUDA layout: write_kv stores K/V
-
-    @property
-    def kv_layout(self) -> int:
-        return BLOCKS_FIRST
-
-    def sequence_lengths(self) -> torch.Tensor:
-        q_lens = self.cu_seqlens_q.diff().long()
-        return torch.repeat_interleave(self.cu_seqlens_k.diff().long(), q_lens)
-
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
-        two, num_blocks, block_size, heads, head_dim = kv_cache.shape
-        flat = kv_cache.view(two, num_blocks * block_size, heads, head_dim)
-        flat[0].index_copy_(0, self.slots, k)
-        flat[1].index_copy_(0, self.slots, v)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
-        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
-
-        num_tokens, num_heads, head_dim = q.shape
-        out = flash_attn_varlen_func(
-            q,
-            kv_cache[0],
-            kv_cache[1],
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_k=self.cu_seqlens_k,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
-            softmax_scale=scale,
-            causal=True,
-            # HF's sliding window keeps keys with q_pos - k_pos < window.
-            window_size=(window - 1, 0) if window is not None else (-1, -1),
-            softcap=0.0 if softcap is None else softcap,
-            block_table=self.block_table,
-        )
-        return out.reshape(num_tokens, num_heads * head_dim)  # type: ignore[no-any-return]
-
-
-class FlashPagedAttention:
-    """CUDA backend on flash-attn's paged varlen kernel (one call per layer per step)."""
-
-    name = "flash-attn"
-    block_dim = 1
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-    def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
-        dev = self.device
-        q_lens = np.asarray([s.num_tokens for s in seqs], dtype=np.int32)
-        k_lens = np.asarray([s.context_len for s in seqs], dtype=np.int32)
-        cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
-        table, _ = _block_table(seqs, block_size)
-        return FlashAttentionMetadata(
-            slots=torch.from_numpy(slot_mapping(seqs, num_decodes, block_size)).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu_q).to(dev),
-            cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
-            max_seqlen_q=int(q_lens.max(initial=0)),
-            max_seqlen_k=int(k_lens.max(initial=0)),
-            block_table=torch.from_numpy(table.astype(np.int32)).to(dev),
-        )
-
-
-def select_backend(
-    device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int = 128
-) -> AttentionBackend:
-    """flash-attn when it can run (CUDA, importable, half precision, a block size its paged
-    kernels accept), else the torch backend — with genserve's CPU decode kernel on CPU
-    when it builds (``genserve.kernels.cpu``), and on CUDA with genserve's
-    Triton decode kernel (``genserve.kernels.triton_attention``) when Triton is installed."""
-    if (
-        device.type == "cuda"
-        and dtype in (torch.float16, torch.bfloat16)
-        and block_size % 256 == 0
-        and importlib.util.find_spec("flash_attn") is not None
-    ):
-        return FlashPagedAttention(device)
-    from genserve.kernels import cpu as cpu_kernels
-    from genserve.kernels import triton_attention
-
-    triton_decode = (
-        device.type == "cuda"
-        and triton_attention.available(device)
-        and triton_attention.supports(block_size, head_dim)
-    )
-    return TorchPagedAttention(
-        device,
-        use_cpu_kernel=cpu_kernels.usable(device, dtype),
-        use_triton_decode=triton_decode,
-        per_token=cpu_kernels.batch_invariant(),
-    )

@@ -25,7 +25,8 @@ import torch
 
 from genserve.kernels import fused_gpu_ops
 from genserve.model import rope_scaling
-from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
+from genserve.model.attention import AttentionBackend, TorchPagedAttention
+from genserve.model.attention_backend import select_backend
 from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
