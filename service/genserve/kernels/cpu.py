@@ -244,7 +244,7 @@ def _build_and_load() -> bool:
             # directory this process does not own, and ninja rebuilds whenever the sources'
             # paths differ from the ones it was built from (another checkout of the same
             # code), under a lock every other server starting meanwhile waits on.
-            torch.ops.load_library(str(_library(directory, name)))
+            torch.ops.load_library(str(_library(directory, name)))  # type: ignore[no-untyped-call]
         else:
             from torch.utils import cpp_extension
 
