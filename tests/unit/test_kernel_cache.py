@@ -35,13 +35,14 @@ def test_bootstrap_builds_where_the_server_looks() -> None:
     assert '--cache-dir "${GENSERVE_CACHE:-$HOME/.cache/genserve}/kernels"' in script
 
 
-def test_the_bootstrap_build_is_loaded_as_it_is(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """ninja rebuilds a build whose sources sat elsewhere (another checkout of the same code):
-    a finished build in the default cache is loaded directly, never handed to ninja."""
+def _fake_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loads: bool
+) -> tuple[Path, list[str], list[str]]:
+    """A finished build of this code in a default cache only; records what loads and what
+    ninja is asked to build (neither really happens)."""
     default, configured = tmp_path / "default", tmp_path / "configured"
-    name = f"genserve_cpu_kernels_{cpu_kernels._isa_level().lower()}_{cpu_kernels._content_hash()}"
+    level, digest = cpu_kernels._isa_level().lower(), cpu_kernels._content_hash()
+    name = f"genserve_cpu_kernels_{level}_{digest}"
     (default / name).mkdir(parents=True)
     (default / name / f"{name}.so").write_bytes(b"")
     monkeypatch.setattr(cpu_kernels, "_DEFAULT_CACHE_DIR", default)
@@ -51,11 +52,39 @@ def test_the_bootstrap_build_is_loaded_as_it_is(
 
     def load_library(path: str) -> None:
         loaded.append(path)
-        raise OSError("not a real library")  # the caller falls back to torch ops
+        if not loads:
+            raise OSError("file too short")
 
     monkeypatch.setattr(torch.ops, "load_library", load_library)
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw["name"]))
-    assert cpu_kernels._build_and_load() is False
-    assert loaded == [str(default / name / f"{name}.so")]
+    return default / name / f"{name}.so", loaded, built
+
+
+def test_a_finished_build_is_loaded_without_ninja(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ninja rebuilds a build compiled from other paths (another checkout of the same code):
+    a finished build is loaded as it is, wherever it lies."""
+    library, loaded, built = _fake_builds(tmp_path, monkeypatch, loads=True)
+    cpu_kernels._build_and_load()
+    assert loaded == [str(library)]
     assert built == []
-    assert not configured.exists()
+    assert not (tmp_path / "configured").exists()
+
+
+def test_a_library_that_does_not_load_is_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library, loaded, built = _fake_builds(tmp_path, monkeypatch, loads=False)
+    cpu_kernels._build_and_load()
+    assert loaded == [str(library)]
+    assert built == [library.stem]
+
+
+def test_every_kernel_source_is_in_the_build_name() -> None:
+    """A finished build is trusted by its name alone: every file the compiler reads is
+    hashed into it."""
+    kernels = Path(cpu_kernels.__file__).parent
+    on_disk = {p.name for p in kernels.iterdir() if p.suffix in (".cpp", ".h", ".inc")}
+    hashed = {p.name for p in (*cpu_kernels._SOURCES, *cpu_kernels._HEADERS)}
+    assert on_disk == hashed

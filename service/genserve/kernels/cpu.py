@@ -229,6 +229,21 @@ def _build_directory(name: str) -> Path:
     return configured
 
 
+def _load_finished(library: Path) -> bool:
+    """Load a finished build as it is, without running ninja: its name hashes every source,
+    header and flag and the torch version, so it is this code's build.  ninja would rebuild
+    it whenever the paths it was compiled from differ (a second checkout of the same code,
+    torch imported through another path to the same virtual environment), under a lock
+    every server starting meanwhile waits on.  False when the file does not load (a link cut
+    short by a kill): it is built again."""
+    try:
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    except OSError as exc:
+        log.warning("cpu_kernels_rebuild", library=str(library), error=str(exc)[:300])
+        return False
+    return True
+
+
 def _build_and_load() -> bool:
     level = _isa_level()
     name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
@@ -238,14 +253,7 @@ def _build_and_load() -> bool:
     if compiled:
         log.info("cpu_kernels_compiling", directory=str(directory), hint=_BOOTSTRAP_HINT)
     try:
-        if directory != _settings.cache_dir / name:
-            # The bootstrap's finished build of these very sources (the name hashes them):
-            # load it as it is.  Going through cpp_extension.load would run ninja in a
-            # directory this process does not own, and ninja rebuilds whenever the sources'
-            # paths differ from the ones it was built from (another checkout of the same
-            # code), under a lock every other server starting meanwhile waits on.
-            torch.ops.load_library(str(_library(directory, name)))  # type: ignore[no-untyped-call]
-        else:
+        if compiled or not _load_finished(_library(directory, name)):
             from torch.utils import cpp_extension
 
             _put_ninja_on_path()
