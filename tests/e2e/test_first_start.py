@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -26,7 +29,13 @@ from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import TinyModelFactory
 from tests.e2e.test_gguf_restart import fresh_cache
-from tests.utils.live_server import ServerExited, start_server
+from tests.utils.live_server import (
+    LiveServer,
+    ServerExited,
+    free_port,
+    genserve_command,
+    start_server,
+)
 
 QUIET = ("--prometheus-port", "0")
 
@@ -113,6 +122,48 @@ def _leave_a_killed_conversion(models: Path) -> list[Path]:
     return left
 
 
+@contextmanager
+def _on_a_terminal(model: Path, tmp_path: Path, *args: str) -> Iterator[LiveServer]:
+    """A genserve whose stdout and stderr are a terminal (a pty), as in an operator's shell,
+    where progress bars are drawn; what the terminal shows is copied to a file, one line per
+    newline (a redrawn bar stays one line with carriage returns in it)."""
+    master, slave = pty.openpty()
+    log_path = tmp_path / "terminal.log"
+    port = free_port()
+    cmd = [*genserve_command(), "--model-id", str(model), "--hostname", "127.0.0.1"]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    os.close(slave)
+
+    def copy() -> None:
+        with log_path.open("ab") as out:
+            while True:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the process closed the terminal
+                    return
+                if not data:
+                    return
+                out.write(data.replace(b"\r\n", b"\n"))
+                out.flush()
+
+    copier = threading.Thread(target=copy, daemon=True)
+    copier.start()
+    server = LiveServer(proc, port, log_path)
+    try:
+        server.wait_for(want_serving=True)
+        yield server
+    finally:
+        server.stop()
+        copier.join(10)
+        os.close(master)
+
+
 def _greedy_ids(address: str) -> list[int]:
     params = pb.GenerateParameters(max_new_tokens=6, details=True)
     reply = _generate(address, pb.GenerateRequest(inputs=["Hello there"], parameters=params))
@@ -120,19 +171,20 @@ def _greedy_ids(address: str) -> list[int]:
 
 
 def test_gguf_first_start_json_lines_one_entry_and_cleanup(tmp_path: Path) -> None:
-    """A GGUF's first start under --json-output: the conversion's progress comes as JSON
-    events (every line parses), the leftovers of a conversion killed earlier are removed, and
-    the same file under another name then starts from that one entry without converting."""
+    """A GGUF's first start under --json-output, on a terminal (where bars would be drawn):
+    the conversion's progress comes as JSON events (every line parses), the leftovers of a
+    conversion killed earlier are removed, and the same file under another name then starts
+    from that one entry without converting."""
     gguf = make_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0", seed=5)
     cache = fresh_cache(tmp_path)
     models = cache / "models"
     leftovers = _leave_a_killed_conversion(models)
     cache_args = ("--genserve-cache", str(cache), *QUIET)
-    with start_server(gguf, "--json-output", *cache_args) as server:
+    with _on_a_terminal(gguf, tmp_path, "--json-output", *cache_args) as server:
         first = _greedy_ids(server.address)
         assert server.stop(signal.SIGTERM) == 0
-        lines = server.logs().splitlines()
-    events = [json.loads(line) for line in lines]
+        lines = server.logs().split("\n")
+    events = [json.loads(line) for line in lines if line]
     assert all(isinstance(e, dict) for e in events)
     names = {e.get("event") for e in events}
     assert {"model_conversion_started", "model_conversion_done"} <= names, names
