@@ -29,6 +29,7 @@ from genserve.model.attention import AttentionBackend, TorchPagedAttention, sele
 from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import ResolvedModel
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
+from genserve.model.mla import latent_cache_shape
 from genserve.model.quantize_model import model_weight_bytes
 from genserve.model.registry import build_model
 from genserve.model.serving_path import choose_serving_path
@@ -223,9 +224,15 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- KV cache sizing
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes on this rank: K and V, every layer, this rank's KV heads."""
+        """Bytes one block takes on this rank: K and V, every layer, this rank's KV heads;
+        with latent attention the latent and rope key rows instead (every rank holds them
+        whole: model/mla.py)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * elem
+        mla = self.config.mla
+        if mla is not None:
+            per_token = mla.cache_width * elem
+        else:
+            per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * elem
         return per_token * block_size * self.config.num_layers
 
     def available_kv_memory_bytes(self, fraction: float) -> int:
@@ -252,19 +259,22 @@ class ModelRunner:
         self.backend = select_backend(
             self.device, block_size, self.dtype, head_dim=self.config.head_dim
         )
-        if not self.serving.is_native and not isinstance(self.backend, TorchPagedAttention):
+        mla = self.config.mla
+        torch_metadata = not self.serving.is_native or mla is not None
+        if torch_metadata and not isinstance(self.backend, TorchPagedAttention):
             from genserve.kernels import cpu as cpu_kernels
 
-            # The fallback's attention reads TorchAttentionMetadata (and its cache layout).
+            # The fallback's attention and latent attention read TorchAttentionMetadata.
             self.backend = TorchPagedAttention(
                 self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
             )
-        shape = self.backend.kv_cache_shape(
-            num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
-        )
-        if self._graph_plan is not None:  # one scratch block past the scheduler's, for padding
+        # One scratch block past the scheduler's, for padding CUDA graph steps.
+        allocated = num_blocks + (1 if self._graph_plan is not None else 0)
+        if mla is not None:
+            shape = latent_cache_shape(allocated, block_size, mla.cache_width)
+        else:
             shape = self.backend.kv_cache_shape(
-                num_blocks + 1, block_size, self.model.num_local_kv_heads, self.config.head_dim
+                allocated, block_size, self.model.num_local_kv_heads, self.config.head_dim
             )
         pool = zeros((self.config.num_layers, *shape), self.dtype, self.device)
         self.kv_caches = list(pool.unbind(0))
@@ -331,6 +341,9 @@ class ModelRunner:
         a trial capture).  No-op on CPU or without the Triton decode kernel (logged)."""
         if not self.serving.is_native:
             log.info("cuda_graphs_off", reason="the transformers fallback runs eagerly")
+            return
+        if self.config.mla is not None:
+            log.info("cuda_graphs_off", reason="latent attention runs eagerly")
             return
         target = GraphTarget(
             self.model,

@@ -12,6 +12,7 @@ from typing import Any
 
 from genserve.model.families import (
     cohere,
+    deepseek_v3,
     gemma,
     gemma2,
     gemma3,
@@ -34,7 +35,7 @@ from genserve.model.spec import ModelConfig, UnsupportedModelError
 _MODULES = (
     llama, qwen3, gemma, gemma2, gemma3, phi3, granite, olmo2, stablelm, phi, gpt_neox,
     starcoder2, cohere, smollm3, mixtral, qwen_moe,
-    glm4_moe,
+    glm4_moe, deepseek_v3,
 )  # fmt: skip
 
 FAMILIES: dict[str, Callable[[Any, str], ModelConfig]] = {
@@ -51,6 +52,7 @@ _BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 NATIVE_ARCHITECTURES = tuple(FAMILIES)
