@@ -147,7 +147,7 @@ def test_runner_sizes_the_latent_cache(mla_dirs: dict[str, Path]) -> None:
     mla = runner.config.mla
     assert mla is not None and mla.cache_width == 32 + 16
     # 4 bytes x (latent 32 + rope 16) x 3 layers per token; full K/V would be
-    # 2 x 4 heads x (16 + 16 key / 24 value) wide: 5.3x more.
+    # 4 heads x (32 key + 24 value) = 224 wide: 4.7x more.
     assert runner.kv_cache_bytes_per_block(BLOCK) == BLOCK * 3 * 4 * 48
     runner.initialize_kv_cache(6, BLOCK)
     assert [tuple(c.shape) for c in runner.kv_caches] == [(1, 1, 6, BLOCK, 48)] * 3
