@@ -188,3 +188,18 @@ def test_uneven_head_split_is_refused(mla_dirs: dict[str, Path]) -> None:
     config = load_model_config(mla_dirs["deepseek_v3"])  # 4 heads
     with pytest.raises(UnsupportedModelError, match="--num-shard 3"):
         LatentAttention(config, 0, ParallelContext(rank=0, world_size=3), torch.float32, CPU)
+
+
+def test_quantized_checkpoint_is_not_read_natively() -> None:
+    """DeepSeek's released weights are FP8 blocks with scales the native loader does not
+    apply: such a config is refused natively (the fallback takes it)."""
+    from transformers import DeepseekV3Config
+
+    from genserve.model.families import config_from_hf
+
+    hf = DeepseekV3Config(
+        num_hidden_layers=2,
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
+    )
+    with pytest.raises(UnsupportedModelError, match="'fp8'"):
+        config_from_hf(hf)

@@ -39,6 +39,15 @@ def softmax_scale(hf: Any, qk_head_dim: int) -> float:
 def config(hf: Any, architecture: str) -> ModelConfig:
     if activation(hf.hidden_act) is not Activation.SILU:
         raise UnsupportedModelError(f"DeepSeek-V3 MLPs with {hf.hidden_act!r}: only SiLU")
+    quantized = getattr(hf, "quantization_config", None)
+    if quantized:
+        # DeepSeek's own checkpoints are FP8 blocks with per-block scales (weight_scale_inv):
+        # read as plain weights they would be wrong, so they go to the fallback.
+        method = dict(quantized).get("quant_method", "?")
+        raise UnsupportedModelError(
+            f"DeepSeek-V3 checkpoint quantized as {method!r}: the native path reads "
+            "unquantized (bfloat16/float) weights"
+        )
     q_lora_rank = getattr(hf, "q_lora_rank", None)
     mla = MlaSpec(
         kv_lora_rank=int(hf.kv_lora_rank),
