@@ -73,6 +73,12 @@ class Attention(nn.Module):
             in_range=(q_start, q_stop),
         )  # fmt: skip
         self.perm = head_permutation(d, spec.rotary_dim or d, spec.interleaved_rotary)
+        # gpt-oss's sink logits of this shard's query heads, float32 as the softmax is.
+        self.sinks = (
+            nn.Parameter(torch.zeros(self.num_heads, device=device), requires_grad=False)
+            if spec.sinks
+            else None
+        )
         self.qk_norm = spec.qk_norm
         self.q_norm: Norm | None = None
         self.k_norm: Norm | None = None
@@ -133,7 +139,7 @@ class Attention(nn.Module):
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, h, d], [num_tokens, kvh, d]
         if slots is None:
             meta.write_kv(kv_cache, k, v)
-        out = meta.attend(q, k, v, kv_cache, self.scale, self.window, self.softcap)
+        out = meta.attend(q, k, v, kv_cache, self.scale, self.window, self.softcap, self.sinks)
         return self.o_proj.forward(out)  # out: [num_tokens, h * d]
 
     def forward_gpu(
@@ -154,7 +160,9 @@ class Attention(nn.Module):
         fused_gpu_ops.rotary_store_kv(
             qk, v, cos, sin, positions, meta.slots, kv_cache, meta.kv_layout
         )
-        out = meta.attend(qk[:, :h], qk[:, h:], v, kv_cache, self.scale, self.window, self.softcap)
+        out = meta.attend(
+            qk[:, :h], qk[:, h:], v, kv_cache, self.scale, self.window, self.softcap, self.sinks
+        )
         return self.o_proj.forward(out)  # out: [num_tokens, h * d]
 
     def load(self, weights: WeightSource, prefix: str) -> None:
@@ -181,19 +189,26 @@ class Attention(nn.Module):
                 views[f"{role}.{suffix}"] = RowView(f"{source}.{suffix}", rows)
         self.qkv_proj.load(RowViews(weights, views), ["q", "k", "v"])
         self.o_proj.load(weights, f"{prefix}.{n.o}")
+        if self.sinks is not None:
+            start, stop = self.qkv_proj.q_range  # rows of the local query heads
+            self.sinks.copy_(weights.get_slice(f"{prefix}.{n.sinks}", 0, start // d, stop // d))
         if self.q_norm is not None and self.k_norm is not None:
             self._load_qk_norms(weights, prefix)
 
     def _load_qk_norms(self, weights: WeightSource, prefix: str) -> None:
         n, d = self.config.names, self.head_dim
         cols = torch.tensor(self.perm) if self.perm else None
+        full_width = self.qk_norm is QKNorm.FULL_WIDTH
         q_heads = torch.arange(*self.qkv_proj.q_range)[::d] // d  # local query heads
         kv_heads = torch.tensor(self.qkv_proj.kv_heads)
         views = {}
         for role, name, heads in (("q", n.q_norm, q_heads), ("k", n.k_norm, kv_heads)):
             rows = heads if self.config.attention.qk_norm_weights_per_head else None
+            role_cols = cols
+            if full_width and cols is not None:  # one weight over every head: permute each
+                role_cols = (torch.arange(len(heads))[:, None] * d + cols[None, :]).reshape(-1)
             for suffix in ("weight", "bias"):
-                views[f"{role}.{suffix}"] = RowView(f"{prefix}.{name}.{suffix}", rows, cols)
+                views[f"{role}.{suffix}"] = RowView(f"{prefix}.{name}.{suffix}", rows, role_cols)
         viewed = RowViews(weights, views)
         assert self.q_norm is not None and self.k_norm is not None
         self.q_norm.load(viewed, "q.weight")

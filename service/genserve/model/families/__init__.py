@@ -18,8 +18,10 @@ from genserve.model.families import (
     gemma3,
     glm4_moe,
     gpt_neox,
+    gpt_oss,
     granite,
     llama,
+    minimax_m2,
     mixtral,
     olmo2,
     phi,
@@ -35,7 +37,7 @@ from genserve.model.spec import ModelConfig, UnsupportedModelError
 _MODULES = (
     llama, qwen3, gemma, gemma2, gemma3, phi3, granite, olmo2, stablelm, phi, gpt_neox,
     starcoder2, cohere, smollm3, mixtral, qwen_moe,
-    glm4_moe, deepseek_v3,
+    glm4_moe, gpt_oss, minimax_m2, deepseek_v3,
 )  # fmt: skip
 
 FAMILIES: dict[str, Callable[[Any, str], ModelConfig]] = {
@@ -52,6 +54,8 @@ _BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
