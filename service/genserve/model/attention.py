@@ -211,6 +211,11 @@ class TorchAttentionMetadata:
         flat[0].index_copy_(1, self.slots, k.transpose(0, 1))
         flat[1].index_copy_(1, self.slots, v.transpose(0, 1))
 
+    def decode_mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The decodes' additive mask ``[1, num_decodes, 1, max_blocks * block_size]`` over
+        their gathered blocks (built once per step and window; latent attention reads it)."""
+        return self._decode_mask(window, block_size, dtype)
+
     def _decode_mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[1, num_decodes, 1, max_blocks * block_size]``: 0 where the
         gathered slot is inside the context (and window), -inf elsewhere."""

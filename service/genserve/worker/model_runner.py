@@ -33,6 +33,7 @@ from genserve.model.attention import AttentionBackend, TorchPagedAttention
 from genserve.model.attention_backend import select_backend
 from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import ResolvedModel
+from genserve.model.mla import latent_cache_shape
 from genserve.model.quantize_model import model_weight_bytes
 from genserve.model.registry import build_model
 from genserve.model.serving_path import choose_serving_path
@@ -218,9 +219,15 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- KV cache sizing
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes on this rank: K and V, every layer, this rank's KV heads."""
+        """Bytes one block takes on this rank: K and V, every layer, this rank's KV heads;
+        with latent attention the latent and rope key rows instead (every rank holds them
+        whole: model/mla.py)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * elem
+        mla = self.config.mla
+        if mla is not None:
+            per_token = mla.cache_width * elem
+        else:
+            per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * elem
         return per_token * block_size * self.config.num_layers
 
     def available_kv_memory_bytes(self, fraction: float) -> int:
@@ -247,23 +254,25 @@ class ModelRunner:
         self.backend = select_backend(
             self.device, block_size, self.dtype, head_dim=self.config.head_dim
         )
+        mla = self.config.mla
         sinks = self.serving.is_native and self.config.attention.sinks
-        if (not self.serving.is_native or sinks) and not isinstance(
-            self.backend, TorchPagedAttention
-        ):
+        torch_metadata = not self.serving.is_native or sinks or mla is not None
+        if torch_metadata and not isinstance(self.backend, TorchPagedAttention):
             from genserve.kernels import cpu as cpu_kernels
 
-            # The fallback's attention reads TorchAttentionMetadata (and its cache layout);
-            # flash-attn's paged kernel has no attention sinks (gpt-oss).
+            # The fallback's attention and latent attention read TorchAttentionMetadata (and
+            # the fallback its cache layout); flash-attn's paged kernel has no attention
+            # sinks (gpt-oss).
             self.backend = TorchPagedAttention(
                 self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
             )
-        shape = self.backend.kv_cache_shape(
-            num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
-        )
-        if self._graph_plan is not None:  # one scratch block past the scheduler's, for padding
+        # One scratch block past the scheduler's, for padding CUDA graph steps.
+        allocated = num_blocks + (1 if self._graph_plan is not None else 0)
+        if mla is not None:
+            shape = latent_cache_shape(allocated, block_size, mla.cache_width)
+        else:
             shape = self.backend.kv_cache_shape(
-                num_blocks + 1, block_size, self.model.num_local_kv_heads, self.config.head_dim
+                allocated, block_size, self.model.num_local_kv_heads, self.config.head_dim
             )
         pool = zeros((self.config.num_layers, *shape), self.dtype, self.device)
         self.kv_caches = list(pool.unbind(0))
@@ -333,6 +342,9 @@ class ModelRunner:
             return
         if self.config.attention.sinks:
             log.info("cuda_graphs_off", reason="attention sinks decode through eager attention")
+            return
+        if self.config.mla is not None:
+            log.info("cuda_graphs_off", reason="latent attention runs eagerly")
             return
         target = GraphTarget(
             self.model,
