@@ -233,13 +233,15 @@ class SparseMoeBlock(nn.Module):
         choice each (a token choosing two of this shard's experts is two rows), so the op
         groups them by expert as usual and reads only this shard's weights."""
         start, stop = self.expert_range
-        out = torch.zeros_like(x)
         token_idx, k_pos = torch.nonzero((ids >= start) & (ids < stop), as_tuple=True)
         if token_idx.numel() == 0:  # none of this step's choices is ours
-            return out
+            return torch.zeros_like(x)
         local_ids = (ids[token_idx, k_pos] - start).unsqueeze(1)  # [pairs, 1]
         pairs = self._experts(x[token_idx], local_ids, weights[token_idx, k_pos].unsqueeze(1))
-        return out.index_add_(0, token_idx, pairs)
+        # A token's choices summed in float32 and rounded once, as the op does within a row
+        # (in bfloat16 a per-choice sum would round once per choice).
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, token_idx, pairs.float()).to(x.dtype)
 
     @torch.no_grad()
     def load(self, weights: WeightSource, prefix: str) -> None:
