@@ -52,6 +52,7 @@ SEQUENTIAL = {"falcon", "qwen3_5_text"}
 # Served by genserve's own model (model/families); every other entry by the fallback.
 NATIVE = {
     "cohere",
+    "deepseek_v3",
     "gemma",
     "gemma2",
     "gemma3_text",

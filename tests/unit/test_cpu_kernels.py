@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from genserve.kernels import cpu as cpu_kernels
-from genserve.model.attention import SeqSpec, TorchPagedAttention, select_backend
+from genserve.model.attention import SeqSpec, TorchPagedAttention
+from genserve.model.attention_backend import select_backend
 from genserve.testing.tiny_model import NATIVE_FAMILIES
 from tests.conftest import TinyModelFactory
 

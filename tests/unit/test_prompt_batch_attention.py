@@ -1,4 +1,4 @@
-"""Whole prompts of a step attended in one padded SDPA call (``attention.fresh_batch``, the
+"""Whole prompts of a step attended in one padded SDPA call (``model/prompt_batch.py``, the
 CUDA default): the same outputs as one call per prompt, beside decodes and a chunk that
 continues from the cache; and the cases it leaves to the per-prompt loop."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genserve.model.attention import SeqSpec, TorchPagedAttention, fresh_batch
+from genserve.model.attention import SeqSpec, TorchPagedAttention
+from genserve.model.prompt_batch import prompt_batch
 
 BLOCK_SIZE = 4
 KV_HEADS, HEADS, HEAD_DIM = 2, 4, 8
@@ -59,13 +60,13 @@ def test_no_batch_for_one_prompt_or_too_much_padding() -> None:
     backend = TorchPagedAttention(torch.device("cpu"), batch_prompts=True)
 
     def batch(seqs: list[SeqSpec]) -> object:
-        meta = backend.build(seqs, 0, BLOCK_SIZE)
-        return fresh_batch(meta.prefills, torch.device("cpu"))  # type: ignore[attr-defined]
+        return backend.build(seqs, 0, BLOCK_SIZE).fresh  # type: ignore[attr-defined]
 
     assert batch([SeqSpec(5, 0, (0, 1))]) is None
     assert batch([SeqSpec(5, 0, (0, 1)), SeqSpec(3, 4, (2, 3))]) is None  # one is a chunk
     short = [SeqSpec(1, 0, (i,)) for i in range(3)]
     assert batch([*short, SeqSpec(30, 0, tuple(range(3, 11)))]) is None  # padding > tokens
     assert batch([SeqSpec(6, 0, (0, 1)), SeqSpec(4, 0, (2,))]) is not None
+    assert prompt_batch([(0, 6), (6, 4)], torch.device("cpu")) is not None
     # The CPU default is one call per prompt.
     assert TorchPagedAttention(torch.device("cpu")).batch_prompts is False

@@ -21,16 +21,18 @@ Two backends:
   differs from SDPA only in the order of float32 sums.  On CUDA, decodes go through
   genserve's Triton kernel (``genserve.kernels.triton_attention``), which also reads the
   blocks in place.
-- :class:`FlashPagedAttention` (CUDA with ``flash_attn``, float16/bfloat16, and block size a
-  multiple of 256, which its paged kernels require): cache per layer ``[2, num_blocks, block_size,
-  num_kv_heads, head_dim]`` and one ``flash_attn_varlen_func`` call with ``block_table`` for
-  the whole batch (causal masks are bottom-right aligned there, which is what chunked prefill
-  needs).
+- ``FlashPagedAttention`` (:mod:`genserve.model.flash_attention`; CUDA with ``flash_attn``,
+  float16/bfloat16, and block size a multiple of 256, which its paged kernels require): cache
+  per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` and one
+  ``flash_attn_varlen_func`` call with ``block_table`` for the whole batch.
+
+This module holds the contracts every backend implements (:class:`SeqSpec`,
+:class:`AttentionMetadata`, :class:`AttentionBackend`, the slot mapping and block tables)
+and the torch backend; :mod:`genserve.model.attention_backend` chooses one for a device.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,7 +40,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from genserve.kernels.triton_rotary_kv import BLOCKS_FIRST, HEADS_FIRST
+from genserve.kernels.triton_rotary_kv import HEADS_FIRST
+from genserve.model.prompt_batch import PromptBatch, attend_prompts, prompt_batch
 
 # Below this many decodes in a half-precision step, SDPA beats the two-matmul path.
 _MIN_DECODES_FOR_MATMUL = 4
@@ -131,7 +134,7 @@ def slot_mapping(seqs: list[SeqSpec], num_decodes: int, block_size: int) -> np.n
     return np.concatenate(parts)
 
 
-def _block_table(seqs: list[SeqSpec], block_size: int) -> tuple[np.ndarray, int]:
+def block_table(seqs: list[SeqSpec], block_size: int) -> tuple[np.ndarray, int]:
     """``[num_seqs, max_blocks]`` of the blocks covering each context (padded with block 0,
     always masked out) and ``max_blocks``."""
     needed = [-(-s.context_len // block_size) for s in seqs]
@@ -169,46 +172,6 @@ class _Prefill:
         return self.masks[window]
 
 
-@dataclass(frozen=True, slots=True)
-class _FreshBatch:
-    """Whole prompts from position 0 attended together: one SDPA call over ``[count,
-    max_len]`` right-padded copies of their q/k/v instead of one call per prompt (the host
-    cost of a step that carries many prompts on a GPU: an 8B model's eager step at 64 streams
-    spent about half its host time in that per-prompt loop).  Under ``is_causal`` a real
-    query row never reaches the padding after its own prompt, so its result is the
-    per-prompt one; padded rows are computed and dropped."""
-
-    rows: torch.Tensor  # [n] int64: the prompts' rows of the flat batch
-    batch: torch.Tensor  # [n] int64: each row's prompt, 0..count-1
-    pos: torch.Tensor  # [n] int64: each row's position in its prompt
-    count: int
-    max_len: int
-    token_starts: frozenset[int]  # the prefills (by token_start) it covers
-
-
-# Batch only while padding adds at most this share again of the prompts' own tokens.
-_MAX_FRESH_PADDING = 1.0
-
-
-def fresh_batch(prefills: list[_Prefill], device: torch.device) -> _FreshBatch | None:
-    """The :class:`_FreshBatch` of ``prefills``' whole prompts, or None where fewer than two
-    start at position 0 or padding them to one length would cost too much."""
-    fresh = [p for p in prefills if p.start_pos == 0]
-    if len(fresh) < 2:
-        return None
-    total = sum(p.num_tokens for p in fresh)
-    max_len = max(p.num_tokens for p in fresh)
-    if len(fresh) * max_len > (1 + _MAX_FRESH_PADDING) * total:
-        return None
-    rows = np.concatenate([np.arange(p.token_start, p.token_start + p.num_tokens) for p in fresh])
-    batch = np.repeat(np.arange(len(fresh)), [p.num_tokens for p in fresh])
-    pos = np.concatenate([np.arange(p.num_tokens) for p in fresh])
-    index = torch.from_numpy(np.stack([rows, batch, pos]).astype(np.int64)).to(device)
-    return _FreshBatch(
-        index[0], index[1], index[2], len(fresh), max_len, frozenset(p.token_start for p in fresh)
-    )
-
-
 @dataclass(slots=True)
 class TorchAttentionMetadata:
     slots: torch.Tensor  # [num_tokens] int64
@@ -223,7 +186,7 @@ class TorchAttentionMetadata:
     use_triton_decode: bool = False  # decodes through genserve.kernels.triton_attention
     dtype: torch.dtype | None = None
     # Whole prompts attended in one padded SDPA call (TorchPagedAttention: on CUDA).
-    fresh: _FreshBatch | None = None
+    fresh: PromptBatch | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -247,6 +210,11 @@ class TorchAttentionMetadata:
         flat = kv_cache.view(two, heads, num_blocks * block_size, head_dim)
         flat[0].index_copy_(1, self.slots, k.transpose(0, 1))
         flat[1].index_copy_(1, self.slots, v.transpose(0, 1))
+
+    def decode_mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The decodes' additive mask ``[1, num_decodes, 1, max_blocks * block_size]`` over
+        their gathered blocks (built once per step and window; latent attention reads it)."""
+        return self._decode_mask(window, block_size, dtype)
 
     def _decode_mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[1, num_decodes, 1, max_blocks * block_size]``: 0 where the
@@ -349,7 +317,7 @@ class TorchAttentionMetadata:
             out[:d] = self._attend_decodes(q, kv_cache, scale, window, softcap, sinks)
         fresh = self.fresh if softcap is None and sinks is None and window is None else None
         if fresh is not None:
-            self._attend_fresh(fresh, q, k, v, scale, out)
+            attend_prompts(fresh, q, k, v, scale, out)
         for p in self.prefills:
             if fresh is not None and p.token_start in fresh.token_starts:
                 continue
@@ -374,30 +342,6 @@ class TorchAttentionMetadata:
                 )  # fmt: skip
             out[s : s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return out
-
-    @staticmethod
-    def _attend_fresh(
-        f: _FreshBatch,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
-        """The prompts of ``f`` in one causal SDPA call over right-padded copies, into
-        their rows of ``out``."""
-        _, num_heads, head_dim = q.shape
-        padded = []
-        for x in (q, k, v):
-            buf = x.new_zeros(f.count, f.max_len, x.shape[1], head_dim)
-            buf[f.batch, f.pos] = x.index_select(0, f.rows)
-            padded.append(buf.transpose(1, 2))  # [count, heads, max_len, hd]
-        q_b, k_b, v_b = padded
-        o = F.scaled_dot_product_attention(
-            q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=num_heads != k.shape[1]
-        )
-        rows = o.transpose(1, 2)[f.batch, f.pos]  # [n, heads, hd]
-        out.index_copy_(0, f.rows, rows.reshape(-1, num_heads * head_dim))
 
     def _eager_prefill(
         self,
@@ -483,9 +427,9 @@ class TorchPagedAttention:
         batch_prompts: bool | None = None,
     ) -> None:
         self.device = device
-        # Whole prompts of a step in one SDPA call (fresh_batch): on CUDA, where the per-call
-        # host cost is what a step with many prompts pays; on CPU each prompt's own call
-        # stays (no padding computed).
+        # Whole prompts of a step in one SDPA call (model/prompt_batch.py): on CUDA, where
+        # the per-call host cost is what a step with many prompts pays; on CPU each prompt's
+        # own call stays (no padding computed).
         self.batch_prompts = device.type == "cuda" if batch_prompts is None else batch_prompts
         self.use_cpu_kernel = use_cpu_kernel
         self.use_triton_decode = use_triton_decode
@@ -506,6 +450,12 @@ class TorchPagedAttention:
     ) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
+    def _prompt_batch(self, prefills: list[_Prefill]) -> PromptBatch | None:
+        if not self.batch_prompts:
+            return None
+        whole = [(p.token_start, p.num_tokens) for p in prefills if p.start_pos == 0]
+        return prompt_batch(whole, self.device)
+
     def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
         dev = self.device
         if self.per_token and num_decodes < len(seqs):
@@ -519,7 +469,7 @@ class TorchPagedAttention:
                 ),
             ]
             num_decodes = len(seqs)
-        table, max_blocks = _block_table(seqs[:num_decodes], block_size)
+        table, max_blocks = block_table(seqs[:num_decodes], block_size)
         decode_positions = np.fromiter(
             (s.start_pos for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes
         )
@@ -542,129 +492,5 @@ class TorchPagedAttention:
             device=dev,
             use_cpu_kernel=self.use_cpu_kernel,
             use_triton_decode=self.use_triton_decode,
-            fresh=fresh_batch(prefills, dev) if self.batch_prompts else None,
+            fresh=self._prompt_batch(prefills),
         )
-
-
-@dataclass(slots=True)
-class FlashAttentionMetadata:
-    slots: torch.Tensor  # [num_tokens] int64
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, cumulative context lengths
-    max_seqlen_q: int
-    max_seqlen_k: int
-    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
-
-    @property
-    def fused_kv_slots(self) -> torch.Tensor | None:
-        return None  # a CUDA layout: write_kv stores K/V
-
-    @property
-    def kv_layout(self) -> int:
-        return BLOCKS_FIRST
-
-    def sequence_lengths(self) -> torch.Tensor:
-        q_lens = self.cu_seqlens_q.diff().long()
-        return torch.repeat_interleave(self.cu_seqlens_k.diff().long(), q_lens)
-
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
-        two, num_blocks, block_size, heads, head_dim = kv_cache.shape
-        flat = kv_cache.view(two, num_blocks * block_size, heads, head_dim)
-        flat[0].index_copy_(0, self.slots, k)
-        flat[1].index_copy_(0, self.slots, v)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
-
-        if sinks is not None:  # the model runner picks the torch backend for such models
-            raise ValueError("flash-attn's paged kernel has no attention sinks")
-
-        num_tokens, num_heads, head_dim = q.shape
-        out = flash_attn_varlen_func(
-            q,
-            kv_cache[0],
-            kv_cache[1],
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_k=self.cu_seqlens_k,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
-            softmax_scale=scale,
-            causal=True,
-            # HF's sliding window keeps keys with q_pos - k_pos < window.
-            window_size=(window - 1, 0) if window is not None else (-1, -1),
-            softcap=0.0 if softcap is None else softcap,
-            block_table=self.block_table,
-        )
-        return out.reshape(num_tokens, num_heads * head_dim)  # type: ignore[no-any-return]
-
-
-class FlashPagedAttention:
-    """CUDA backend on flash-attn's paged varlen kernel (one call per layer per step)."""
-
-    name = "flash-attn"
-    block_dim = 1
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-    def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
-        dev = self.device
-        q_lens = np.asarray([s.num_tokens for s in seqs], dtype=np.int32)
-        k_lens = np.asarray([s.context_len for s in seqs], dtype=np.int32)
-        cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
-        table, _ = _block_table(seqs, block_size)
-        return FlashAttentionMetadata(
-            slots=torch.from_numpy(slot_mapping(seqs, num_decodes, block_size)).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu_q).to(dev),
-            cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
-            max_seqlen_q=int(q_lens.max(initial=0)),
-            max_seqlen_k=int(k_lens.max(initial=0)),
-            block_table=torch.from_numpy(table.astype(np.int32)).to(dev),
-        )
-
-
-def select_backend(
-    device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int = 128
-) -> AttentionBackend:
-    """flash-attn when it can run (CUDA, importable, half precision, a block size its paged
-    kernels accept), else the torch backend — with genserve's CPU decode kernel on CPU
-    when it builds (``genserve.kernels.cpu``), and on CUDA with genserve's
-    Triton decode kernel (``genserve.kernels.triton_attention``) when Triton is installed."""
-    if (
-        device.type == "cuda"
-        and dtype in (torch.float16, torch.bfloat16)
-        and block_size % 256 == 0
-        and importlib.util.find_spec("flash_attn") is not None
-    ):
-        return FlashPagedAttention(device)
-    from genserve.kernels import cpu as cpu_kernels
-    from genserve.kernels import triton_attention
-
-    triton_decode = (
-        device.type == "cuda"
-        and triton_attention.available(device)
-        and triton_attention.supports(block_size, head_dim)
-    )
-    return TorchPagedAttention(
-        device,
-        use_cpu_kernel=cpu_kernels.usable(device, dtype),
-        use_triton_decode=triton_decode,
-        per_token=cpu_kernels.batch_invariant(),
-    )

@@ -30,6 +30,7 @@ from genserve.model.layers import (
     RowParallelLinear,
     _Packable,
 )
+from genserve.model.mla import LatentAttention
 from genserve.model.moe import SparseMoeBlock
 from genserve.model.norms import LayerNorm, Norm, RMSNorm, make_norm
 from genserve.model.rotary import RotaryAngles, apply_rotary, head_permutation
@@ -93,6 +94,13 @@ class Attention(nn.Module):
             k_shape = (self.num_kv_heads, d) if per_head else (d,)
             self.q_norm = make_norm(spec.qk_norm_spec, q_shape, dtype, device)
             self.k_norm = make_norm(spec.qk_norm_spec, k_shape, dtype, device)
+
+    def linears(self) -> tuple[_Packable, ...]:
+        return self.qkv_proj, self.o_proj
+
+    def norms(self) -> list[Norm]:
+        """The q/k norms, where the spec has them."""
+        return [n for n in (self.q_norm, self.k_norm) if n is not None]
 
     def _qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The projection's Q and K heads (q/k-normed where the spec says), ``[num_tokens,
@@ -308,7 +316,11 @@ class DecoderLayer(nn.Module):
         self.block = config.block
         self.llama_block = config.block.is_llama
         self.rope_index = config.rope_index(layer_idx)
-        self.self_attn = Attention(config, layer_idx, ctx, dtype, device)
+        self.self_attn: Attention | LatentAttention = (
+            Attention(config, layer_idx, ctx, dtype, device)
+            if config.mla is None
+            else LatentAttention(config, layer_idx, ctx, dtype, device)
+        )
         self.mlp: MLP | SparseMoeBlock = _make_mlp(config, layer_idx, ctx, dtype, device)
         hidden = (config.hidden_size,)
         b = config.block
@@ -368,6 +380,7 @@ class DecoderLayer(nn.Module):
         launches.  Parallel blocks (attention and MLP side by side) sum as the eager path
         does and return ``(output, None)``.  Every sum is the eager path's, in its order."""
         attn, mlp, block = self.self_attn, self.mlp, self.block
+        assert isinstance(attn, Attention)  # use_fused_gpu_ops is not set for latent attention
         if self.pre_attn_norm is None:
             if residual is not None:
                 x = x + residual
@@ -397,8 +410,7 @@ class DecoderLayer(nn.Module):
     def use_fused_gpu_ops(self) -> None:
         """Route this layer's RMSNorms, gated activation and rotary + K/V store through the
         fused GPU ops (``kernels/fused_gpu_ops.py``); called by the model on CUDA."""
-        attn = self.self_attn
-        for norm in [*self.norms(), attn.q_norm, attn.k_norm]:  # q/k norms: full or per head
+        for norm in [*self.norms(), *self.self_attn.norms()]:  # q/k norms: full or per head
             if isinstance(norm, RMSNorm):
                 norm.gpu_fused = True
         mlp = self.mlp
@@ -430,6 +442,7 @@ class DecoderLayer(nn.Module):
         if args is None:
             return
         attn = self.self_attn
+        assert isinstance(attn, Attention)  # fused_decode.unsupported_reason refuses the rest
         norms: list[torch.Tensor | None] = []
         held = (self.pre_attn_norm, self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm)
         for norm in (*held, attn.q_norm, attn.k_norm):  # the op's NormSlot order

@@ -28,6 +28,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     identity angles).  A part added to the spec later lands here as a reason until the op
     learns it, and the model keeps its per-op path."""
     attn, mlp, block = config.attention, config.mlp, config.block
+    if config.mla is not None:
+        return "multi-head latent attention (model/mla.py)"
     if config.moe is not None:
         return "mixture-of-experts MLP (its experts run as genserve::moe_experts)"
     if attn.sinks:  # the op's attention call passes none (so far only MoE models have them)

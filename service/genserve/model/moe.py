@@ -15,6 +15,14 @@ the shards, as the dense MLP is split: each shard computes a partial sum for eve
 one all-reduce joins them.  Routing runs on every shard on the same input, so they agree.
 A down-projection bias is held by the first shard only (the others hold zeros), so the
 all-reduce adds it once.
+
+Expert parallelism (``ParallelContext.expert_parallel``, ``--expert-parallel``) gives each
+shard whole experts instead: a contiguous range ``[start, stop)`` of the routed experts at
+full width.  Every shard still routes the same (replicated) hidden states the same way,
+computes only the (token, choice) pairs whose expert it holds — never reading another
+shard's expert weights — and the same all-reduce sums the shards' contributions: with
+replicated activations that sum is the whole token exchange (no all-to-all dispatch).  Each
+expert's down bias then lives on the one shard that holds the expert.
 """
 
 from __future__ import annotations
@@ -147,15 +155,23 @@ class SparseMoeBlock(nn.Module):
         )
         if spec.expert_bias and not spec.names.interleaved_gate_up:
             raise ValueError("expert biases are read from gpt-oss's stacked layout only")
-        self.width_range = ctx.shard(spec.intermediate_size, "expert width")
+        # This shard's routed experts [start, stop) and its slice of their width: whole
+        # experts under expert parallelism, else every expert's 1/N of the width.
+        if ctx.expert_parallel:
+            self.expert_range = ctx.expert_share(num_experts)
+            self.width_range = (0, spec.intermediate_size)
+        else:
+            self.expert_range = (0, num_experts)
+            self.width_range = ctx.shard(spec.intermediate_size, "expert width")
+        local = self.expert_range[1] - self.expert_range[0]
         width = self.width_range[1] - self.width_range[0]
-        self.w13 = _param(torch.empty(num_experts, 2 * width, hidden, dtype=dtype, device=device))
-        self.w2 = _param(torch.empty(num_experts, hidden, width, dtype=dtype, device=device))
+        self.w13 = _param(torch.empty(local, 2 * width, hidden, dtype=dtype, device=device))
+        self.w2 = _param(torch.empty(local, hidden, width, dtype=dtype, device=device))
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if spec.expert_bias:
-            self.b13 = _param(torch.empty(num_experts, 2 * width, dtype=dtype, device=device))
-            self.b2 = _param(torch.empty(num_experts, hidden, dtype=dtype, device=device))
+            self.b13 = _param(torch.empty(local, 2 * width, dtype=dtype, device=device))
+            self.b2 = _param(torch.empty(local, hidden, dtype=dtype, device=device))
         self.shared = shared
         self.shared_gate = (
             _param(torch.empty(1, hidden, dtype=dtype, device=device))
@@ -191,6 +207,8 @@ class SparseMoeBlock(nn.Module):
         SiLU-gated experts only (the op has no expert biases or clamped activation)."""
         if self.b13 is not None or self.spec.activation is not None:
             raise ValueError("quantized experts run plain SiLU-gated experts without biases")
+        if self.ctx.expert_parallel:
+            raise ValueError("quantized experts hold every expert: not with expert parallelism")
         num_experts, hidden = self.spec.router.num_experts, self.router.shape[1]
         width = self.width_range[1] - self.width_range[0]
         expected = ((num_experts, width), (num_experts, width), (num_experts, hidden))
@@ -210,22 +228,13 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.router, self.router_bias)  # [num_tokens, E]
         weights, ids = route(logits, self.spec.router, self.correction_bias)
-        clamped = self.spec.activation
-        out: torch.Tensor
-        if self.quantized_experts is not None:  # plain SiLU-gated experts (set_quantized_experts)
-            if self._fused and x.device.type == "cpu":
-                out = self.quantized_experts.forward(x, ids, weights)
-            else:
-                out = experts_gguf_torch(x, ids, weights, self.quantized_experts)
-        elif self._fused and x.device.type == "cpu":
-            out = torch.ops.genserve.moe_experts(
-                x, ids, weights, self.w13, self.w2, self.b13, self.b2,
-                0.0 if clamped is None else clamped.alpha,
-                0.0 if clamped is None else clamped.limit,
-            )  # fmt: skip
+        if self.ctx.expert_parallel:
+            out = self._own_experts(x, ids, weights)
         else:
-            out = experts_torch(x, ids, weights, self.w13, self.w2, self.b13, self.b2, clamped)
-        out = self.ctx.all_reduce(out)  # each shard summed its slice of every expert's width
+            out = self._experts(x, ids, weights)
+        # Each shard summed its slice of every expert's width, or (expert parallel) the
+        # pairs of the experts it holds: either way the sum over shards is the routed output.
+        out = self.ctx.all_reduce(out)
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.shared_gate is not None:
@@ -233,9 +242,45 @@ class SparseMoeBlock(nn.Module):
             out = out + shared
         return out
 
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed sum over ``ids`` ``[T, K]`` (indices into this shard's ``w13``/``w2``,
+        or into the GGUF blocks of ``quantized_experts``, which hold every expert)."""
+        if self.quantized_experts is not None:  # plain SiLU-gated experts (set_quantized_experts)
+            if self._fused and x.device.type == "cpu":
+                return self.quantized_experts.forward(x, ids, weights)
+            return experts_gguf_torch(x, ids, weights, self.quantized_experts)
+        clamped = self.spec.activation
+        if self._fused and x.device.type == "cpu":
+            out: torch.Tensor = torch.ops.genserve.moe_experts(
+                x, ids, weights, self.w13, self.w2, self.b13, self.b2,
+                0.0 if clamped is None else clamped.alpha,
+                0.0 if clamped is None else clamped.limit,
+            )  # fmt: skip
+            return out
+        return experts_torch(x, ids, weights, self.w13, self.w2, self.b13, self.b2, clamped)
+
+    def _own_experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert parallelism: this shard's part of the routed sum, from the (token, choice)
+        pairs whose expert it holds only.  The pairs go to the expert op as rows of one
+        choice each (a token choosing two of this shard's experts is two rows), so the op
+        groups them by expert as usual and reads only this shard's weights."""
+        start, stop = self.expert_range
+        token_idx, k_pos = torch.nonzero((ids >= start) & (ids < stop), as_tuple=True)
+        if token_idx.numel() == 0:  # none of this step's choices is ours
+            return torch.zeros_like(x)
+        local_ids = (ids[token_idx, k_pos] - start).unsqueeze(1)  # [pairs, 1]
+        pairs = self._experts(x[token_idx], local_ids, weights[token_idx, k_pos].unsqueeze(1))
+        # A token's choices summed in float32 and rounded once, as the op does within a row
+        # (in bfloat16 a per-choice sum would round once per choice).
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, token_idx, pairs.float()).to(x.dtype)
+
     @torch.no_grad()
     def load(self, weights: WeightSource, prefix: str) -> None:
-        """This shard's slice of every expert, from per-expert matrices or stacked ones."""
+        """This shard's experts (all, or its range under expert parallelism) and its slice
+        of their width, from per-expert matrices or stacked ones."""
         n = self.spec.names
         self.router.copy_(weights.get(f"{prefix}.{n.router}.weight"))
         if self.router_bias is not None:
@@ -243,6 +288,7 @@ class SparseMoeBlock(nn.Module):
         if self.correction_bias is not None:
             self.correction_bias.copy_(weights.get(f"{prefix}.{n.correction_bias}"))
         start, stop = self.width_range
+        first, last = self.expert_range
         full = self.spec.intermediate_size
         width = stop - start
         experts = f"{prefix}.{n.experts}"
@@ -251,9 +297,17 @@ class SparseMoeBlock(nn.Module):
         elif n.interleaved_gate_up:
             self._load_interleaved(weights, experts)
         elif weights.has(f"{experts}.gate_proj"):  # GGUF stacks: [E, I, H] twice, [E, H, I]
-            self.w13[:, :width].copy_(weights.get_slice(f"{experts}.gate_proj", 1, start, stop))
-            self.w13[:, width:].copy_(weights.get_slice(f"{experts}.up_proj", 1, start, stop))
-            self.w2.copy_(weights.get_slice(f"{experts}.down_proj", 2, start, stop))
+            gate, up, down = (
+                weights.get_slice(f"{experts}.{p}_proj", 0, first, last)  # this shard's experts
+                for p in ("gate", "up", "down")
+            )
+            self.w13[:, :width].copy_(gate[:, start:stop])
+            self.w13[:, width:].copy_(up[:, start:stop])
+            self.w2.copy_(down[:, :, start:stop])
+        elif weights.has(f"{experts}.gate_up_proj") and self.ctx.expert_parallel:
+            # Whole experts: this shard's rows of the stacks [E, 2I, H] and [E, H, I].
+            self.w13.copy_(weights.get_slice(f"{experts}.gate_up_proj", 0, first, last))
+            self.w2.copy_(weights.get_slice(f"{experts}.down_proj", 0, first, last))
         elif weights.has(f"{experts}.gate_up_proj"):  # [E, 2I, H] and [E, H, I]
             stacked = f"{experts}.gate_up_proj"
             self.w13[:, :width].copy_(weights.get_slice(stacked, 1, start, stop))
@@ -261,11 +315,11 @@ class SparseMoeBlock(nn.Module):
             self.w2.copy_(weights.get_slice(f"{experts}.down_proj", 2, start, stop))
         else:
             rows = weights.get_slice
-            for e in range(self.spec.router.num_experts):
-                at = f"{experts}.{e}"
-                self.w13[e, :width].copy_(rows(f"{at}.{n.gate}.weight", 0, start, stop))
-                self.w13[e, width:].copy_(rows(f"{at}.{n.up}.weight", 0, start, stop))
-                self.w2[e].copy_(rows(f"{at}.{n.down}.weight", 1, start, stop))
+            for e in range(first, last):
+                at, mine = f"{experts}.{e}", e - first
+                self.w13[mine, :width].copy_(rows(f"{at}.{n.gate}.weight", 0, start, stop))
+                self.w13[mine, width:].copy_(rows(f"{at}.{n.up}.weight", 0, start, stop))
+                self.w2[mine].copy_(rows(f"{at}.{n.down}.weight", 1, start, stop))
         if self.shared is not None:
             self.shared.load(weights, prefix)
         if self.shared_gate is not None:
@@ -275,22 +329,25 @@ class SparseMoeBlock(nn.Module):
         """gpt-oss's layout (``MoeNames.interleaved_gate_up``): this shard's gate columns
         ``2j`` and up columns ``2j + 1`` of ``[E, H, 2I]``, transposed into ``w13``'s rows."""
         start, stop = self.width_range
+        first, last = self.expert_range
         width = stop - start
         gate_cols = torch.arange(start, stop) * 2
-        for e in range(self.spec.router.num_experts):
+        for e in range(first, last):
             # One expert at a time: the transposed copy of a whole layer would double it.
             gate_up = weights.get_slice(f"{experts}.gate_up_proj", 0, e, e + 1)[0]  # [H, 2I]
-            self.w13[e, :width].copy_(gate_up[:, gate_cols].t())
-            self.w13[e, width:].copy_(gate_up[:, gate_cols + 1].t())
+            self.w13[e - first, :width].copy_(gate_up[:, gate_cols].t())
+            self.w13[e - first, width:].copy_(gate_up[:, gate_cols + 1].t())
             down = weights.get_slice(f"{experts}.down_proj", 0, e, e + 1)[0]  # [I, H]
-            self.w2[e].copy_(down[start:stop].t())
+            self.w2[e - first].copy_(down[start:stop].t())
         if self.b13 is not None and self.b2 is not None:
-            bias = weights.get(f"{experts}.gate_up_proj_bias")  # [E, 2I]
+            bias = weights.get(f"{experts}.gate_up_proj_bias")[first:last]  # [E, 2I]
             self.b13[:, :width].copy_(bias[:, gate_cols])
             self.b13[:, width:].copy_(bias[:, gate_cols + 1])
-            # Summed over the shards by the all-reduce: the first shard holds it.
-            self.b2.copy_(weights.get(f"{experts}.down_proj_bias"))
-            if self.ctx.rank != 0:
+            self.b2.copy_(weights.get(f"{experts}.down_proj_bias")[first:last])
+            # Summed over the shards by the all-reduce: under tensor parallelism every shard
+            # computes every chosen expert, so the first shard alone holds the bias; under
+            # expert parallelism each expert's pairs are computed once, by its holder.
+            if self.ctx.rank != 0 and not self.ctx.expert_parallel:
                 self.b2.zero_()
 
 

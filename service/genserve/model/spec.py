@@ -192,6 +192,54 @@ class MoeSpec:
     expert_bias: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class MlaNames:
+    """Checkpoint names of a latent-attention layer's parts, under the layer's prefix (the
+    output projection is ``WeightNames.o``)."""
+
+    q: str = "self_attn.q_proj"  # when there is no query compression (q_lora_rank None)
+    q_a: str = "self_attn.q_a_proj"
+    q_a_norm: str = "self_attn.q_a_layernorm"
+    q_b: str = "self_attn.q_b_proj"
+    kv_a: str = "self_attn.kv_a_proj_with_mqa"
+    kv_a_norm: str = "self_attn.kv_a_layernorm"
+    kv_b: str = "self_attn.kv_b_proj"
+
+
+@dataclass(frozen=True, slots=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; ``model/mla.py`` implements it).
+
+    Keys and values come from one compressed latent per token: ``kv_a`` maps the hidden
+    state to ``kv_lora_rank`` latent features (RMS-normed) plus ``qk_rope_head_dim`` rotary
+    key features shared by every head; ``kv_b`` expands the latent to each head's
+    ``qk_nope_head_dim`` key and ``v_head_dim`` value features.  Queries are
+    ``qk_nope_head_dim + qk_rope_head_dim`` per head, through a ``q_lora_rank`` bottleneck
+    (RMS-normed) or one projection when ``q_lora_rank`` is None.  The paged cache holds, per
+    token, the normed latent and the rotated rope key: :attr:`cache_width` values, one
+    "head".  ``interleaved_rope``: the checkpoint's rope features rotate in adjacent pairs
+    (DeepSeek's layout; permuted into halves at load)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    norm_eps: float = 1e-6  # the q_a / kv_a RMSNorms (transformers builds them with 1e-6)
+    bias: bool = False  # q_a, kv_a and o projections (``attention_bias``)
+    interleaved_rope: bool = True
+    names: MlaNames = MlaNames()
+
+    @property
+    def cache_width(self) -> int:
+        """Values the cache holds per token and layer: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 class QKVLayout(StrEnum):
     SEPARATE = "separate"  # q_proj, k_proj, v_proj
     FUSED = "fused"  # one [q | k | v] matrix (Phi-3 qkv_proj)
@@ -269,6 +317,9 @@ class ModelConfig:
     final_softcap: float | None = None
     # Mixture-of-experts MLPs (None: every layer's MLP is dense).
     moe: MoeSpec | None = None
+    # Multi-head latent attention in every layer (None: the q/k/v attention of ``attention``);
+    # ``head_dim`` is then its rotary width and ``num_kv_heads`` 1 (the latent, see MlaSpec).
+    mla: MlaSpec | None = None
 
     @property
     def qkv_bias(self) -> bool:
@@ -283,6 +334,8 @@ class ModelConfig:
         """Why LoRA adapters cannot be applied to this model (None: they can): the
         adapter paths name Llama's separate projections, unpermuted."""
         n, attn = self.names, self.attention
+        if self.mla is not None:
+            return "its latent attention has no adapter path"
         if self.moe is not None:
             return "its mixture-of-experts MLPs have no adapter path"
         if n.qkv_layout is not QKVLayout.SEPARATE or not n.gate or not self.mlp.gated:
