@@ -49,6 +49,8 @@ _SOURCES.append(Path(__file__).with_name("int_dot_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("kquant_cpu.cpp"))
 # the routed experts of a mixture-of-experts layer, one op per layer (model/moe.py)
 _SOURCES.append(Path(__file__).with_name("moe_cpu.cpp"))
+# the same with the experts in a GGUF file's quantized blocks (model/moe_gguf.py)
+_SOURCES.append(Path(__file__).with_name("moe_quant_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
 _HEADERS += [
     Path(__file__).with_name(n)
@@ -58,6 +60,8 @@ _HEADERS += [
         "int_dot_ymm_vnni.inc",
         "kquant_decode.inc",
         "kquant_int_row.inc",
+        "kquant_rows.h",
+        "moe_quant_row.inc",
     )
 ]
 _OPS = (
@@ -76,6 +80,7 @@ _OPS = (
     "kquant_linear",
     "set_batch_invariant",
     "moe_experts",
+    "moe_experts_gguf",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 

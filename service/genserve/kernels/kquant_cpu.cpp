@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "int_dot.h"
+#include "kquant_rows.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -63,36 +64,9 @@ int64_t block_bytes_of(int64_t type) {
   }
 }
 
-// Rows [row0, row0 + rows) of W, all of one type.
-struct KSegment {
-  const uint8_t* data;
-  int64_t type, row0, rows, block_bytes, row_bytes;
-};
-
-struct KRowJob {
-  // The integer path's activations (Q8_K): q [M, K], d [M, K / 256], Σq [M, K / 16].
-  const int8_t* xq;
-  const float* xd;
-  const int16_t* xsums;
-  const float* xf;  // the float path's activations [M, K]
-  int64_t k, m, n;
-  const KSegment* segments;
-  int64_t num_segments;
-  int64_t type, block_bytes;  // of the row being computed
-  const float* bias;
-  float* out;  // [M, N]
-
-  const KSegment& segment_of(int64_t row) const {
-    int64_t s = 0;
-    while (s + 1 < num_segments && row >= segments[s + 1].row0) ++s;
-    return segments[s];
-  }
-  void store(int64_t m_row, int64_t col, float v) const {
-    out[m_row * n + col] = bias == nullptr ? v : v + bias[col];
-  }
-};
-
-using RunRows = void (*)(const KRowJob&, int64_t, int64_t);
+using genserve_kquant::KRowJob;
+using genserve_kquant::KSegment;
+using genserve_kquant::RunRows;
 
 #include "kquant_decode.inc"
 
@@ -215,6 +189,9 @@ void float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
 }  // namespace
 
 #if defined(__x86_64__)
+
+using genserve_kquant::KRowJob;
+using genserve_kquant::RunRows;
 
 // ---- AVX512-VNNI: 512-bit VPDPBUSD, 4 chunks of 64 weights per block ----------------------
 #pragma GCC push_options
@@ -530,6 +507,18 @@ at::Tensor kquant_dequantize(const at::Tensor& data, at::IntArrayRef types, at::
 }
 
 }  // namespace
+
+namespace genserve_kquant {
+
+RunRows float_runner() { return &float_rows; }
+RunRows int_runner(int64_t isa) { return int_path(isa); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_q8k(const at::Tensor& x32) {
+  Q8K r = quantize_q8k(x32);
+  return {r.q, r.d, r.sums};
+}
+
+}  // namespace genserve_kquant
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("kquant_linear(Tensor x, Tensor data, int[] types, int[] rows, Tensor? bias, "

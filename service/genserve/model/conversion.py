@@ -65,7 +65,8 @@ def dir_fingerprint(model_dir: Path) -> str:
 # that changes, so caches written by an older genserve are rebuilt rather than served.
 # 2: gguf_config restores the settings transformers' GGUF reader drops (head_dim, soft-caps,
 # sliding window, Gemma's query scale, Phi-3's partial rotary and longrope factors).
-GGUF_ENTRY_VERSION = 2
+# 3: and the expert widths of Qwen2/3-MoE files (moe_intermediate_size, shared expert's).
+GGUF_ENTRY_VERSION = 3
 
 
 def convert_gguf(gguf_file: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:

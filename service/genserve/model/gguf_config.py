@@ -5,7 +5,8 @@ genserve keeps for a GGUF model describes the model llama.cpp would run.
 Without them a Qwen3 file gets transformers' default ``head_dim`` (128, whatever the file
 says), a Gemma 2 file the default soft-caps, a Phi-3 file no sliding window and full
 rotary, and Gemma 2/3 the default ``query_pre_attn_scalar`` (256) where llama.cpp scales
-queries by ``head_dim`` (the hidden size per head for the 27B models: ``src/models/gemma2.cpp``).
+queries by ``head_dim`` (the hidden size per head for the 27B models: ``src/models/gemma2.cpp``),
+and a Qwen2/3-MoE file transformers' default expert widths (768 routed, 5632 shared).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def apply_llama_cpp_hparams(gguf_file: Path, config: Any) -> dict[str, Any]:
         "sliding_window": f"{arch}.attention.sliding_window",
         "attn_logit_softcapping": f"{arch}.attn_logit_softcapping",
         "final_logit_softcapping": f"{arch}.final_logit_softcapping",
+        # Mixtures of experts (qwen2moe, qwen3moe): transformers' reader keeps the expert
+        # count and top-k but drops the widths, leaving its defaults.
+        "moe_intermediate_size": f"{arch}.expert_feed_forward_length",
+        "shared_expert_intermediate_size": f"{arch}.expert_shared_feed_forward_length",
     }
     for name, key in keys.items():
         value = _scalar(fields, key)

@@ -10,6 +10,12 @@ reverse.
   ``attn_qkv`` / ``ffn_up``.
 * Q/K rows: permuted for llama.cpp's rotary layout for ``llama`` (Llama, Mistral, Granite
   are written as ``llama``) only; Qwen, Gemma and Phi-3 keep Hugging Face's order.
+* Mixtures of experts (``qwen2moe``, ``qwen3moe``): the router ``ffn_gate_inp`` is
+  ``mlp.gate``; the routed experts are stacked per layer, ``ffn_{gate,up}_exps``
+  ``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]`` (llama.cpp's ``ne`` reversed), named here
+  ``mlp.experts.{gate,up,down}_proj`` without ``.weight`` as Hugging Face's stacked expert
+  tensors are; Qwen2-MoE's shared expert ``ffn_*_shexp`` is ``mlp.shared_expert.*`` and its
+  gate ``ffn_gate_inp_shexp`` is ``mlp.shared_expert_gate``.
 * Gemma (1/2/3) norm weights are stored as ``w + 1`` (Gemma's RMSNorm multiplies by
   ``1 + w``; llama.cpp's by the weight), every tensor whose name ends in ``norm.weight``,
   the q/k norms and the final norm included.  transformers subtracts the 1 again when it
@@ -53,6 +59,22 @@ _PHI3_MATRICES = {
     "ffn_up": "mlp.gate_up_proj",
 }
 
+# Mixture-of-experts layers (llama.cpp's qwen2moe / qwen3moe): the router and the shared
+# expert's gate are vectors loaded in floats; the shared expert is a dense MLP.
+_MOE_VECTORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_MOE_MATRICES = {
+    **_MATRICES,
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# The routed experts, stacked [E, rows, cols] (no ``.weight``, as HF's stacked tensors).
+_EXPERTS = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class GGUFLayout:
@@ -65,6 +87,9 @@ class GGUFLayout:
     permuted_qk: bool = False
     # llama.cpp stored ``w + norm_shift`` for every ``*norm.weight``.
     norm_shift: float = 0.0
+    # Mixture-of-experts tensors: routers and gates (with suffix), stacked experts (without).
+    moe_vectors: Mapping[str, str] = field(default_factory=dict)
+    experts: Mapping[str, str] = field(default_factory=dict)
 
 
 LAYOUTS: dict[str, GGUFLayout] = {
@@ -75,6 +100,8 @@ LAYOUTS: dict[str, GGUFLayout] = {
     "gemma": GGUFLayout(norm_shift=1.0),
     "gemma2": GGUFLayout(norms=_SANDWICH_NORMS, norm_shift=1.0),
     "gemma3": GGUFLayout(norms=_SANDWICH_NORMS, norm_shift=1.0),
+    "qwen2moe": GGUFLayout(matrices=_MOE_MATRICES, moe_vectors=_MOE_VECTORS, experts=_EXPERTS),
+    "qwen3moe": GGUFLayout(matrices=_MOE_MATRICES, moe_vectors=_MOE_VECTORS, experts=_EXPERTS),
 }
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -113,8 +140,21 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return None
     layer, kind, suffix = match.groups()
     conventions = LAYOUTS[arch]
-    module = conventions.matrices.get(kind) or conventions.norms.get(kind)
+    if kind in conventions.experts:
+        stacked = conventions.experts[kind]
+        return f"model.layers.{layer}.{stacked}" if suffix == "weight" else None
+    module = (
+        conventions.matrices.get(kind)
+        or conventions.norms.get(kind)
+        or conventions.moe_vectors.get(kind)
+    )
     return None if module is None else f"model.layers.{layer}.{module}.{suffix}"
+
+
+def is_expert_stack(gguf_name: str, arch: str) -> bool:
+    """Whether ``gguf_name`` is a layer's stacked routed experts (``ffn_*_exps``)."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    return match is not None and match.group(2) in LAYOUTS[arch].experts
 
 
 def norm_shift(gguf_name: str, arch: str) -> float:

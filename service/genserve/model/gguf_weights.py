@@ -101,6 +101,12 @@ def _quantized(blocks: np.ndarray, qtype: Any) -> QuantizedWeight:
 
 
 _BLOCK_BYTES = {"Q8_0": 2 + _BLOCK, "Q4_1": 4 + _BLOCK // 2, "Q4_0": 2 + _BLOCK // 2}
+# Routed-expert types ``genserve::moe_experts_gguf`` runs: (weights, bytes) per block.
+EXPERT_TYPES = {
+    "Q8_0": (_BLOCK, 2 + _BLOCK),
+    "Q4_0": (_BLOCK, 2 + _BLOCK // 2),
+    **{name: (256, size) for name, (_, size) in K_TYPES.items()},
+}
 # Rows of a matrix copied out of the file mapping at a time (see _copy_in_chunks).
 _CHUNK_BYTES = 4 << 20
 
@@ -262,6 +268,35 @@ class GGUFWeights:
             self._release_rows(tensor, r0, r1, row_bytes)
         assert whole is not None  # n > 0: a GGUF matrix has rows
         return whole
+
+    def expert_blocks(self, name: str) -> tuple[torch.Tensor, str] | None:
+        """Stacked routed experts ``name`` (``model.layers.{i}.mlp.experts.{gate,up,down}_proj``,
+        ``ffn_*_exps`` in the file) as their blocks, bytes as stored: (uint8 ``[E, rows, row
+        bytes]``, GGML type name), for the types the quantized expert op runs
+        (:data:`EXPERT_TYPES`); None for any other type (served in floats through
+        :meth:`get`) or a name that is not an expert stack.  Copied a few MiB at a time with
+        the file's pages released after each chunk, so loading never holds a float copy."""
+        tensor = self._tensors.get(name)
+        if tensor is None or not gguf_names.is_expert_stack(tensor.name, self._arch):
+            return None
+        qtype = tensor.tensor_type.name
+        if qtype not in EXPERT_TYPES or len(tensor.shape) != 3:
+            return None
+        block, size = EXPERT_TYPES[qtype]
+        k, n, e = (int(x) for x in tensor.shape)  # innermost first
+        data = np.asarray(tensor.data)
+        if k % block or data.shape != (e, n, k // block * size):
+            raise ValueError(
+                f"{self._file}: {tensor.name} ({qtype}, {k}x{n}x{e}) has data of shape {data.shape}"
+            )
+        rows = data.reshape(e * n, -1)
+        row_bytes = int(rows.shape[1])
+        out = np.empty((e * n, row_bytes), dtype=np.uint8)
+        step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+        for r0 in range(0, e * n, step):
+            out[r0 : r0 + step] = rows[r0 : r0 + step]
+            self._release_rows(tensor, r0, min(r0 + step, e * n), row_bytes)
+        return torch.from_numpy(out).view(e, n, row_bytes), qtype
 
     def quantized_view(self) -> Mapping[str, AnyQuantized]:
         """:meth:`quantized` as a read-only mapping that reads a matrix when it is looked

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genserve.model.layers import _Packable
+from genserve.model.moe_gguf import QuantizedExperts, experts_gguf_torch
 from genserve.model.spec import ClampedSwiGLU, ModelConfig, MoeSpec, RouterSpec, Scoring
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
@@ -178,6 +179,8 @@ class SparseMoeBlock(nn.Module):
             else None
         )
         self._fused = False
+        # Set from a GGUF file's blocks (``set_quantized_experts``): replaces w13/w2.
+        self.quantized_experts: QuantizedExperts | None = None
 
     @property
     def fused(self) -> bool:
@@ -190,10 +193,36 @@ class SparseMoeBlock(nn.Module):
         self._fused = value
         if self.shared is not None:
             self.shared.fused = value
+        if self.quantized_experts is not None:  # the kernel path, as quantized linears pick it
+            from genserve.kernels import int_dot
+            from genserve.model.kquants import FLOAT_PATH
+
+            choice = int_dot.choose() if value and int_dot.active() else None
+            isa = FLOAT_PATH if choice is None or choice.isa is None else int(choice.isa)
+            self.quantized_experts = self.quantized_experts.serving(isa)
+
+    def set_quantized_experts(self, experts: QuantizedExperts) -> None:
+        """Serve the routed experts from ``experts`` (a GGUF file's blocks) and drop the
+        float ``w13``/``w2`` (never written: they cost no memory until then).  Plain
+        SiLU-gated experts only (the op has no expert biases or clamped activation)."""
+        if self.b13 is not None or self.spec.activation is not None:
+            raise ValueError("quantized experts run plain SiLU-gated experts without biases")
+        if self.ctx.expert_parallel:
+            raise ValueError("quantized experts hold every expert: not with expert parallelism")
+        num_experts, hidden = self.spec.router.num_experts, self.router.shape[1]
+        width = self.width_range[1] - self.width_range[0]
+        expected = ((num_experts, width), (num_experts, width), (num_experts, hidden))
+        got = tuple(tuple(t.shape[:2]) for t in (experts.gate, experts.up, experts.down))
+        if got != expected:
+            raise ValueError(f"expert blocks of shapes {got}, expected {expected}")
+        self.quantized_experts = experts
+        self.w13 = _param(self.w13.new_empty(0, 0, 0))
+        self.w2 = _param(self.w2.new_empty(0, 0, 0))
 
     def linears(self) -> tuple[_Packable, ...]:
         """The projections the dense paths (panels, --quantize) handle: the shared
-        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype."""
+        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype, or in a
+        GGUF file's blocks (``quantized_experts``)."""
         return self.shared.linears() if self.shared is not None else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +243,12 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed sum over ``ids`` ``[T, K]`` (indices into this shard's ``w13``/``w2``)."""
+        """The routed sum over ``ids`` ``[T, K]`` (indices into this shard's ``w13``/``w2``,
+        or into the GGUF blocks of ``quantized_experts``, which hold every expert)."""
+        if self.quantized_experts is not None:  # plain SiLU-gated experts (set_quantized_experts)
+            if self._fused and x.device.type == "cpu":
+                return self.quantized_experts.forward(x, ids, weights)
+            return experts_gguf_torch(x, ids, weights, self.quantized_experts)
         clamped = self.spec.activation
         if self._fused and x.device.type == "cpu":
             out: torch.Tensor = torch.ops.genserve.moe_experts(
@@ -258,8 +292,18 @@ class SparseMoeBlock(nn.Module):
         full = self.spec.intermediate_size
         width = stop - start
         experts = f"{prefix}.{n.experts}"
-        if n.interleaved_gate_up:
+        if self.quantized_experts is not None:  # kept as the GGUF file's blocks
+            pass
+        elif n.interleaved_gate_up:
             self._load_interleaved(weights, experts)
+        elif weights.has(f"{experts}.gate_proj"):  # GGUF stacks: [E, I, H] twice, [E, H, I]
+            gate, up, down = (
+                weights.get_slice(f"{experts}.{p}_proj", 0, first, last)  # this shard's experts
+                for p in ("gate", "up", "down")
+            )
+            self.w13[:, :width].copy_(gate[:, start:stop])
+            self.w13[:, width:].copy_(up[:, start:stop])
+            self.w2.copy_(down[:, :, start:stop])
         elif weights.has(f"{experts}.gate_up_proj") and self.ctx.expert_parallel:
             # Whole experts: this shard's rows of the stacks [E, 2I, H] and [E, H, I].
             self.w13.copy_(weights.get_slice(f"{experts}.gate_up_proj", 0, first, last))

@@ -32,6 +32,8 @@ from genserve.model.layers import (
     VocabParallelEmbedding,
     _Packable,
 )
+from genserve.model.moe import SparseMoeBlock
+from genserve.model.moe_gguf import ExpertBlockSource, read_quantized_experts
 from genserve.model.quantization import QuantizationError, quantize, quantize_int8
 
 log = structlog.get_logger("genserve.model")
@@ -49,14 +51,18 @@ def quantize_model(
     model: DecoderForCausalLM,
     method: str,
     gguf_tensors: Mapping[str, AnyQuantized] | None = None,
+    gguf_experts: ExpertBlockSource | None = None,
 ) -> QuantizeSummary:
-    """Quantize ``model`` in place (after ``load_weights``, before ``use_fused_cpu_ops``)."""
+    """Quantize ``model`` in place (after ``load_weights``, before ``use_fused_cpu_ops``).
+    With ``gguf``, ``gguf_experts`` (the file, ``GGUFWeights``) hands mixture-of-experts
+    layers their routed experts as the file's blocks, before ``load_weights`` (which then
+    skips them): no float copy of the experts is ever made."""
     summary = QuantizeSummary(method)
     with torch.inference_mode():
         if method == "gguf":
             if gguf_tensors is None:
                 raise QuantizationError("--quantize gguf needs the model's GGUF file")
-            _from_gguf(model, gguf_tensors, summary)
+            _from_gguf(model, gguf_tensors, summary, gguf_experts)
         else:
             _from_float(model, method, summary)
     summary.weight_bytes = model_weight_bytes(model)
@@ -82,6 +88,9 @@ def model_weight_bytes(model: DecoderForCausalLM) -> int:
             if held is not None and held.data.data_ptr() not in seen:
                 seen.add(held.data.data_ptr())
                 total += held.nbytes
+        experts = getattr(module, "quantized_experts", None)
+        if experts is not None:
+            total += experts.nbytes
         for copy in (getattr(module, "panels", None), getattr(module, "float_weight", None)):
             if copy is not None and copy.data_ptr() not in seen:
                 seen.add(copy.data_ptr())
@@ -108,7 +117,10 @@ def _from_float(model: DecoderForCausalLM, method: str, summary: QuantizeSummary
 
 
 def _from_gguf(
-    model: DecoderForCausalLM, tensors: Mapping[str, AnyQuantized], summary: QuantizeSummary
+    model: DecoderForCausalLM,
+    tensors: Mapping[str, AnyQuantized],
+    summary: QuantizeSummary,
+    experts: ExpertBlockSource | None = None,
 ) -> None:
     plan: list[tuple[_Packable, list[str]]] = []
     for i, layer in enumerate(model._layers):
@@ -120,8 +132,11 @@ def _from_gguf(
             (layer.self_attn.qkv_proj, [f"{attn}.{p}_proj.weight" for p in "qkv"]),
             (layer.self_attn.o_proj, [f"{attn}.o_proj.weight"]),
         ]
-        if not isinstance(layer.mlp, MLP):  # a mixture of experts: stays in the model dtype
-            summary.kept.append(f"model.layers.{i} experts")
+        if isinstance(layer.mlp, SparseMoeBlock):
+            plan += _moe_plan(layer.mlp, f"model.layers.{i}", summary, experts)
+            continue
+        if not isinstance(layer.mlp, MLP):  # another MLP kind: stays in the model dtype
+            summary.kept.append(f"model.layers.{i} mlp")
             continue
         plan += [
             (layer.mlp.gate_up_proj, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]),
@@ -145,6 +160,33 @@ def _from_gguf(
     embed = model.embed_tokens.quant
     if model.config.tie_word_embeddings and embed is not None:
         model.lm_head.set_quantized(embed)
+
+
+def _moe_plan(
+    moe: SparseMoeBlock, prefix: str, summary: QuantizeSummary, experts: ExpertBlockSource | None
+) -> list[tuple[_Packable, list[str]]]:
+    """A MoE layer's routed experts set from the file's blocks (where the op runs their
+    types), and its shared expert's matrices planned as a dense MLP's."""
+    names = moe.spec.names
+    stacked = None
+    plain = moe.b13 is None and moe.spec.activation is None and not moe.ctx.expert_parallel
+    if experts is not None and plain:
+        stacked = read_quantized_experts(
+            experts, f"{prefix}.{names.experts}", moe.width_range, moe.spec.intermediate_size
+        )
+    if stacked is None:
+        summary.kept.append(f"{prefix} experts")
+    else:
+        moe.set_quantized_experts(stacked)
+        summary.quantized += 3
+    shared = moe.shared
+    if not isinstance(shared, MLP):
+        return []
+    at = f"{prefix}.{names.shared}"
+    return [
+        (shared.gate_up_proj, [f"{at}.gate_proj.weight", f"{at}.up_proj.weight"]),
+        (shared.down_proj, [f"{at}.down_proj.weight"]),
+    ]
 
 
 def _shard(module: _Packable, parts: list[AnyQuantized]) -> AnyQuantized:

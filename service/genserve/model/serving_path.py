@@ -115,9 +115,11 @@ def _check_native_build(config: ModelConfig) -> None:
 def _check_native_weights(config: ModelConfig, model_dir: Path) -> None:
     """Raise :class:`UnsupportedModelError` where the native model could not read the
     weights, so the model goes to the fallback (transformers dequantizes the file) instead
-    of failing at load: a GGUF file's expert tensors (``ffn_*_exps``) have no native reader
-    yet, and a GGUF of an architecture whose llama.cpp tensor layout ``gguf_names`` does not
-    map (e.g. ``stablelm``, ``starcoder2``) cannot be read natively."""
+    of failing at load: a GGUF of an architecture whose llama.cpp tensor layout
+    ``gguf_names`` does not map (e.g. ``stablelm``, ``starcoder2``), a mixture-of-experts
+    GGUF of an architecture without an expert mapping (``qwen2moe`` and ``qwen3moe`` have
+    one), and a GGUF with experts (``{arch}.expert_count``) whose config transformers read
+    as a dense model (Mixtral written as ``llama``)."""
     from genserve.model import gguf_names
     from genserve.model.gguf_index import GGUFIndex
     from genserve.model.loader import transformers_weights_kwargs
@@ -125,16 +127,25 @@ def _check_native_weights(config: ModelConfig, model_dir: Path) -> None:
     gguf_file = transformers_weights_kwargs(model_dir).get("gguf_file")
     if gguf_file is None:
         return
-    if config.moe is not None:
-        raise UnsupportedModelError(
-            "the native reader of GGUF files has no mixture-of-experts tensors yet"
-        )
-    field = GGUFIndex(gguf_file).fields.get("general.architecture")
+    fields = GGUFIndex(gguf_file).fields
+    field = fields.get("general.architecture")
     arch = None if field is None else field.contents()
-    if gguf_names.layout(arch) is None:
+    layout = gguf_names.layout(arch)
+    if layout is None:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not read natively (native GGUF layouts: "
             f"{sorted(gguf_names.LAYOUTS)})"
+        )
+    experts = fields.get(f"{arch}.expert_count")
+    num_experts = None if experts is None else experts.contents()
+    if config.moe is not None and not layout.experts:
+        raise UnsupportedModelError(
+            f"the native reader has no mixture-of-experts tensors for GGUF architecture {arch!r}"
+        )
+    if config.moe is None and isinstance(num_experts, int) and num_experts > 0:
+        raise UnsupportedModelError(
+            f"the GGUF file has {num_experts} experts per layer but its config was read as "
+            f"a dense {config.architecture}"
         )
 
 

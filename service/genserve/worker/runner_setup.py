@@ -23,9 +23,10 @@ def load_weights(model: DecoderForCausalLM, resolved: ResolvedModel) -> Quantize
     """Load ``model``'s weights and apply ``--quantize``; the summary when quantized.
 
     A GGUF model is read from the file itself (model/gguf_weights.py): with ``--quantize
-    gguf`` its Q8_0/Q4 matrices are handed to the layers first, one module at a time, so
-    those layers never hold (or read) a float copy; everything else is dequantized tensor by
-    tensor.  Other checkpoints load their safetensors, then quantize (int8 / int4)."""
+    gguf`` its Q8_0/Q4 matrices (and a mixture of experts' stacked experts) are handed to
+    the layers first, one module at a time, so those layers never hold (or read) a float
+    copy; everything else is dequantized tensor by tensor.  Other checkpoints load their
+    safetensors, then quantize (int8 / int4)."""
     from genserve.model.quantization import QuantizationError
 
     method = resolved.quantize
@@ -41,7 +42,7 @@ def load_weights(model: DecoderForCausalLM, resolved: ResolvedModel) -> Quantize
         with GGUFWeights(resolved.gguf_file, config.num_heads, config.num_kv_heads) as gguf:
             summary = None
             if method == "gguf":
-                summary = quantize_model(model, method, gguf.quantized_view())
+                summary = quantize_model(model, method, gguf.quantized_view(), gguf)
             with torch.inference_mode():
                 model.load_weights(gguf)
         if method is not None and method != "gguf":

@@ -1,0 +1,441 @@
+// A mixture-of-experts layer's routed experts with their weights kept in a GGUF file's
+// quantized blocks (model/moe_gguf.py):
+//
+//   out[t] = sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, k]
+//
+// gate and up are [E, L, row bytes] and down [E, H, row bytes] uint8: each expert's rows as
+// llama.cpp stacks them in ffn_{gate,up,down}_exps, bytes untouched.  A projection's type is
+// one of Q8_0 and Q4_0 (blocks of 32) or Q4_K, Q5_K and Q6_K (super-blocks of 256: Q4_K_M
+// mixes them, Q6_K for some layers' down projection).
+//
+// Why one op: at one decode row a Qwen3-30B-A3B layer reads top-8 of 128 experts, so the cost
+// is streaming those experts' blocks once; a Python loop of per-expert matmuls would pay an
+// op call and a thread fork per expert and projection.  As in moe_cpu.cpp the step's
+// (token, choice) pairs are grouped by expert, each expert's rows gathered, and all (expert,
+// band of weight rows) tasks of a projection go to one parallel loop; each weight row is
+// decoded once and applied to every row of that expert (a tile of up to 32 at a time).
+//
+// Two paths, as the dense quantized kernels (kernels/int_dot.py's --cpu-int-dot, `isa`):
+//  * float (isa = -1): blocks dequantized as gguf-py does, products with the float32
+//    activations;
+//  * integer: activations quantized per block to int8 (Q8_0 per 32 inputs for Q8_0/Q4_0
+//    weights, Q8_K per 256 for K-quants, as llama.cpp does) and multiplied with VPDPBUSD
+//    (AVX512-VNNI) or VPMADDUBSW (AVX2); K-quant rows run kquant_cpu.cpp's own row kernels.
+// Each output depends only on its own activation row and weight row: batch-invariant.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "int_dot.h"
+#include "kquant_rows.h"
+#include "vec_math.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+using genserve_kquant::KRowJob;
+using genserve_kquant::KSegment;
+using genserve_kquant::RunRows;
+
+namespace {
+
+// GGML type codes (gguf's GGMLQuantizationType).
+constexpr int64_t kQ4_0 = 2;
+constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kTileRows = 32;  // activation rows per pass over a weight row
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+struct Format {
+  int64_t block = 0, bytes = 0;  // weights and bytes per block (0: not a type this op runs)
+  bool k_quant = false;
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case kQ4_0:
+      return {32, 18, false};
+    case kQ8_0:
+      return {32, 34, false};
+    case 12:
+      return {256, 144, true};  // Q4_K
+    case 13:
+      return {256, 176, true};  // Q5_K
+    case 14:
+      return {256, 210, true};  // Q6_K
+    default:
+      return {};
+  }
+}
+
+// ---- Q8_0 / Q4_0, float path: w = d * q (Q8_0), d * (q - 8) (Q4_0), as gguf-py computes -----
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+void q_float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
+  const KSegment& s = j.segments[0];
+  const bool q4 = s.type == kQ4_0;
+  const int64_t nb = j.k / 32;
+  alignas(64) float w[32];
+  v16 acc[kTileRows];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = s.data + n * s.row_bytes;
+    for (int64_t m0 = 0; m0 < j.m; m0 += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, j.m - m0);
+      for (int64_t m = 0; m < rows; ++m) acc[m] = v16{};
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = row + b * s.block_bytes;
+        const float d = half_at(block);
+        if (q4) {
+          for (int i = 0; i < 16; ++i) {
+            w[i] = d * static_cast<float>((block[2 + i] & 0x0F) - 8);
+            w[i + 16] = d * static_cast<float>((block[2 + i] >> 4) - 8);
+          }
+        } else {
+          const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+          for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]);
+        }
+        const v16 w0 = *reinterpret_cast<const v16*>(w);
+        const v16 w1 = *reinterpret_cast<const v16*>(w + 16);
+        for (int64_t m = 0; m < rows; ++m) {
+          const float* x = j.xf + (m0 + m) * j.k + b * 32;
+          acc[m] += w0 * *reinterpret_cast<const v16u*>(x) +
+                    w1 * *reinterpret_cast<const v16u*>(x + 16);
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        float sum = 0.0f;
+        for (int i = 0; i < 16; ++i) sum += acc[m][i];
+        j.store(m0 + m, n, sum);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#if defined(__x86_64__)
+
+// ---- Q8_0 / Q4_0, integer path -------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+namespace moeq_avx512vnni {
+namespace {
+inline __m256i dot32(__m256i w, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+}
+#include "moe_quant_row.inc"
+}  // namespace
+RunRows run() { return &q_int_rows; }
+}  // namespace moeq_avx512vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace moeq_avx2 {
+namespace {
+// u8 x s8 pairs in int16 (2 * 128 * 127 < 2^15: no saturation), then pairs of int16 in int32.
+inline __m256i dot32(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+#include "moe_quant_row.inc"
+}  // namespace
+RunRows run() { return &q_int_rows; }
+}  // namespace moeq_avx2
+#pragma GCC pop_options
+
+#endif  // __x86_64__
+
+namespace {
+
+bool has_avx512vnni() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+bool has_avx2() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+// The Q8_0/Q4_0 integer rows for `isa` (int_dot.h's codes; AVX-VNNI runs the AVX2 code).
+RunRows q_int_path(int64_t isa) {
+#if defined(__x86_64__)
+  const bool vnni = has_avx512vnni();
+  if ((isa == genserve_ops::kIntDotAuto || isa == genserve_ops::kIntDotAvx512Vnni ||
+       isa == genserve_ops::kIntDotVnni256Evex) && vnni)
+    return moeq_avx512vnni::run();
+  if (isa != genserve_ops::kIntDotNone && has_avx2()) return moeq_avx2::run();
+#endif
+  (void)isa;
+  return nullptr;
+}
+
+// One projection's activations as its weight type's rows read them.
+struct Acts {
+  at::Tensor f;              // float32 [slots, K]
+  at::Tensor q, d, sums;     // the integer path's int8 rows, scales, (Q8_K) sums of 16
+  int64_t per_scale = 0;     // inputs per scale (32: Q8_0, 256: Q8_K)
+};
+
+// x [slots, K] float32 as Q8_0 activations: per 32 inputs d = max|x| / 127, q = round(x / d).
+void quantize_q8_0(const at::Tensor& x, Acts& a) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  a.q = at::empty({M, K}, x.options().dtype(at::kChar));
+  a.d = at::empty({M, nb}, x.options());
+  a.per_scale = 32;
+  const float* src = x.data_ptr<float>();
+  int8_t* q = a.q.data_ptr<int8_t>();
+  float* d = a.d.data_ptr<float>();
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* v = src + t * 32;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float scale = amax / 127.0f;
+      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      for (int i = 0; i < 32; ++i)
+        q[t * 32 + i] = static_cast<int8_t>(
+            std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv))));
+      d[t] = scale;
+    }
+  });
+}
+
+Acts activations(const at::Tensor& x, const Format& f, bool integer) {
+  Acts a;
+  a.f = x;
+  if (!integer) return a;
+  if (f.k_quant) {
+    std::tie(a.q, a.d, a.sums) = genserve_kquant::quantize_rows_q8k(x);
+    a.per_scale = 256;
+  } else {
+    quantize_q8_0(x, a);
+  }
+  return a;
+}
+
+RunRows runner_for(const Format& f, int64_t isa) {
+  if (isa == genserve_ops::kIntDotNone) return f.k_quant ? genserve_kquant::float_runner() : &q_float_rows;
+  return f.k_quant ? genserve_kquant::int_runner(isa) : q_int_path(isa);
+}
+
+// One projection of every expert: weights [E, N, row bytes], its activations, its output.
+struct Projection {
+  const uint8_t* data;
+  Format fmt;
+  int64_t type, N, K, row_bytes;
+  const Acts* acts;
+  float* out;            // [slots, out_stride], this projection's first column
+  int64_t out_stride;
+  RunRows run;
+};
+
+struct Task {
+  int proj;
+  int64_t expert, n0, n1;
+};
+
+void add_tasks(std::vector<Task>& tasks, int proj, const Projection& p,
+               const std::vector<int64_t>& counts) {
+  // Each task streams ~64 KiB of one expert's blocks.
+  const int64_t band = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(1, p.row_bytes));
+  for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
+    if (counts[e] == 0) continue;
+    for (int64_t n = 0; n < p.N; n += band) tasks.push_back({proj, e, n, std::min(p.N, n + band)});
+  }
+}
+
+void run_tasks(const std::vector<Task>& tasks, const Projection* projs,
+               const std::vector<int64_t>& counts, const std::vector<int64_t>& starts) {
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Task& t = tasks[i];
+      const Projection& p = projs[t.proj];
+      const int64_t s = starts[t.expert];
+      const Acts& a = *p.acts;
+      const KSegment seg{p.data + t.expert * p.N * p.row_bytes, p.type, 0, p.N, p.fmt.bytes,
+                         p.row_bytes};
+      KRowJob job{};
+      if (a.q.defined()) {
+        job.xq = a.q.data_ptr<int8_t>() + s * p.K;
+        job.xd = a.d.data_ptr<float>() + s * (p.K / a.per_scale);
+        job.xsums = a.sums.defined() ? a.sums.data_ptr<int16_t>() + s * (p.K / 16) : nullptr;
+      }
+      job.xf = a.f.data_ptr<float>() + s * p.K;
+      job.k = p.K;
+      job.m = counts[t.expert];
+      job.n = p.out_stride;
+      job.segments = &seg;
+      job.num_segments = 1;
+      job.type = p.type;
+      job.block_bytes = p.fmt.bytes;
+      job.bias = nullptr;
+      job.out = p.out + s * p.out_stride;
+      p.run(job, t.n0, t.n1);
+    }
+  });
+}
+
+Format checked_format(const at::Tensor& w, int64_t type, int64_t K, const char* what) {
+  const Format f = format_of(type);
+  TORCH_CHECK(f.block > 0, "moe_experts_gguf: ", what, " has GGML type ", type,
+              ", not Q8_0, Q4_0, Q4_K, Q5_K or Q6_K");
+  TORCH_CHECK(K % f.block == 0, "moe_experts_gguf: ", what, "'s input width ", K,
+              " is not a multiple of its block (", f.block, ")");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.size(2) == K / f.block * f.bytes,
+              "moe_experts_gguf: ", what, " must be contiguous uint8 [E, N, ", K / f.block * f.bytes,
+              "] for GGML type ", type);
+  return f;
+}
+
+}  // namespace
+
+namespace genserve_ops {
+
+at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
+                            const at::Tensor& expert_weights, const at::Tensor& gate,
+                            const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types,
+                            int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "moe_experts_gguf: x must be [tokens, hidden]");
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0),
+              "moe_experts_gguf: expert_ids must be [tokens, top_k]");
+  TORCH_CHECK(expert_weights.sizes() == expert_ids.sizes(),
+              "moe_experts_gguf: expert_weights must match expert_ids");
+  TORCH_CHECK(types.size() == 3, "moe_experts_gguf: one GGML type per projection (gate, up, down)");
+  TORCH_CHECK(gate.dim() == 3 && up.dim() == 3 && down.dim() == 3,
+              "moe_experts_gguf: gate/up [E, L, bytes] and down [E, H, bytes] expected");
+  const int64_t T = x.size(0), K = expert_ids.size(1), E = gate.size(0), H = x.size(1);
+  const int64_t L = gate.size(1);
+  TORCH_CHECK(up.size(0) == E && down.size(0) == E && up.size(1) == L && down.size(1) == H,
+              "moe_experts_gguf: weight shapes do not match x");
+  const Format fg = checked_format(gate, types[0], H, "gate");
+  const Format fu = checked_format(up, types[1], H, "up");
+  const Format fd = checked_format(down, types[2], L, "down");
+  const bool integer = isa != genserve_ops::kIntDotNone;
+  const RunRows run_g = runner_for(fg, isa), run_u = runner_for(fu, isa), run_d = runner_for(fd, isa);
+  TORCH_CHECK(run_g != nullptr && run_u != nullptr && run_d != nullptr,
+              "moe_experts_gguf: this CPU has no integer path ", isa);
+
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor ids = expert_ids.to(at::kLong).contiguous();
+  const at::Tensor wts = expert_weights.to(at::kFloat).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+
+  // Group the (token, choice) pairs by expert, tokens in order within each.
+  std::vector<int64_t> counts(E, 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < E, "moe_experts_gguf: expert id ", id[i], " out of range");
+    ++counts[id[i]];
+  }
+  std::vector<int64_t> starts(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) starts[e + 1] = starts[e] + counts[e];
+  std::vector<int64_t> slot_of(T * K), token_of(T * K);
+  {
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t i = 0; i < T * K; ++i) {
+      const int64_t s = next[id[i]]++;
+      slot_of[i] = s;
+      token_of[s] = i / K;
+    }
+  }
+  const int64_t slots = T * K;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor xs = at::empty({slots, H}, f32);
+  at::Tensor gu = at::empty({slots, 2 * L}, f32);
+  at::Tensor act = at::empty({slots, L}, f32);
+  at::Tensor ys = at::empty({slots, H}, f32);
+  const float* xp = xf.data_ptr<float>();
+  float* xsp = xs.data_ptr<float>();
+  at::parallel_for(0, slots, 64, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e; ++s)
+      std::memcpy(xsp + s * H, xp + token_of[s] * H, H * sizeof(float));
+  });
+
+  // gate | up: gu [slots, 2L]; gate and up share their activations when their formats agree.
+  const Acts a_g = activations(xs, fg, integer);
+  const Acts a_u = fu.k_quant == fg.k_quant ? a_g : activations(xs, fu, integer);
+  const Projection gate_up[2] = {
+      {gate.data_ptr<uint8_t>(), fg, types[0], L, H, gate.size(2), &a_g, gu.data_ptr<float>(),
+       2 * L, run_g},
+      {up.data_ptr<uint8_t>(), fu, types[1], L, H, up.size(2), &a_u, gu.data_ptr<float>() + L,
+       2 * L, run_u}};
+  std::vector<Task> tasks;
+  add_tasks(tasks, 0, gate_up[0], counts);
+  add_tasks(tasks, 1, gate_up[1], counts);
+  run_tasks(tasks, gate_up, counts, starts);
+
+  // act = silu(gate) * up: [slots, L]
+  const float* gup = gu.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  at::parallel_for(0, slots, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* g = gup + r * 2 * L;
+      const float* u = g + L;
+      float* a = ap + r * L;
+      for (int64_t j = 0; j < L; ++j) a[j] = g[j] / (1.0f + genserve::exp_approx(-g[j])) * u[j];
+    }
+  });
+
+  // down: ys [slots, H]
+  const Acts a_d = activations(act, fd, integer);
+  const Projection down_p[1] = {
+      {down.data_ptr<uint8_t>(), fd, types[2], H, L, down.size(2), &a_d, ys.data_ptr<float>(), H,
+       run_d}};
+  tasks.clear();
+  add_tasks(tasks, 0, down_p[0], counts);
+  run_tasks(tasks, down_p, counts, starts);
+
+  // out[t] = sum over k, in k order, of weights[t, k] * ys[slot of (t, k)]
+  at::Tensor out = at::empty({T, H}, f32);
+  float* op = out.data_ptr<float>();
+  const float* yp = ys.data_ptr<float>();
+  const float* wp = wts.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* o = op + t * H;
+      for (int64_t h = 0; h < H; ++h) o[h] = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float w = wp[t * K + k];
+        const float* y = yp + slot_of[t * K + k] * H;
+        for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace genserve_ops
+
+TORCH_LIBRARY_FRAGMENT(genserve, m) {
+  m.def("moe_experts_gguf(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor gate, "
+        "Tensor up, Tensor down, int[] types, int isa=-1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("moe_experts_gguf", &genserve_ops::moe_experts_gguf);
+}

@@ -1,0 +1,108 @@
+"""Routed experts kept in a GGUF file's quantized blocks (``--quantize gguf``, the default
+for a ``.gguf`` model on CPU): what a mixture-of-experts layer holds instead of float
+``w13``/``w2`` when its ``ffn_{gate,up,down}_exps`` are Q8_0, Q4_0, Q4_K, Q5_K or Q6_K.
+
+Each projection is the file's stack ``[E, rows, row bytes]`` (uint8, bytes as stored, read
+by ``GGUFWeights.expert_blocks``), so a Q4_K_M model's experts take the file's 4.5-6.6 bits
+per weight in memory, never a float copy.  On CPU with genserve's kernels the layer's routed
+part is one op, ``genserve::moe_experts_gguf`` (``kernels/moe_quant_cpu.cpp``): rows grouped
+by expert, only the chosen experts' blocks read, on the float path (blocks dequantized as
+gguf-py does) or, with ``--cpu-int-dot``, on int8 activations as llama.cpp multiplies them.
+Elsewhere (CUDA, ``--disable-cpu-kernels``) :func:`experts_gguf_torch` dequantizes the chosen
+experts with gguf-py's own dequantizer and runs the torch loop: the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from genserve.model.kquants import FLOAT_PATH
+
+# GGML type codes (gguf's GGMLQuantizationType) of the expert types the op runs.
+GGML_CODES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+class ExpertBlockSource(Protocol):
+    """Where stacked experts come from in their stored blocks (``GGUFWeights``)."""
+
+    def expert_blocks(self, name: str) -> tuple[torch.Tensor, str] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedExperts:
+    """One layer's routed experts as GGUF blocks: ``gate``/``up`` uint8 ``[E, L, bytes]``,
+    ``down`` ``[E, H, bytes]``, each with its GGML type name; ``isa`` the kernel path
+    (``kquants.FLOAT_PATH`` or an ``int_dot.Isa``)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    types: tuple[str, str, str]
+    isa: int = FLOAT_PATH
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.gate.nbytes + self.up.nbytes + self.down.nbytes)
+
+    @property
+    def codes(self) -> list[int]:
+        return [GGML_CODES[t] for t in self.types]
+
+    def serving(self, isa: int) -> QuantizedExperts:
+        """The same blocks on kernel path ``isa``."""
+        return replace(self, isa=isa)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed sum through ``genserve::moe_experts_gguf`` (CPU kernels loaded)."""
+        out: torch.Tensor = torch.ops.genserve.moe_experts_gguf(
+            x, ids, weights, self.gate, self.up, self.down, self.codes, self.isa
+        )
+        return out
+
+
+def read_quantized_experts(
+    source: ExpertBlockSource, experts_prefix: str, width: tuple[int, int], full: int
+) -> QuantizedExperts | None:
+    """``{experts_prefix}.{gate,up,down}_proj`` from ``source`` as blocks, or None when any
+    of the three is not in a type the op runs, or this shard's slice ``width`` of the expert
+    width ``full`` is not the whole (a tensor-parallel shard would cut the down projection's
+    blocks: those layers are served in floats)."""
+    if width != (0, full):
+        return None
+    parts = [source.expert_blocks(f"{experts_prefix}.{p}_proj") for p in ("gate", "up", "down")]
+    if any(p is None for p in parts):
+        return None
+    (gate, tg), (up, tu), (down, td) = (p for p in parts if p is not None)
+    return QuantizedExperts(gate, up, down, (tg, tu, td))
+
+
+def dequantize_expert(blocks: torch.Tensor, qtype: str, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s matrix ``[rows, cols]`` in float32, by gguf-py's dequantizer."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    raw = blocks[expert].numpy()
+    values = dequantize(raw, GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def experts_gguf_torch(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: QuantizedExperts
+) -> torch.Tensor:
+    """The routed experts in torch on the dequantized blocks of the chosen experts (the
+    portable path and the kernel's reference): ``model.moe.experts_torch``'s loop."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    xf = x.float()
+    tg, tu, td = experts.types
+    for expert in torch.unique(ids).tolist():
+        token_idx, k_pos = torch.where(ids == expert)
+        rows = xf[token_idx]
+        gate = rows @ dequantize_expert(experts.gate, tg, expert).t()
+        up = rows @ dequantize_expert(experts.up, tu, expert).t()
+        act = torch.nn.functional.silu(gate) * up
+        y = act @ dequantize_expert(experts.down, td, expert).t()
+        out.index_add_(0, token_idx, y * weights[token_idx, k_pos, None].float())
+    return out.to(x.dtype)

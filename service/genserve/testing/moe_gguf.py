@@ -1,0 +1,184 @@
+"""Tiny random-weight Qwen2-MoE / Qwen3-MoE checkpoints written as ``.gguf`` files the way
+llama.cpp's ``convert_hf_to_gguf.py`` writes them (``conversion/qwen.py``'s
+``Qwen2MoeModel``): each layer's experts stacked into ``ffn_gate_exps`` / ``ffn_up_exps``
+``[E, I, H]`` and ``ffn_down_exps`` ``[E, H, I]``, the router as ``ffn_gate_inp``, Qwen2-MoE's
+shared expert as ``ffn_*_shexp`` with its gate ``ffn_gate_inp_shexp``, and the
+``expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length`` /
+``expert_shared_feed_forward_length`` keys.  For tests of GGUF mixture-of-experts loading.
+
+The experts take the preset's type: F32 (the comparison is then against transformers on
+the checkpoint itself), Q8_0 / Q4_0 (gguf-py's own quantizers), or K-quants (random valid
+blocks: gguf-py 0.19 has no K-quant quantizer).  Router, norms and biases stay F32, as
+``llama-quantize`` leaves them.  :func:`write_moe_gguf` also writes the *reference*
+checkpoint: the Hugging Face directory with every weight replaced by what gguf-py
+dequantizes from the file, which is what the served model must compute with.
+
+    python -m genserve.testing.moe_gguf OUT.gguf MODEL_DIR [--experts Q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from genserve.testing.tiny_gguf import _copy_tokenizer, random_blocks
+
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+_PER_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "lm_head.weight": "output.weight",
+    "model.norm.weight": "output_norm.weight",
+}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_STACK = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+# Expert presets that mix types per projection, as llama-quantize's Q4_K_M does.
+EXPERT_MIXES = {"Q4_K_M": {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}}
+
+
+def _gguf_name(hf: str) -> str:
+    if hf in _TOP:
+        return _TOP[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_PER_LAYER[module]}.{suffix}"
+
+
+def _hparams(writer: Any, config: Mapping[str, Any]) -> None:
+    heads = config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _blocks(w: np.ndarray, qtype: Any, name: str) -> np.ndarray:
+    """``w`` (float32, rows along the last axis) in ``qtype``'s blocks (uint8)."""
+    from gguf.quants import quantize
+
+    try:
+        return np.asarray(quantize(w, qtype))
+    except NotImplementedError:  # K-quants: random valid blocks of the same shape
+        rows = int(np.prod(w.shape[:-1]))
+        raw = random_blocks(qtype, rows, w.shape[-1], seed=zlib.crc32(name.encode()))
+        return raw.reshape(*w.shape[:-1], -1)
+
+
+def write_moe_gguf(
+    path: Path, model_dir: Path, expert_type: str = "F32", matrix_type: str = "F32"
+) -> tuple[Path, Path]:
+    """``model_dir`` (a Qwen2/3-MoE checkpoint, per-expert tensors) as a GGUF at ``path``,
+    its routed experts in ``expert_type`` (a GGML type, or a key of :data:`EXPERT_MIXES`)
+    and its other matrices (attention, shared expert, embedding, head) in ``matrix_type``;
+    returns ``(path, reference_dir)``, the reference being ``model_dir``'s checkpoint
+    with every weight as gguf-py dequantizes it from the file (beside ``path``, named
+    ``{stem}-reference``)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, dequantize
+    from safetensors.numpy import load_file, save_file
+
+    from genserve.model.loader import default_gguf_path
+
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = GGUF_ARCH[config["model_type"]]
+    tensors: dict[str, np.ndarray] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    plain: dict[str, np.ndarray] = {}
+    for name, array in tensors.items():
+        match = _EXPERT.fullmatch(name)
+        if match is None:
+            plain[name] = np.ascontiguousarray(array, dtype=np.float32)
+        else:
+            layer, expert, proj = int(match.group(1)), int(match.group(2)), match.group(3)
+            stacks.setdefault((layer, proj), {})[expert] = array.astype(np.float32)
+
+    writer = GGUFWriter(path, arch)
+    _hparams(writer, config)
+    _copy_tokenizer(writer, default_gguf_path())
+    reference: dict[str, np.ndarray] = {}
+
+    def add(gguf: str, w: np.ndarray, type_name: str) -> np.ndarray:
+        qtype = GGMLQuantizationType[type_name]
+        if w.shape[-1] % GGML_QUANT_SIZES[qtype][0]:  # rows not whole blocks: F32, as
+            qtype = GGMLQuantizationType.F32  # llama-quantize falls back for such shapes
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf, w)
+            return w
+        blocks = _blocks(w, qtype, gguf)
+        writer.add_tensor(gguf, blocks, raw_dtype=qtype)
+        return np.asarray(dequantize(blocks, qtype), dtype=np.float32).reshape(w.shape)
+
+    for name, w in plain.items():
+        gguf = _gguf_name(name)
+        is_matrix = w.ndim == 2 and "ffn_gate_inp" not in gguf
+        reference[name] = add(gguf, w, matrix_type if is_matrix else "F32")
+    for (layer, proj), experts in sorted(stacks.items()):
+        stacked = np.stack([experts[e] for e in sorted(experts)])  # [E, rows, cols]
+        qtype = EXPERT_MIXES.get(expert_type, {}).get(proj, expert_type)
+        values = add(f"blk.{layer}.{_STACK[proj]}.weight", stacked, qtype)
+        for e in sorted(experts):
+            reference[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = values[e]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ref_dir = path.with_name(f"{path.stem}-reference")
+    ref_dir.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        if item.suffix != ".safetensors" and item.is_file():
+            shutil.copy(item, ref_dir / item.name)
+    save_file({k: np.ascontiguousarray(v) for k, v in reference.items()},
+              str(ref_dir / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    return path, ref_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--experts", default="F32")
+    parser.add_argument("--matrices", default="F32")
+    args = parser.parse_args(argv)
+    print(*write_moe_gguf(args.out, args.model_dir, args.experts, args.matrices))
+
+
+if __name__ == "__main__":
+    main()
