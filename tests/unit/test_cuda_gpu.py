@@ -161,7 +161,7 @@ def test_triton_kernel_matches_reference_on_gpu() -> None:
     gen = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)):
         for window in (None, 20):
-            num_seqs, heads, kv_heads, head_dim, block_size, num_blocks = 5, 8, 2, 64, 16, 40
+            num_seqs, heads, kv_heads, head_dim, block_size, num_blocks = 5, 8, 2, 64, 16, 80
             cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen)
             q = torch.randn(num_seqs, heads, head_dim, generator=gen)
             lens = torch.tensor([1, 15, 16, 17, 200])

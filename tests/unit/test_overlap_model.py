@@ -88,11 +88,12 @@ async def _serve(
     *,
     overlap: bool,
     num_blocks: int = 64,
+    block_size: int = BLOCK_SIZE,
     cancel_after: dict[str, int] | None = None,
     proposer: Any = None,
     **config: Any,
 ) -> tuple[dict[str, Result], CountingRunner]:
-    sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, **config))
+    sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, **config))
     if proposer is not None:
         sched._proposer = proposer
     counting = CountingRunner(runner)

@@ -417,3 +417,30 @@ def test_learned_growth_ratio_follows_finished_requests() -> None:
     h.step()
     h.abort("cancelled")
     assert h.sched.stats().growth_reserve_ratio == low
+
+
+def test_batch_arrivals_holds_arrivals_with_chunked_prefill_too() -> None:
+    """--prefill-batching: TGI's rule with chunked prefill (CUDA graphs: a step with a
+    prefill chunk runs eagerly, so arrivals are gathered into fewer such steps)."""
+    for batch_arrivals, held in ((False, 0), (True, 3)):
+        h = Harness(cfg(max_waiting_tokens=4, num_blocks=256, batch_arrivals=batch_arrivals))
+        for i in range(5):
+            h.add(f"r{i}", [i, i], max_new_tokens=50)
+        h.step()  # nothing running: admitted at once either way
+        assert h.sched.num_running == 5
+        h.add("late", [7, 8, 9], max_new_tokens=5)
+        # 1 waiting < floor(5 * 1.2): decode steps only, until 4 "waiting tokens" passed.
+        for _ in range(held):
+            assert not h.step().new_requests
+        assert [n.req_id for n in h.step().new_requests] == ["late"]
+        h.run()
+        h.assert_all_blocks_free()
+
+
+def test_prefill_batching_auto_follows_cuda_graphs() -> None:
+    from genserve.cli import batch_arrivals
+
+    assert batch_arrivals("auto", graphs_replayed=True)
+    assert not batch_arrivals("auto", graphs_replayed=False)
+    assert batch_arrivals("on", graphs_replayed=False)
+    assert not batch_arrivals("off", graphs_replayed=True)

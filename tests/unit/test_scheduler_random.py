@@ -30,6 +30,15 @@ CONFIGS = {
         chunked_prefill_enabled=False,
         max_waiting_tokens=3,
     ),
+    # --prefill-batching: TGI's rule with chunked prefill (on where CUDA graphs run).
+    "tiny-chunked-batched": SchedulerConfig(
+        num_blocks=12,
+        block_size=4,
+        max_batch_prefill_tokens=16,
+        chunked_prefill_size=8,
+        batch_arrivals=True,
+        max_waiting_tokens=3,
+    ),
     "tiny-lpm": SchedulerConfig(
         num_blocks=16, block_size=4, max_batch_prefill_tokens=24, policy=SchedulePolicy.LPM
     ),

@@ -176,3 +176,18 @@ def test_triton_version_gate() -> None:
     assert triton_attention.triton_version_ok("3.0.0")
     assert triton_attention.triton_version_ok("3.9.0+git5a9b1c")
     assert not triton_attention.triton_version_ok("2.3.1")
+
+
+def test_availability_is_decided_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``available()`` is asked before every fused op of every layer: reading Triton's
+    package metadata each time made most of an eager 8B step on the GPU machine."""
+    import importlib.metadata
+
+    from genserve.kernels import triton_attention
+
+    triton_attention.available(torch.device("cpu"))  # decided here, or earlier
+    calls: list[str] = []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: calls.append(name) or "3.0")
+    for _ in range(3):
+        triton_attention.available(torch.device("cuda"))
+    assert calls == []

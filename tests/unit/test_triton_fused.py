@@ -51,19 +51,19 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
-def check_norms() -> None:
+def check_norms(device: str = "cpu") -> None:
     from genserve.kernels import fused_gpu_ops as ops
 
-    assert ops.triton_runs(torch.device("cpu"))  # the interpreter: kernels, not references
+    assert ops.triton_runs(torch.device(device))  # kernels, not references (CPU: interpreted)
     gen = torch.Generator().manual_seed(0)
     # (rows, hidden, row stride): one row, an odd width, a wide row, rows inside a wider
     # tensor (the [q | k | v] projection's q part, a full-width q norm's input); then heads.
     for dtype in (torch.float32, torch.bfloat16):
         for rows, hidden, stride in ((1, 64, 64), (7, 333, 333), (3, 1000, 1000), (5, 96, 160)):
-            wide = torch.randn(rows, stride, generator=gen).to(dtype)
+            wide = torch.randn(rows, stride, generator=gen).to(device, dtype)
             x = wide[:, :hidden]
-            residual = torch.randn(rows, hidden, generator=gen).to(dtype)
-            weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+            residual = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+            weight = (torch.rand(hidden, generator=gen) + 0.5).to(device, dtype)
             what = f"{dtype} {rows}x{hidden}"
             want, _ = ops.rms_norm_reference(x, weight, 1e-6)
             _close(ops.rms_norm(x, weight, 1e-6), want, f"rms_norm {what}")
@@ -75,34 +75,36 @@ def check_norms() -> None:
             if dtype == torch.float32:  # one float32 rounding of one add: exact
                 assert torch.equal(summed, want_summed)
         # A per-head q/k norm's input: [tokens, heads, head_dim] heads of a wider projection.
-        qkv = torch.randn(3, 7 * 24, generator=gen).to(dtype)
+        qkv = torch.randn(3, 7 * 24, generator=gen).to(device, dtype)
         heads = qkv[:, : 5 * 24].view(3, 5, 24)
-        weight = (torch.rand(24, generator=gen) + 0.5).to(dtype)
+        weight = (torch.rand(24, generator=gen) + 0.5).to(device, dtype)
         want, _ = ops.rms_norm_reference(heads, weight, 1e-6)
         _close(ops.rms_norm(heads, weight, 1e-6), want, f"per-head rms_norm {dtype}")
 
 
-def check_gated_act() -> None:
+def check_gated_act(device: str = "cpu") -> None:
     from genserve.kernels import fused_gpu_ops as ops
 
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         # Widths: odd, exactly one 1,024-wide program, several programs with a ragged end.
         for rows, n in ((1, 77), (5, 1024), (3, 2500)):
-            gate_up = (torch.randn(rows, 2 * n, generator=gen) * 3).to(dtype)
+            gate_up = (torch.randn(rows, 2 * n, generator=gen) * 3).to(device, dtype)
             for activation in ops.ACTIVATIONS:
                 want = ops.gated_act_reference(gate_up, activation)
                 got = ops.gated_act(gate_up, activation)
                 _close(got, want, f"{activation} {dtype} {rows}x{n}")
 
 
-def check_rotary_store_kv() -> None:
+def check_rotary_store_kv(device: str = "cpu") -> None:
     from genserve.kernels import fused_gpu_ops as ops
 
     gen = torch.Generator().manual_seed(2)
     num_tokens, block_size, num_blocks, max_positions = 5, 4, 6, 40
-    slots = torch.tensor([0, 9, 23, 4, 17])  # scattered over blocks, one reused block offset
-    positions = torch.tensor([3, 39, 0, 17, 8])
+    slots = torch.tensor(
+        [0, 9, 23, 4, 17], device=device
+    )  # scattered over blocks, one reused block offset
+    positions = torch.tensor([3, 39, 0, 17, 8], device=device)
     # (heads, kv_heads, head_dim): MHA, GQA, MQA, a half width (40) that is no power of two.
     for dtype in (torch.float32, torch.bfloat16):
         for heads, kv_heads, head_dim in ((4, 4, 16), (6, 2, 16), (8, 1, 32), (3, 1, 80)):
@@ -110,15 +112,15 @@ def check_rotary_store_kv() -> None:
             width = (heads + 2 * kv_heads) * head_dim
             for layout in (ops.HEADS_FIRST, ops.BLOCKS_FIRST):
                 for mode in ("table", "per-token", "none"):
-                    qkv = torch.randn(num_tokens, width, generator=gen).to(dtype)
+                    qkv = torch.randn(num_tokens, width, generator=gen).to(device, dtype)
                     rows = max_positions if mode == "table" else num_tokens
-                    cos = torch.rand(rows, half, generator=gen).to(dtype)
-                    sin = torch.rand(rows, half, generator=gen).to(dtype)
+                    cos = torch.rand(rows, half, generator=gen).to(device, dtype)
+                    sin = torch.rand(rows, half, generator=gen).to(device, dtype)
                     if layout == ops.HEADS_FIRST:
                         shape = (2, kv_heads, num_blocks, block_size, head_dim)
                     else:
                         shape = (2, num_blocks, block_size, kv_heads, head_dim)
-                    cache = torch.randn(shape, generator=gen).to(dtype)
+                    cache = torch.randn(shape, generator=gen).to(device, dtype)
                     want_qkv, want_cache = qkv.clone(), cache.clone()
                     args = (
                         (cos, sin, positions)
@@ -143,8 +145,8 @@ def check_rotary_store_kv() -> None:
                         assert torch.equal(cache, want_cache), what
 
 
-def check_model(model_dir: str) -> None:
-    """Prefill, then decode steps: the fused layers (Triton, interpreted) against the eager
+def check_model(model_dir: str, device: str = "cpu") -> None:
+    """Prefill, then decode steps: the fused layers (Triton; interpreted on CPU) against the eager
     layers, float32: the same greedy tokens, logits within float32 rounding."""
     from genserve.model.attention import SeqSpec, TorchPagedAttention
     from genserve.model.config import load_model_config
@@ -153,32 +155,32 @@ def check_model(model_dir: str) -> None:
     from genserve.parallel import ParallelContext
 
     config = load_model_config(Path(model_dir))
-    cpu = torch.device("cpu")
+    dev = torch.device(device)
     block_size = 16
-    backend = TorchPagedAttention(cpu)
+    backend = TorchPagedAttention(dev)
 
     def run(fused: bool) -> list[torch.Tensor]:
         with torch.inference_mode():
-            model = build_model(config, ParallelContext.single(), torch.float32, cpu)
+            model = build_model(config, ParallelContext.single(), torch.float32, dev)
             with SafetensorsWeights(Path(model_dir)) as weights:
                 model.load_weights(weights)
             if fused:
                 model.use_fused_gpu_ops(config.max_position_embeddings)
             shape = backend.kv_cache_shape(8, block_size, model.num_local_kv_heads, config.head_dim)
-            caches = [torch.zeros(shape) for _ in range(config.num_layers)]
+            caches = [torch.zeros(shape, device=dev) for _ in range(config.num_layers)]
             lengths = [5, 19]
             blocks = [(3, 5), (7, 1)]
             gen = torch.Generator().manual_seed(1)
-            tokens = torch.randint(3, 1000, (sum(lengths),), generator=gen)
-            positions = torch.cat([torch.arange(n) for n in lengths])
+            tokens = torch.randint(3, 1000, (sum(lengths),), generator=gen).to(dev)
+            positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
             seqs = [SeqSpec(n, 0, b) for n, b in zip(lengths, blocks, strict=True)]
             hidden = model(tokens, positions, caches, backend.build(seqs, 0, block_size))
-            ends = torch.tensor(lengths).cumsum(0) - 1
+            ends = torch.tensor(lengths, device=dev).cumsum(0) - 1
             logits = [model.compute_logits(hidden[ends])]
             for step in range(3):
                 next_tokens = logits[-1].argmax(-1)
                 decode = [SeqSpec(1, n + step, b) for n, b in zip(lengths, blocks, strict=True)]
-                next_positions = torch.tensor(lengths) + step
+                next_positions = torch.tensor(lengths, device=dev) + step
                 meta = backend.build(decode, 2, block_size)
                 logits.append(
                     model.compute_logits(model(next_tokens, next_positions, caches, meta))

@@ -39,10 +39,13 @@ class SchedulerConfig:
     lpm_max_queue_len: int = 128
     # --disable-prefix-caching turns this off.
     enable_prefix_caching: bool = True
-    # --waiting-served-ratio / --max-waiting-tokens: TGI's admission policy, used only when
-    # chunked prefill is disabled (see genserve.engine.scheduler_policy).
+    # --waiting-served-ratio / --max-waiting-tokens: TGI's admission policy, used when
+    # chunked prefill is disabled or ``batch_arrivals`` is set (genserve.engine.scheduler_policy).
     waiting_served_ratio: float = 1.2
     max_waiting_tokens: int = 20
+    # --prefill-batching: TGI's admission policy with chunked prefill too (on by default where
+    # decode steps replay CUDA graphs and a step with a prefill chunk runs eagerly).
+    batch_arrivals: bool = False
     # Admission headroom (SGLang's "new token ratio").  A request joins a non-empty batch
     # only if the blocks left free afterwards cover this fraction of the tokens the running
     # requests may still generate (at most ``growth_reserve_max_tokens`` each), so that

@@ -44,14 +44,15 @@ class AdmissionPolicy:
 
     def min_new_batch(self, num_running: int) -> int | None:
         """How many requests a new prefill batch must hold to join ``num_running`` running
-        ones, or None for "any number".  Always None with chunked prefill.
+        ones, or None for "any number".  Always None with chunked prefill, unless
+        ``batch_arrivals`` asks for TGI's rule there too.
 
         TGI: with a batch running, a new batch needs ``floor(num_running *
         waiting_served_ratio)`` requests, unless ``max_waiting_tokens`` steps passed since the
         last prefill (then any size will do).
         """
         cfg = self.config
-        if cfg.chunked_prefill_enabled or not num_running:
+        if (cfg.chunked_prefill_enabled and not cfg.batch_arrivals) or not num_running:
             return None
         if self._waiting_tokens >= cfg.max_waiting_tokens:
             return None

@@ -23,6 +23,7 @@ operands, so widening first keeps the CPU tests meaningful.)
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import itertools
@@ -45,16 +46,24 @@ def triton_version_ok(version: str) -> bool:
     return tuple(parts) >= _MIN_TRITON
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on ``device``: on CUDA with Triton >= 3.0
-    installed, or anywhere under Triton's interpreter (tests)."""
+@functools.cache
+def _triton_installed_ok() -> bool:
+    """Whether Triton >= 3.0 is installed.  Asked once: ``importlib.metadata.version`` reads
+    and parses the package's METADATA file, and :func:`available` is asked before every
+    fused op of every layer (on the GPU machine, uncached, that was most of an eager step)."""
     if importlib.util.find_spec("triton") is None:
         return False
     try:
         version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:  # a source tree on the path: trust it
         version = ".".join(map(str, _MIN_TRITON))
-    if not triton_version_ok(version):
+    return triton_version_ok(version)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can run for tensors on ``device``: on CUDA with Triton >= 3.0
+    installed, or anywhere under Triton's interpreter (tests)."""
+    if not _triton_installed_ok():
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
