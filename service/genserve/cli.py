@@ -103,7 +103,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     from genserve.model.loader import resolve_model
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
-    from genserve.worker.shard_plan import resolve_num_shard
+    from genserve.worker.shard_plan import check_expert_parallel, resolve_num_shard
 
     # A bad --chat-template fails the start before minutes of loading, not after.
     chat_template = load_template_override(config.chat_template, config.tokenizer_config_path)
@@ -165,6 +165,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     )
     num_gpus = torch.cuda.device_count() if on_cuda else 0
     num_shard = resolve_num_shard(config.num_shard, config.sharded, num_gpus)
+    check_expert_parallel(config.expert_parallel, num_shard)
     runner: ModelRunner
     if num_shard > 1:
         from genserve.worker.sharded_runner import ShardSettings, launch_sharded_runner
@@ -180,6 +181,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             cpu_kernels=not config.disable_cpu_kernels,
             deterministic=config.deterministic,
             cpu_int_dot=config.cpu_int_dot,
+            expert_parallel=config.expert_parallel,
         )
         runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:

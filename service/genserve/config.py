@@ -87,6 +87,7 @@ class Config:
     genserve_cache: Path = Path.home() / ".cache" / "genserve"
     num_shard: int | None = None
     sharded: bool | None = None
+    expert_parallel: bool = False  # issue #26: whole routed experts per shard
     master_addr: str = "localhost"
     master_port: int = 29500
     shutdown_timeout: float = 30.0
@@ -432,6 +433,14 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag("num_shard", "Tensor-parallel shards.", _positive_int),
     _flag("sharded", "Shard the model (true: every visible GPU by default).", _bool),
+    _flag(
+        "expert_parallel",
+        "Mixture-of-experts models on --num-shard 2 or more: each shard holds whole routed "
+        "experts (a contiguous range, any expert count) instead of a slice of every "
+        "expert's width; the shards' outputs are summed (docs/models/moe.md). Refused on "
+        "one shard and for models without experts.",
+        _SWITCH,
+    ),
     _flag("master_addr", "torch.distributed rendezvous address.", str),
     _flag("master_port", "torch.distributed rendezvous port.", int),
     _flag("shutdown_timeout", "Seconds in-flight requests get to finish on SIGTERM.", float),

@@ -23,12 +23,15 @@ class ParallelContext:
     """This process's place in the tensor-parallel group.
 
     ``group`` is the process group the collectives run on (``None``: the default group once
-    ``torch.distributed`` is initialised; unused at world size 1).
+    ``torch.distributed`` is initialised; unused at world size 1).  ``expert_parallel``
+    (``--expert-parallel``): mixture-of-experts layers give each rank whole routed experts
+    (:meth:`expert_share`) instead of a slice of every expert's width.
     """
 
     rank: int = 0
     world_size: int = 1
     group: ProcessGroup | None = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -60,6 +63,17 @@ class ParallelContext:
         per_rank, extra = divmod(size, self.world_size)
         start = self.rank * per_rank + min(self.rank, extra)
         return start, start + per_rank + (1 if self.rank < extra else 0)
+
+    def expert_share(self, num_experts: int) -> tuple[int, int]:
+        """``[start, stop)`` of the routed experts this rank holds under expert parallelism:
+        a contiguous, as-even-as-possible share (8 experts on 3 shards: 3, 3, 2), so any
+        expert count splits.  Raises when some rank would hold none."""
+        if num_experts < self.world_size:
+            raise ValueError(
+                f"--expert-parallel: {num_experts} routed experts cannot be shared by "
+                f"{self.world_size} shards (each shard needs at least one)"
+            )
+        return self.balanced_shard(num_experts)
 
     def padded_shard(self, size: int) -> tuple[int, int, int]:
         """``(start, stop, per_rank)`` where every rank owns ``per_rank = ceil(size / world)``

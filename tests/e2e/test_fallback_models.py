@@ -52,12 +52,15 @@ SEQUENTIAL = {"falcon", "qwen3_5_text"}
 # Served by genserve's own model (model/families); every other entry by the fallback.
 NATIVE = {
     "cohere",
+    "deepseek_v3",
     "gemma",
     "gemma2",
     "gemma3_text",
     "glm4_moe",
     "gpt_neox",
+    "gpt_oss",
     "granite",
+    "minimax_m2",
     "mixtral",
     "olmo2",
     "phi",

@@ -3,7 +3,8 @@ random-weight float32 checkpoints (8 experts, top-2; tests/utils/moe_models.py),
 concurrent prompts of a few to ~300 words: greedy tokens equal transformers
 ``generate()``, logprobs within 1e-3, and ``Info`` says the model runs natively.  Served on
 one shard (the CPU kernels' ``genserve::moe_experts`` op, one op per MoE layer) and on two
-(every expert's width split between the shards).
+(every expert's width split between the shards, or with ``--expert-parallel`` whole
+experts per shard).
 
 ``tests/unit/test_moe.py`` checks that the routing features and shared experts each change
 the reference, so these comparisons prove each is implemented."""
@@ -71,9 +72,38 @@ def test_moe_family_matches_transformers(family: str, moe_dirs: dict[str, Path])
     _check(family, model_dir, served)
 
 
-# Two shards: Qwen2-MoE (gated shared expert split like a dense MLP) and GLM-4-MoE (grouped
-# sigmoid routing, dense first layer, partial rotary).
-@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+def test_expert_parallel_shards_match_transformers(moe_dirs: dict[str, Path]) -> None:
+    """``--expert-parallel``: Qwen3-MoE's 8 experts as 4 whole experts per shard (its
+    first layer dense, split by tensor parallelism as usual)."""
+    from tests.e2e.test_tensor_parallel import generate_all
+    from tests.e2e.tp_utils import SERVER_ARGS, shard_args, start_servers
+
+    model_dir = moe_dirs["qwen3_moe"]
+    args = (*SERVER_ARGS, *shard_args(2), "--expert-parallel")
+    with start_servers([(model_dir, args)]) as (server,):
+        served = generate_all(server, PROMPTS, MAX_NEW_TOKENS)
+    _check("qwen3_moe", model_dir, served)
+
+
+def test_gpt_oss_chunked_prefill_and_prefix_hits(moe_dirs: dict[str, Path]) -> None:
+    """gpt-oss's sinks and sliding layers through prompts prefilled 48 tokens a step, then
+    the same prompts again (their blocks from the prefix cache, the rest computed)."""
+    model_dir = moe_dirs["gpt_oss"]
+    args = (*PARITY_SERVER_ARGS, "--chunked-prefill-size", "48")
+    with inproc_server(model_dir, *args) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.TextGenerationServiceStub(channel)
+            first = _served(stub)
+            again = _served(stub)
+        server.wait_all_blocks_free()
+    _check("gpt_oss", model_dir, first)
+    _check("gpt_oss", model_dir, again)
+
+
+# Two shards: Qwen2-MoE (gated shared expert split like a dense MLP), GLM-4-MoE (grouped
+# sigmoid routing, dense first layer, partial rotary) and gpt-oss (sinks split by query head,
+# expert biases: the down bias added by one shard).
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe", "gpt_oss"])
 def test_two_shards_match_transformers(family: str, moe_dirs: dict[str, Path]) -> None:
     from tests.e2e.test_tensor_parallel import generate_all
     from tests.e2e.tp_utils import SERVER_ARGS, shard_args, start_servers

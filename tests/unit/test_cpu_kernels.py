@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from genserve.kernels import cpu as cpu_kernels
-from genserve.model.attention import SeqSpec, TorchPagedAttention, select_backend
+from genserve.model.attention import SeqSpec, TorchPagedAttention
+from genserve.model.attention_backend import select_backend
 from genserve.testing.tiny_model import NATIVE_FAMILIES
 from tests.conftest import TinyModelFactory
 
@@ -537,3 +538,44 @@ def test_long_contexts_split_in_parts_match_the_reference(
             torch.set_num_threads(previous)
         expected = _reference(q, cache, seqs, scale, window)
         torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])  # vectorised (and split) path; generic path
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_sinks_match_the_eager_reference(head_dim: int, threads: int) -> None:
+    """gpt-oss's attention sinks: each head's sink logit joins its softmax's denominator as a
+    key whose value is zero, on the whole-context, split-context and generic-size paths;
+    leaving them out changes the result."""
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, blocks = 4, 2, 80
+    cache = torch.randn(2, num_kv_heads, blocks, BLOCK_SIZE, head_dim, generator=gen)
+    lens = [1100, 30, 3]  # the long context is split in parts (head size 64)
+    table = torch.tensor([list(range(70)), list(range(70, 72)) + [0] * 68, [72] + [0] * 69])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen) * 2
+    sinks = torch.tensor([3.0, -1.0, 0.5, 40.0])  # the last dwarfs every score
+    scale = head_dim**-0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.genserve.paged_decode_attention(
+            q, cache, table, torch.tensor(lens), scale, -1, 0.0, sinks
+        )
+        plain = torch.ops.genserve.paged_decode_attention(
+            q, cache, table, torch.tensor(lens), scale, -1
+        )
+    finally:
+        torch.set_num_threads(previous)
+    group = num_heads // num_kv_heads
+    for s, length in enumerate(lens):
+        ctx = cache[:, :, table[s]].reshape(2, num_kv_heads, -1, head_dim)[:, :, :length].double()
+        for h in range(num_heads):
+            scores = ctx[0, h // group] @ q[s, h].double() * scale
+            with_sink = torch.cat([scores, sinks[h : h + 1].double()])
+            probs = torch.softmax(with_sink, dim=0)[:-1]
+            expected = probs @ ctx[1, h // group]
+            torch.testing.assert_close(out[s, h].double(), expected, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(out, plain, atol=1e-3)  # the sinks changed the result
+    with pytest.raises(RuntimeError, match="sinks must be float32"):
+        torch.ops.genserve.paged_decode_attention(
+            q, cache, table, torch.tensor(lens), scale, -1, 0.0, sinks[:3]
+        )

@@ -1,4 +1,6 @@
-"""The import graph of service/genserve: no circles, and no arrow that runs up the layers.
+"""The import graph of service/genserve: no circles, no arrow that runs up the layers, the
+engine and the worker without the launcher's config, and no module past ~500 lines without
+its reason.
 
 Every module is parsed with ``ast`` (nothing is imported), and every ``import`` counts:
 module level, inside functions, and under ``TYPE_CHECKING`` (a circle that only the type
@@ -265,3 +267,30 @@ def test_rpc_converts_its_request_in_one_call(rpc: str, conversion: str) -> None
         f"{PACKAGE}.server.conversion.errors",
         f"{PACKAGE}.server.conversion.limits",
     }, imported_conversion
+
+
+def test_engine_and_worker_take_their_own_settings() -> None:
+    """The engine and the worker get small settings objects of their own (SchedulerConfig,
+    AdapterSettings, ShardSettings...) from the launcher, never its ``Config``: nothing
+    there imports from ``genserve.config`` but the --cuda-graphs flag's parser."""
+    allowed = {f"{PACKAGE}.config.parse_batch_sizes"}
+    for module, path in _modules().items():
+        if _unit(module) not in ("engine", "worker"):
+            continue
+        names = {n for n in _imported_names(path, module) if n.startswith(f"{PACKAGE}.config")}
+        assert names <= allowed | {f"{PACKAGE}.config"}, (module, names - allowed)
+
+
+# A module past this many lines says why in its docstring ("~500 lines").
+MAX_LINES = 500
+
+
+def test_long_modules_give_their_reason() -> None:
+    long = {}
+    for module, path in _modules().items():
+        lines = path.read_text().count("\n")
+        if lines > MAX_LINES:
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            if "~500 lines" not in doc:
+                long[module] = lines
+    assert not long, f"over {MAX_LINES} lines without a reason in the docstring: {long}"

@@ -1,11 +1,14 @@
 """Where the CPU kernels are loaded from: a server whose --genserve-cache is not the one the
-bootstrap built into loads the bootstrap's build instead of compiling at its first start."""
+bootstrap built into loads the bootstrap's build instead of compiling at its first start, and
+loads it as it is (no ninja run in the bootstrap's directory)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils import cpp_extension
 
 from genserve.kernels import cpu as cpu_kernels
 
@@ -30,3 +33,58 @@ def test_bootstrap_builds_where_the_server_looks() -> None:
     """scripts/bootstrap.sh builds into $GENSERVE_CACHE/kernels, the launcher's default."""
     script = (Path(__file__).parents[2] / "scripts" / "bootstrap.sh").read_text()
     assert '--cache-dir "${GENSERVE_CACHE:-$HOME/.cache/genserve}/kernels"' in script
+
+
+def _fake_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loads: bool
+) -> tuple[Path, list[str], list[str]]:
+    """A finished build of this code in a default cache only; records what loads and what
+    ninja is asked to build (neither really happens)."""
+    default, configured = tmp_path / "default", tmp_path / "configured"
+    level, digest = cpu_kernels._isa_level().lower(), cpu_kernels._content_hash()
+    name = f"genserve_cpu_kernels_{level}_{digest}"
+    (default / name).mkdir(parents=True)
+    (default / name / f"{name}.so").write_bytes(b"")
+    monkeypatch.setattr(cpu_kernels, "_DEFAULT_CACHE_DIR", default)
+    monkeypatch.setattr(cpu_kernels._settings, "cache_dir", configured)
+    loaded: list[str] = []
+    built: list[str] = []
+
+    def load_library(path: str) -> None:
+        loaded.append(path)
+        if not loads:
+            raise OSError("file too short")
+
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw["name"]))
+    return default / name / f"{name}.so", loaded, built
+
+
+def test_a_finished_build_is_loaded_without_ninja(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ninja rebuilds a build compiled from other paths (another checkout of the same code):
+    a finished build is loaded as it is, wherever it lies."""
+    library, loaded, built = _fake_builds(tmp_path, monkeypatch, loads=True)
+    cpu_kernels._build_and_load()
+    assert loaded == [str(library)]
+    assert built == []
+    assert not (tmp_path / "configured").exists()
+
+
+def test_a_library_that_does_not_load_is_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library, loaded, built = _fake_builds(tmp_path, monkeypatch, loads=False)
+    cpu_kernels._build_and_load()
+    assert loaded == [str(library)]
+    assert built == [library.stem]
+
+
+def test_every_kernel_source_is_in_the_build_name() -> None:
+    """A finished build is trusted by its name alone: every file the compiler reads is
+    hashed into it."""
+    kernels = Path(cpu_kernels.__file__).parent
+    on_disk = {p.name for p in kernels.iterdir() if p.suffix in (".cpp", ".h", ".inc")}
+    hashed = {p.name for p in (*cpu_kernels._SOURCES, *cpu_kernels._HEADERS)}
+    assert on_disk == hashed

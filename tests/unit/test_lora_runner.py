@@ -170,7 +170,7 @@ def test_prepared_adapters_install_without_reading_on_the_step(
     """What the engine does: prepare_adapter (a worker thread, before the request reaches
     the scheduler) reads and lays the adapter out; the step that first runs the request only
     copies it into the slot, and reads no file.  Tokens still equal PEFT's."""
-    import genserve.worker.model_runner as model_runner_module
+    import genserve.worker.adapters as adapters_module
 
     runner = make_runner(base_dir)
     ref = AdapterRef(1, "all-r4-rslora", str(adapter_dirs["all-r4-rslora"]))
@@ -180,7 +180,7 @@ def test_prepared_adapters_install_without_reading_on_the_step(
     def no_reads(*args: object) -> None:
         raise AssertionError("the step thread read an adapter file")
 
-    monkeypatch.setattr(model_runner_module, "read_adapter", no_reads)
+    monkeypatch.setattr(adapters_module, "read_adapter", no_reads)
     prompt = random_prompts([17], seed=11)[0]
     driver = Driver(runner, budget=64)
     driver.runner = AdapterSteps(runner, {"p": ref})  # type: ignore[assignment]

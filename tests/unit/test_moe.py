@@ -19,7 +19,7 @@ from genserve.model.attention import SeqSpec, TorchPagedAttention
 from genserve.model.config import ModelConfig, load_model_config
 from genserve.model.moe import SparseMoeBlock, experts_torch, route
 from genserve.model.registry import build_model
-from genserve.model.spec import RouterSpec, Scoring
+from genserve.model.spec import ClampedSwiGLU, QKNorm, RouterSpec, Scoring
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
 from genserve.testing.tiny_model import default_tokenizer_dir
@@ -46,6 +46,17 @@ def _moe(**changes: object) -> Ablation:
     return ablate
 
 
+def _attention(**changes: object) -> Ablation:
+    def ablate(c: ModelConfig) -> ModelConfig:
+        return replace(c, attention=replace(c.attention, **changes))
+
+    return ablate
+
+
+def _no_window(c: ModelConfig) -> ModelConfig:
+    return replace(c, sliding_windows=(None,) * c.num_layers)
+
+
 ABLATIONS: list[tuple[str, str, Ablation]] = [
     ("mixtral", "renormalised top-k", _router(renormalize=False)),
     ("mixtral", "top-2 (not 1)", _router(top_k=1)),
@@ -58,6 +69,15 @@ ABLATIONS: list[tuple[str, str, Ablation]] = [
     ("glm4_moe", "routed scaling", _router(scaling_factor=1.0)),
     ("glm4_moe", "sigmoid scoring", _router(scoring=Scoring.SOFTMAX)),
     ("glm4_moe", "shared experts", _moe(shared_intermediate_size=0)),
+    ("gpt_oss", "attention sinks", _attention(sinks=False)),
+    ("gpt_oss", "sliding window", _no_window),
+    ("gpt_oss", "clamped SwiGLU", _moe(activation=None)),
+    ("gpt_oss", "expert biases", _moe(expert_bias=False)),
+    ("gpt_oss", "router bias", _router(bias=False)),
+    ("gpt_oss", "softmax over the top-k", _router(scoring=Scoring.SOFTMAX)),
+    ("minimax_m2", "correction bias", _router(correction_bias=False)),
+    ("minimax_m2", "renormalised weights", _router(renormalize=False)),
+    ("minimax_m2", "full-width q/k norm", _attention(qk_norm=QKNorm.NONE)),
 ]
 
 
@@ -134,10 +154,12 @@ def test_grouped_sigmoid_routing_stays_in_the_best_groups() -> None:
 
 
 @pytest.mark.skipif(not _kernels(), reason="genserve CPU kernels unavailable")
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "clamped-biased"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 300])
-def test_op_matches_torch_loop(num_tokens: int, dtype: torch.dtype) -> None:
-    """At 300 rows of top-2 of 8 most experts pass the GEMM threshold; at 1-16, none."""
+def test_op_matches_torch_loop(num_tokens: int, dtype: torch.dtype, gpt_oss: bool) -> None:
+    """At 300 rows of top-2 of 8 most experts pass the GEMM threshold; at 1-16, none.
+    ``gpt_oss``: with expert biases and the clamped SwiGLU (a limit the activations cross)."""
     gen = torch.Generator().manual_seed(num_tokens)
     experts, hidden, width, top_k = 8, 80, 40, 2
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
@@ -145,11 +167,29 @@ def test_op_matches_torch_loop(num_tokens: int, dtype: torch.dtype) -> None:
     w2 = (0.2 * torch.randn(experts, hidden, width, generator=gen)).to(dtype)
     logits = torch.randn(num_tokens, experts, generator=gen)
     weights, ids = route(logits, RouterSpec(experts, top_k, renormalize=True))
-    got = torch.ops.genserve.moe_experts(x, ids, weights, w13, w2)
-    want = experts_torch(x.float(), ids, weights, w13.float(), w2.float())
+    b13 = b2 = clamped = None
+    if gpt_oss:
+        b13 = torch.randn(experts, 2 * width, generator=gen).to(dtype)
+        b2 = torch.randn(experts, hidden, generator=gen).to(dtype)
+        clamped = ClampedSwiGLU(alpha=1.702, limit=1.0)
+    got = torch.ops.genserve.moe_experts(
+        x, ids, weights, w13, w2, b13, b2,
+        0.0 if clamped is None else clamped.alpha, 0.0 if clamped is None else clamped.limit,
+    )  # fmt: skip
+    want = experts_torch(
+        x.float(), ids, weights, w13.float(), w2.float(),
+        None if b13 is None else b13.float(), None if b2 is None else b2.float(), clamped,
+    )  # fmt: skip
     assert got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+    if gpt_oss:  # the clamp and the biases each matter here
+        plain = experts_torch(x.float(), ids, weights, w13.float(), w2.float())
+        unclamped = experts_torch(
+            x.float(), ids, weights, w13.float(), w2.float(), b13.float(), b2.float()
+        )
+        assert not torch.allclose(unclamped, want, atol=1e-2)
+        assert not torch.allclose(plain, want, atol=1e-2)
 
 
 @pytest.mark.skipif(not _kernels(), reason="genserve CPU kernels unavailable")

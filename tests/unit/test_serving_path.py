@@ -46,7 +46,15 @@ def _config_dir(tmp_path: Path, model_type: str, **fields: Any) -> Path:
         # Mixture of experts (model/moe.py): native since #26.
         ("mixtral", {}, NATIVE, "MixtralForCausalLM"),
         ("qwen3_moe", {}, NATIVE, "Qwen3MoeForCausalLM"),
-        ("gpt_oss", {}, TRANSFORMERS, "GptOssForCausalLM"),
+        ("gpt_oss", {}, NATIVE, "GptOssForCausalLM"),
+        ("minimax_m2", {}, NATIVE, "MiniMaxM2ForCausalLM"),
+        # The released gpt-oss checkpoints' MXFP4 experts have no native reader.
+        (
+            "gpt_oss",
+            {"quantization_config": {"quant_method": "mxfp4"}},
+            TRANSFORMERS,
+            "GptOssForCausalLM",
+        ),
         ("falcon", {}, TRANSFORMERS_SEQUENTIAL, "FalconForCausalLM"),
         ("qwen3_5_text", {}, TRANSFORMERS_SEQUENTIAL, "Qwen3_5ForCausalLM"),
         # Llama-4's query temperature depends on the input index: one sequence at a time.
@@ -80,8 +88,14 @@ def test_sequential_path_switches_off_prefix_caching_and_speculation(tmp_path: P
     assert {"prefix_caching", "speculation", "lora", "sharding"} <= names
 
 
+def _paged_fallback_dir(tmp_path: Path) -> Path:
+    """A released gpt-oss config (MXFP4 experts): the paged fallback serves it."""
+    return _config_dir(tmp_path, "gpt_oss", quantization_config={"quant_method": "mxfp4"})
+
+
 def test_paged_path_keeps_prefix_caching(tmp_path: Path) -> None:
-    path = choose_serving_path(_config_dir(tmp_path, "gpt_oss"))
+    path = choose_serving_path(_paged_fallback_dir(tmp_path))
+    assert path.implementation == TRANSFORMERS
     config = restrict_for_fallback(load_config([], environ={}), path)
     assert not config.disable_prefix_caching
     assert "prefix_caching" not in {f.split(":")[0] for f in disabled_features(path)}
@@ -92,7 +106,7 @@ def test_paged_path_keeps_prefix_caching(tmp_path: Path) -> None:
     [["--quantize", "int8"], ["--lora-adapters", "a=/x"], ["--rope-scaling", "linear"]],
 )
 def test_fallback_refuses_what_it_cannot_honour(tmp_path: Path, args: list[str]) -> None:
-    path = choose_serving_path(_config_dir(tmp_path, "gpt_oss"))
+    path = choose_serving_path(_paged_fallback_dir(tmp_path))
     with pytest.raises(UnsupportedModelError, match="transformers fallback"):
         restrict_for_fallback(load_config(args, environ={}), path)
 

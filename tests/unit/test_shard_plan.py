@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from genserve.worker.shard_plan import ShardingError, cpu_threads_per_shard, resolve_num_shard
+from genserve.worker.shard_plan import (
+    ShardingError,
+    check_expert_parallel,
+    cpu_threads_per_shard,
+    resolve_num_shard,
+)
 
 
 @pytest.mark.parametrize(
@@ -47,3 +52,10 @@ def test_cpu_threads_are_shared() -> None:
     assert cpu_threads_per_shard(2, 2) == 1
     assert cpu_threads_per_shard(8, 3) == 2
     assert cpu_threads_per_shard(1, 4) == 1
+
+
+def test_expert_parallel_needs_two_shards() -> None:
+    with pytest.raises(ShardingError, match="--num-shard 2 or more"):
+        check_expert_parallel(True, 1)
+    check_expert_parallel(True, 2)
+    check_expert_parallel(False, 1)

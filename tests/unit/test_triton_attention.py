@@ -159,7 +159,7 @@ def test_decode_step_matches_sdpa_inside_the_model(
 
 def test_only_cuda_selects_the_triton_decode_path() -> None:
     from genserve.kernels import triton_attention
-    from genserve.model.attention import select_backend
+    from genserve.model.attention_backend import select_backend
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not triton_attention.available(torch.device("cpu"))

@@ -3,8 +3,10 @@
 Each is 2 layers, hidden 64, 8 experts of which each token takes 2 (so routing decides
 which quarter of the experts a token sees), saved by transformers' ``save_pretrained``
 (float32) beside the default model's tokenizer.  Every parameter is random (vectors around
-their initial value, matrices from N(0, 0.2)), and so is GLM's routing correction bias (a
-buffer transformers initialises to 0, under which a router that ignored it would agree).
+their initial value, matrices from N(0, 0.2)), and so is the routing correction bias of GLM
+and MiniMax-M2 (a buffer transformers initialises to 0, under which a router that ignored it
+would agree); gpt-oss's sink logits are drawn around 1 so that they take a visible share of
+each softmax.
 """
 
 from __future__ import annotations
@@ -60,6 +62,32 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
         "use_qk_norm": True,
         "attention_bias": True,
     },
+    # Sliding and full layers alternating (the window shorter than the long prompts), sinks,
+    # an affine router weighing its top-k by a softmax over them, clamped SwiGLU experts with
+    # biases (a limit low enough that random activations reach it), YaRN rotary.
+    "gpt_oss": {
+        "num_local_experts": 8,
+        "intermediate_size": 32,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "swiglu_limit": 1.5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 512,
+        },
+    },
+    # Sigmoid routing with the correction bias, no groups; full-width q/k norm with partial
+    # rotary over half of each head.
+    "minimax_m2": {
+        "num_local_experts": 8,
+        "intermediate_size": 32,
+        "rotary_dim": 8,
+    },
 }
 
 
@@ -85,8 +113,11 @@ def make_moe_model(
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith("e_score_correction_bias"):  # GLM-4, MiniMax-M2
                 buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
+        for name, param in model.named_parameters():
+            if name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a visible share
+                param.copy_(1.5 * torch.randn(param.shape, generator=gen) + 1.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))

@@ -32,6 +32,7 @@ from genserve.engine.adapter_manager import AdapterManager
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import EngineCoreOutput, Scheduler
+from genserve.engine.token_info import prefill_infos, token_info, top_infos
 from genserve.model.adapter_files import AdapterNotFoundError
 from genserve.step import (
     AdapterRef,
@@ -424,22 +425,8 @@ class AsyncEngine:
             finish = FinishReason.STOP_SEQUENCE
         elif finish is not None:
             text += detok.flush()
-        tok = self._tokenizer
-        token = TokenInfo(
-            token_id=sampled.token_id,
-            text=text,
-            logprob=sampled.logprob,
-            special=sampled.token_id in tok.special_ids,
-        )
-        top = tuple(
-            TokenInfo(
-                token_id=t.token_id,
-                text=tok.token_text(t.token_id),
-                logprob=t.logprob,
-                special=t.token_id in tok.special_ids,
-            )
-            for t in sampled.top_tokens
-        )
+        token = token_info(self._tokenizer, sampled.token_id, sampled.logprob, text)
+        top = top_infos(self._tokenizer, sampled.top_tokens)
         index = stream.num_generated
         stream.num_generated += 1
         stream.texts.append(text)
@@ -481,29 +468,9 @@ class AsyncEngine:
         prefill: tuple[TokenInfo, ...] = ()
         prefill_top: tuple[tuple[TokenInfo, ...], ...] = ()
         if req.sampling.prompt_logprobs:
-            tok = self._tokenizer
-            prefill = tuple(
-                TokenInfo(
-                    token_id=tid,
-                    text=tok.token_text(tid),
-                    logprob=stream.prompt_logprobs.get(pos),
-                    special=tid in tok.special_ids,
-                )
-                for pos, tid in enumerate(req.prompt_token_ids)
+            prefill, prefill_top = prefill_infos(
+                self._tokenizer, req.prompt_token_ids, stream.prompt_logprobs, stream.prompt_top
             )
-            if stream.prompt_top:
-                prefill_top = tuple(
-                    tuple(
-                        TokenInfo(
-                            token_id=t.token_id,
-                            text=tok.token_text(t.token_id),
-                            logprob=t.logprob,
-                            special=t.token_id in tok.special_ids,
-                        )
-                        for t in stream.prompt_top.get(pos, ())
-                    )
-                    for pos in range(len(req.prompt_token_ids))
-                )
         return FinalInfo(
             finish_reason=reason,
             generated_text="".join(stream.texts),

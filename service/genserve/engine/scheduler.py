@@ -34,9 +34,10 @@ Parts: this module owns the queues, request states and step assembly; which wait
 requests join a step is :mod:`~genserve.engine.admission`'s decision (with
 :mod:`~genserve.engine.adapter_cycling` for LoRAX's adapter turns, and
 :mod:`~genserve.engine.scheduler_policy` for ordering and growth estimates); what a request
-runs in a step is cut by :mod:`~genserve.engine.step_chunks`.  At ~520 lines it is the
-state machine and the step it builds, kept in one place on purpose: every change of a
-request's state happens here.
+runs in a step is cut by :mod:`~genserve.engine.step_chunks`.  Past ~500 lines (~620, most
+of it the overlapped-scheduling bookkeeping below) on purpose: it is the state machine and
+the step it builds, kept in one place because every change of a request's state happens
+here.
 
 Overlapped scheduling (issue #29, vLLM's async scheduling, SGLang's overlap loop): one step
 may be scheduled while the previous one is still in flight, when

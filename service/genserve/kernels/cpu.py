@@ -229,6 +229,21 @@ def _build_directory(name: str) -> Path:
     return configured
 
 
+def _load_finished(library: Path) -> bool:
+    """Load a finished build as it is, without running ninja: its name hashes every source,
+    header and flag and the torch version, so it is this code's build.  ninja would rebuild
+    it whenever the paths it was compiled from differ (a second checkout of the same code,
+    torch imported through another path to the same virtual environment), under a lock
+    every server starting meanwhile waits on.  False when the file does not load (a link cut
+    short by a kill): it is built again."""
+    try:
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    except OSError as exc:
+        log.warning("cpu_kernels_rebuild", library=str(library), error=str(exc)[:300])
+        return False
+    return True
+
+
 def _build_and_load() -> bool:
     level = _isa_level()
     name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
@@ -238,20 +253,21 @@ def _build_and_load() -> bool:
     if compiled:
         log.info("cpu_kernels_compiling", directory=str(directory), hint=_BOOTSTRAP_HINT)
     try:
-        from torch.utils import cpp_extension
+        if compiled or not _load_finished(_library(directory, name)):
+            from torch.utils import cpp_extension
 
-        _put_ninja_on_path()
-        directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=name,
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=[*_OPT_FLAGS, *_ISA_FLAGS.get(level, [])],
-            extra_include_paths=[str(_SOURCES[0].parent)],
-            extra_ldflags=_LINK_FLAGS,
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+            _put_ninja_on_path()
+            directory.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name=name,
+                sources=[str(source) for source in _SOURCES],
+                extra_cflags=[*_OPT_FLAGS, *_ISA_FLAGS.get(level, [])],
+                extra_include_paths=[str(_SOURCES[0].parent)],
+                extra_ldflags=_LINK_FLAGS,
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
         for op in (*_OPS, *_LORA_OPS):
             getattr(torch.ops.genserve, op)  # raises if the library did not register it
         torch.ops.genserve.set_batch_invariant(_settings.batch_invariant)

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <optional>
 #include <tuple>
 
 namespace genserve_ops {
@@ -39,7 +40,8 @@ at::Tensor rotary_write_kv(const at::Tensor& qk, const at::Tensor& cos,
 // paged_attention_cpu.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& context_lens,
-                                  double scale, int64_t window, double softcap = 0.0);
+                                  double scale, int64_t window, double softcap = 0.0,
+                                  const std::optional<at::Tensor>& sinks = std::nullopt);
 
 // matvec_cpu.cpp
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,

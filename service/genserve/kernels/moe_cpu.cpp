@@ -4,7 +4,10 @@
 //
 // with each expert's [gate | up] rows stacked in w13 [E, 2L, H] and its down projection in
 // w2 [E, H, L] (L: this shard's slice of the expert width), stored in float32, bfloat16 or
-// float16, every product accumulated in float32.
+// float16, every product accumulated in float32.  gpt-oss's experts add biases b13 [E, 2L]
+// and b2 [E, H] to the two projections and replace silu(gate) * up by the clamped SwiGLU
+// (up + 1) * gate * sigmoid(alpha * gate), gate clamped to <= limit and up to [-limit, limit]
+// (swiglu_limit > 0).
 //
 // A step's (token, choice) pairs are grouped by expert, each expert's rows gathered into one
 // contiguous block, and only the experts some token chose are read: at one row that is top-k
@@ -24,7 +27,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "genserve_ops.h"
@@ -78,11 +83,18 @@ std::vector<Task> tasks_for(const std::vector<int64_t>& counts, const std::vecto
   return tasks;
 }
 
+// The activation's options: b13 (or nullptr) the gate/up biases [E, 2L]; limit > 0: the
+// clamped SwiGLU with alpha.
+struct Act {
+  const float* b13;
+  float alpha, limit;
+};
+
 template <typename W>
 void run_experts(const float* xs, const std::vector<int64_t>& counts,
                  const std::vector<int64_t>& starts, const W* w13, const W* w2, int64_t H,
                  int64_t L, float* gu, float* act, float* ys, const at::Tensor& w13_t,
-                 const at::Tensor& w2_t) {
+                 const at::Tensor& w2_t, const Act& how) {
   const int64_t E = static_cast<int64_t>(counts.size());
   std::vector<bool> gemm(E, false);
   if (!genserve_ops::batch_invariant())
@@ -107,13 +119,29 @@ void run_experts(const float* xs, const std::vector<int64_t>& counts,
     at::mm_out(gu_e, x_e, w13_t[e].to(at::kFloat).t());
   }
 
-  // act = silu(gate) * up: [slots, L]
+  // act = silu(gate) * up (or the clamped SwiGLU, on the biased gate/up): [slots, L]
   const int64_t slots = starts[E];
+  std::vector<int64_t> expert_of(slots);
+  for (int64_t e = 0; e < E; ++e)
+    std::fill(expert_of.begin() + starts[e], expert_of.begin() + starts[e + 1], e);
   at::parallel_for(0, slots, 16, [&](int64_t b, int64_t e_) {
     for (int64_t r = b; r < e_; ++r) {
-      const float* g = gu + r * 2 * L;
-      const float* u = g + L;
+      float* g = gu + r * 2 * L;
+      float* u = g + L;
       float* a = act + r * L;
+      if (how.b13 != nullptr) {
+        const float* bias = how.b13 + expert_of[r] * 2 * L;
+        for (int64_t j = 0; j < 2 * L; ++j) g[j] += bias[j];
+      }
+      if (how.limit > 0.0f) {
+        const float lim = how.limit, alpha = how.alpha;
+        for (int64_t j = 0; j < L; ++j) {
+          const float gj = std::min(g[j], lim);
+          const float uj = std::min(std::max(u[j], -lim), lim);
+          a[j] = (uj + 1.0f) * (gj / (1.0f + genserve::exp_approx(-alpha * gj)));
+        }
+        continue;
+      }
       for (int64_t j = 0; j < L; ++j) a[j] = g[j] / (1.0f + genserve::exp_approx(-g[j])) * u[j];
     }
   });
@@ -143,7 +171,9 @@ namespace genserve_ops {
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids,
                        const at::Tensor& expert_weights, const at::Tensor& w13,
-                       const at::Tensor& w2) {
+                       const at::Tensor& w2, const std::optional<at::Tensor>& b13,
+                       const std::optional<at::Tensor>& b2, double swiglu_alpha,
+                       double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2, "moe_experts: x must be [tokens, hidden]");
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0),
               "moe_experts: expert_ids must be [tokens, top_k]");
@@ -159,6 +189,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids,
   const auto wt = w13.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf,
               "moe_experts: weights must be float32, bfloat16 or float16");
+  TORCH_CHECK(!b13.has_value() || b13->sizes() == at::IntArrayRef({E, 2 * L}),
+              "moe_experts: b13 must be [E, 2L]");
+  TORCH_CHECK(!b2.has_value() || b2->sizes() == at::IntArrayRef({E, H}),
+              "moe_experts: b2 must be [E, H]");
+  TORCH_CHECK(swiglu_limit >= 0.0, "moe_experts: swiglu_limit must be >= 0 (0: SiLU-gated)");
+  const at::Tensor b13f = b13.has_value() ? b13->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor b2f = b2.has_value() ? b2->to(at::kFloat).contiguous() : at::Tensor();
+  const Act how{b13.has_value() ? b13f.data_ptr<float>() : nullptr,
+                static_cast<float>(swiglu_alpha), static_cast<float>(swiglu_limit)};
   const at::Tensor w13c = w13.contiguous(), w2c = w2.contiguous();
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor ids = expert_ids.to(at::kLong).contiguous();
@@ -197,21 +236,23 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids,
 
   if (wt == at::kFloat) {
     run_experts(xsp, counts, starts, w13c.data_ptr<float>(), w2c.data_ptr<float>(), H, L,
-                gu.data_ptr<float>(), act.data_ptr<float>(), ys.data_ptr<float>(), w13c, w2c);
+                gu.data_ptr<float>(), act.data_ptr<float>(), ys.data_ptr<float>(), w13c, w2c, how);
   } else if (wt == at::kBFloat16) {
     run_experts(xsp, counts, starts, w13c.data_ptr<c10::BFloat16>(),
                 w2c.data_ptr<c10::BFloat16>(), H, L, gu.data_ptr<float>(),
-                act.data_ptr<float>(), ys.data_ptr<float>(), w13c, w2c);
+                act.data_ptr<float>(), ys.data_ptr<float>(), w13c, w2c, how);
   } else {
     run_experts(xsp, counts, starts, w13c.data_ptr<c10::Half>(), w2c.data_ptr<c10::Half>(), H,
-                L, gu.data_ptr<float>(), act.data_ptr<float>(), ys.data_ptr<float>(), w13c, w2c);
+                L, gu.data_ptr<float>(), act.data_ptr<float>(), ys.data_ptr<float>(), w13c, w2c,
+                how);
   }
 
-  // out[t] = sum over k, in k order, of weights[t, k] * ys[slot of (t, k)]
+  // out[t] = sum over k, in k order, of weights[t, k] * (ys[slot of (t, k)] + b2[e])
   at::Tensor out = at::empty({T, H}, f32);
   float* op = out.data_ptr<float>();
   const float* yp = ys.data_ptr<float>();
   const float* wp = wts.data_ptr<float>();
+  const float* b2p = b2.has_value() ? b2f.data_ptr<float>() : nullptr;
   at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       float* o = op + t * H;
@@ -219,6 +260,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids,
       for (int64_t k = 0; k < K; ++k) {
         const float w = wp[t * K + k];
         const float* y = yp + slot_of[t * K + k] * H;
+        if (b2p != nullptr) {
+          const float* bias = b2p + id[t * K + k] * H;
+          for (int64_t h = 0; h < H; ++h) o[h] += w * (y[h] + bias[h]);
+          continue;
+        }
         for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
       }
     }
@@ -230,7 +276,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids,
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("moe_experts(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor w13, "
-        "Tensor w2) -> Tensor");
+        "Tensor w2, Tensor? b13=None, Tensor? b2=None, float swiglu_alpha=0.0, "
+        "float swiglu_limit=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("moe_experts", &genserve_ops::moe_experts); }

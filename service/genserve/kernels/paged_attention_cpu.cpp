@@ -87,9 +87,11 @@ namespace vec = genserve_vec;
 // Each of the `rows` rows of scores ([rows, span]) replaced by its softmax; with `peaks` and
 // `totals`, each row's maximum and its sum of exp(score - maximum) are written there too.
 // softcap > 0 first caps each (already scaled) score to softcap * tanh(score / softcap), as
-// Gemma 2 does before its softmax.
+// Gemma 2 does before its softmax.  sinks (or nullptr): row g's denominator also holds
+// exp(sinks[g] - maximum), a key whose value is zero (gpt-oss's attention sinks).
 inline void softmax_rows(float* scores, int64_t rows, int64_t span, float* peaks = nullptr,
-                         float* totals = nullptr, float softcap = 0.0f) {
+                         float* totals = nullptr, float softcap = 0.0f,
+                         const float* sinks = nullptr) {
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * span;
     if (softcap > 0.0f) {
@@ -114,7 +116,8 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t span, float* peaks
       s[j] = genserve::exp_approx(s[j] - peak);
       total += s[j];
     }
-    const float inv = 1.0f / total;
+    // std::exp: a sink far above the scores gives inf, and the weights 0, as it should.
+    const float inv = 1.0f / (sinks == nullptr ? total : total + std::exp(sinks[g] - peak));
     for (int64_t j = 0; j < span; ++j) s[j] *= inv;
     if (peaks != nullptr) {
       peaks[g] = peak;
@@ -236,12 +239,14 @@ inline void add_values_tail(int64_t heads, const scalar_t* rows, int64_t n, cons
 // copy), each key or value row is loaded once for all `group` query heads that share it, and
 // the next block is prefetched while one is processed.  qf: the group's queries, scaled
 // ([group, kHeadDim]); scores: [group, span] scratch; acc: [group, kHeadDim] output; peaks
-// and totals (or nullptr): each query head's softmax statistics (softmax_rows).
+// and totals (or nullptr): each query head's softmax statistics (softmax_rows); sinks (or
+// nullptr): the group's sink logits.
 template <typename scalar_t, int64_t kHeadDim>
 void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
                        const scalar_t* v_head, const int64_t* blocks, int64_t first,
                        int64_t context, int64_t block_size, float* scores, float* acc,
-                       float* peaks = nullptr, float* totals = nullptr, float softcap = 0.0f) {
+                       float* peaks = nullptr, float* totals = nullptr, float softcap = 0.0f,
+                       const float* sinks = nullptr) {
   constexpr int64_t kVecs = kHeadDim / vec::kLanes;
   const int64_t span = context - first;
   const int64_t block_elems = block_size * kHeadDim;
@@ -293,7 +298,7 @@ void attend_vectorised(const float* qf, int64_t group, const scalar_t* k_head,
     }
   });
 
-  softmax_rows(scores, group, span, peaks, totals, softcap);
+  softmax_rows(scores, group, span, peaks, totals, softcap, sinks);
 
   for (int64_t i = 0; i < group * kHeadDim; ++i) acc[i] = 0.0f;
   runs(v_head, [&](const scalar_t* rows, int64_t start, int64_t n, int64_t) {
@@ -340,7 +345,7 @@ void split_attention(const scalar_t* q_ptr, int64_t q_stride, const scalar_t* ca
                      const int64_t* table_ptr, const int64_t* lens_ptr, int64_t num_seqs,
                      int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                      int64_t block_size, int64_t max_blocks, float fscale, int64_t window,
-                     float softcap, int64_t parts, scalar_t* out_ptr) {
+                     float softcap, const float* sinks_ptr, int64_t parts, scalar_t* out_ptr) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_elems = block_size * kHeadDim;
   const int64_t v_offset = num_kv_heads * num_blocks * block_elems;
@@ -403,7 +408,11 @@ void split_attention(const scalar_t* q_ptr, int64_t q_stride, const scalar_t* ca
           const float* acc = unit + 2 * group + g * kHeadDim;
           for (int64_t i = 0; i < kHeadDim; ++i) sum[i] += weight * acc[i];
         }
-        const float inv = 1.0f / weight_sum;
+        // A sink joins the denominator once, after the parts (see softmax_rows).
+        const float sink = sinks_ptr == nullptr
+                               ? 0.0f
+                               : std::exp(sinks_ptr[kv_head * group + g] - peak);
+        const float inv = 1.0f / (weight_sum + sink);
         for (int64_t i = 0; i < kHeadDim; ++i) sum[i] *= inv;
         from_float(sum.data(), out_ptr + (seq * num_heads + kv_head * group + g) * kHeadDim,
                    kHeadDim);
@@ -417,7 +426,8 @@ void split_attention(const scalar_t* q_ptr, int64_t q_stride, const scalar_t* ca
 template <typename scalar_t, int64_t kHeadDim>
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& block_table, const at::Tensor& context_lens,
-                             double scale, int64_t window, float softcap, at::Tensor& out) {
+                             double scale, int64_t window, float softcap,
+                             const float* sinks_ptr, at::Tensor& out) {
   const int64_t num_seqs = q.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
@@ -443,7 +453,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
       split_attention<scalar_t, kHeadDim>(q_ptr, q_stride, cache_ptr, table_ptr, lens_ptr,
                                           num_seqs, num_heads, num_kv_heads, num_blocks,
                                           block_size, max_blocks, fscale, window, softcap,
-                                          parts, out_ptr);
+                                          sinks_ptr, parts, out_ptr);
       return;
     }
   }
@@ -464,6 +474,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
       const scalar_t* k_head = cache_ptr + kv_head * num_blocks * block_elems;
       const scalar_t* v_head = k_head + v_offset;
       const scalar_t* q_seq = q_ptr + seq * q_stride + kv_head * group * head_dim;
+      const float* sinks = sinks_ptr == nullptr ? nullptr : sinks_ptr + kv_head * group;
       to_float(q_seq, qf.data(), group * head_dim);
       for (auto& x : qf) x *= fscale;
 
@@ -471,7 +482,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
       if constexpr (kHeadDim > 0 && kHeadDim % genserve_vec::kLanes == 0) {
         attend_vectorised<scalar_t, kHeadDim>(qf.data(), group, k_head, v_head, blocks, first,
                                               context, block_size, scores.data(), acc.data(),
-                                              nullptr, nullptr, softcap);
+                                              nullptr, nullptr, softcap, sinks);
         from_float(acc.data(), out_ptr + (seq * num_heads + kv_head * group) * head_dim,
                    group * head_dim);
         continue;
@@ -495,7 +506,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
         }
       });
 
-      softmax_rows(scores.data(), group, span, nullptr, nullptr, softcap);
+      softmax_rows(scores.data(), group, span, nullptr, nullptr, softcap, sinks);
 
       std::fill(acc.begin(), acc.end(), 0.0f);
       runs(v_head, [&](int64_t start, int64_t n) {
@@ -532,16 +543,17 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& kv_cache,
 template <typename scalar_t>
 void dispatch_head_dim(int64_t head_dim, const at::Tensor& q, const at::Tensor& kv_cache,
                        const at::Tensor& block_table, const at::Tensor& context_lens,
-                       double scale, int64_t window, float softcap, at::Tensor& out) {
+                       double scale, int64_t window, float softcap, const float* sinks,
+                       at::Tensor& out) {
   if (head_dim == 64) {
     decode_attention_kernel<scalar_t, 64>(q, kv_cache, block_table, context_lens, scale, window,
-                                          softcap, out);
+                                          softcap, sinks, out);
   } else if (head_dim == 128) {
     decode_attention_kernel<scalar_t, 128>(q, kv_cache, block_table, context_lens, scale,
-                                           window, softcap, out);
+                                           window, softcap, sinks, out);
   } else {
     decode_attention_kernel<scalar_t, 0>(q, kv_cache, block_table, context_lens, scale, window,
-                                         softcap, out);
+                                         softcap, sinks, out);
   }
 }
 
@@ -552,8 +564,12 @@ namespace genserve_ops {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& context_lens,
-                                  double scale, int64_t window, double softcap) {
+                                  double scale, int64_t window, double softcap,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                                     sinks->size(0) == q.size(1)),
+              "sinks must be float32 [num_heads]");
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
@@ -586,17 +602,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   auto out = at::empty(q.sizes(), q.options());
   const int64_t head_dim = q.size(2);
   const auto cap = static_cast<float>(softcap);
+  const at::Tensor sinks_c = sinks.has_value() ? sinks->contiguous() : at::Tensor();
+  const float* sk = sinks.has_value() ? sinks_c.data_ptr<float>() : nullptr;
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_head_dim<float>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window, cap, out);
+      dispatch_head_dim<float>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window, cap, sk,
+                               out);
       break;
     case at::kBFloat16:
       dispatch_head_dim<c10::BFloat16>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window,
-                                       cap, out);
+                                       cap, sk, out);
       break;
     case at::kHalf:
       dispatch_head_dim<c10::Half>(head_dim, q_c, kv_cache, table_c, lens_c, scale, window, cap,
-                                   out);
+                                   sk, out);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
@@ -611,7 +630,8 @@ void set_batch_invariant(bool on) { g_batch_invariant.store(on, std::memory_orde
 TORCH_LIBRARY(genserve, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
-      "Tensor context_lens, float scale, int window, float softcap=0.0) -> Tensor");
+      "Tensor context_lens, float scale, int window, float softcap=0.0, Tensor? sinks=None) "
+      "-> Tensor");
   // No tensor argument to dispatch on: one kernel for every backend.
   m.def("set_batch_invariant(bool on) -> ()", &genserve_ops::set_batch_invariant);
 }

@@ -21,16 +21,18 @@ Two backends:
   differs from SDPA only in the order of float32 sums.  On CUDA, decodes go through
   genserve's Triton kernel (``genserve.kernels.triton_attention``), which also reads the
   blocks in place.
-- :class:`FlashPagedAttention` (CUDA with ``flash_attn``, float16/bfloat16, and block size a
-  multiple of 256, which its paged kernels require): cache per layer ``[2, num_blocks, block_size,
-  num_kv_heads, head_dim]`` and one ``flash_attn_varlen_func`` call with ``block_table`` for
-  the whole batch (causal masks are bottom-right aligned there, which is what chunked prefill
-  needs).
+- ``FlashPagedAttention`` (:mod:`genserve.model.flash_attention`; CUDA with ``flash_attn``,
+  float16/bfloat16, and block size a multiple of 256, which its paged kernels require): cache
+  per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` and one
+  ``flash_attn_varlen_func`` call with ``block_table`` for the whole batch.
+
+This module holds the contracts every backend implements (:class:`SeqSpec`,
+:class:`AttentionMetadata`, :class:`AttentionBackend`, the slot mapping and block tables)
+and the torch backend; :mod:`genserve.model.attention_backend` chooses one for a device.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,7 +40,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from genserve.kernels.triton_rotary_kv import BLOCKS_FIRST, HEADS_FIRST
+from genserve.kernels.triton_rotary_kv import HEADS_FIRST
+from genserve.model.prompt_batch import PromptBatch, attend_prompts, prompt_batch
 
 # Below this many decodes in a half-precision step, SDPA beats the two-matmul path.
 _MIN_DECODES_FOR_MATMUL = 4
@@ -94,10 +97,13 @@ class AttentionMetadata(Protocol):
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q``: ``[num_tokens, num_heads, head_dim]`` → ``[num_tokens, num_heads *
         head_dim]``; ``k``/``v`` are this step's new keys/values (already in the cache).
-        ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2)."""
+        ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
+        ``sinks``: float32 ``[num_heads]``, one more logit per head in each softmax's
+        denominator, whose value is zero (gpt-oss's attention sinks)."""
         ...
 
 
@@ -128,7 +134,7 @@ def slot_mapping(seqs: list[SeqSpec], num_decodes: int, block_size: int) -> np.n
     return np.concatenate(parts)
 
 
-def _block_table(seqs: list[SeqSpec], block_size: int) -> tuple[np.ndarray, int]:
+def block_table(seqs: list[SeqSpec], block_size: int) -> tuple[np.ndarray, int]:
     """``[num_seqs, max_blocks]`` of the blocks covering each context (padded with block 0,
     always masked out) and ``max_blocks``."""
     needed = [-(-s.context_len // block_size) for s in seqs]
@@ -179,6 +185,8 @@ class TorchAttentionMetadata:
     use_cpu_kernel: bool = False  # decodes through torch.ops.genserve.paged_decode_attention
     use_triton_decode: bool = False  # decodes through genserve.kernels.triton_attention
     dtype: torch.dtype | None = None
+    # Whole prompts attended in one padded SDPA call (TorchPagedAttention: on CUDA).
+    fresh: PromptBatch | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -203,6 +211,11 @@ class TorchAttentionMetadata:
         flat[0].index_copy_(1, self.slots, k.transpose(0, 1))
         flat[1].index_copy_(1, self.slots, v.transpose(0, 1))
 
+    def decode_mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """The decodes' additive mask ``[1, num_decodes, 1, max_blocks * block_size]`` over
+        their gathered blocks (built once per step and window; latent attention reads it)."""
+        return self._decode_mask(window, block_size, dtype)
+
     def _decode_mask(self, window: int | None, block_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[1, num_decodes, 1, max_blocks * block_size]``: 0 where the
         gathered slot is inside the context (and window), -inf elsewhere."""
@@ -226,12 +239,13 @@ class TorchAttentionMetadata:
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All decode tokens in one batched op → ``[num_decodes, num_heads * head_dim]``."""
         d = self.num_decodes
         _, num_heads, head_dim = q.shape
-        # The CPU kernel caps scores itself; the Triton one does not: soft-capped layers
-        # take the gathered eager path there.
+        # The CPU kernel caps scores and adds sinks itself; the Triton one does neither:
+        # soft-capped layers and layers with sinks take the gathered eager path there.
         if self.use_cpu_kernel:
             out: torch.Tensor = torch.ops.genserve.paged_decode_attention(
                 q[:d],
@@ -241,9 +255,10 @@ class TorchAttentionMetadata:
                 scale,
                 -1 if window is None else window,
                 0.0 if softcap is None else softcap,
+                sinks,
             )
             return out.view(d, num_heads * head_dim)
-        if self.use_triton_decode and softcap is None:
+        if self.use_triton_decode and softcap is None and sinks is None:
             from genserve.kernels import triton_attention
 
             out = triton_attention.paged_decode_attention(
@@ -263,9 +278,11 @@ class TorchAttentionMetadata:
         # Fold the query heads of a KV group into the query-length axis:
         # [d, heads, hd] -> [kv_heads, d, group, hd]; one op over all (kv_head, seq) pairs.
         q_dec = q[:d].view(d, num_kv_heads, group, head_dim).transpose(0, 1)
-        if softcap is not None:
+        if softcap is not None or sinks is not None:
             mask = self._decode_mask(window, block_size, torch.float32)
-            o = eager_attention(q_dec, ctx[0], ctx[1], mask, scale, softcap)
+            # Head kvh * group + g's sink, beside its scores [kvh, d, g, L].
+            sink = None if sinks is None else sinks.view(num_kv_heads, 1, group, 1)
+            o = eager_attention(q_dec, ctx[0], ctx[1], mask, scale, softcap, sink)
         elif q.dtype == torch.float32 or d < _MIN_DECODES_FOR_MATMUL:
             mask = self._decode_mask(window, block_size, q.dtype)
             o = F.scaled_dot_product_attention(q_dec, ctx[0], ctx[1], attn_mask=mask, scale=scale)
@@ -287,22 +304,28 @@ class TorchAttentionMetadata:
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[1]
         group = num_heads // num_kv_heads
         d = self.num_decodes
         if not self.prefills:  # decode-only step: no output buffer to assemble
-            return self._attend_decodes(q, kv_cache, scale, window, softcap)
+            return self._attend_decodes(q, kv_cache, scale, window, softcap, sinks)
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if d:
-            out[:d] = self._attend_decodes(q, kv_cache, scale, window, softcap)
+            out[:d] = self._attend_decodes(q, kv_cache, scale, window, softcap, sinks)
+        fresh = self.fresh if softcap is None and sinks is None and window is None else None
+        if fresh is not None:
+            attend_prompts(fresh, q, k, v, scale, out)
         for p in self.prefills:
+            if fresh is not None and p.token_start in fresh.token_starts:
+                continue
             s, n = p.token_start, p.num_tokens
             q_p = q[s : s + n].transpose(0, 1)[None]  # [1, heads, n, hd]
             prefill_mask = p.mask(window, self.device)
-            if softcap is not None:
-                o = self._capped_prefill(p, q_p, k, v, kv_cache, scale, window, softcap)
+            if softcap is not None or sinks is not None:
+                o = self._eager_prefill(p, q_p, k, v, kv_cache, scale, window, softcap, sinks)
             elif prefill_mask is None:  # whole prompt from position 0: attend to the fresh K/V
                 k_p = k[s : s + n].transpose(0, 1)[None]
                 v_p = v[s : s + n].transpose(0, 1)[None]
@@ -320,7 +343,7 @@ class TorchAttentionMetadata:
             out[s : s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return out
 
-    def _capped_prefill(
+    def _eager_prefill(
         self,
         p: _Prefill,
         q_p: torch.Tensor,
@@ -329,7 +352,8 @@ class TorchAttentionMetadata:
         kv_cache: torch.Tensor,
         scale: float,
         window: int | None,
-        softcap: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """One prefill chunk through :func:`eager_attention` → ``[1, heads, n, head_dim]``."""
         _, num_heads, n, head_dim = q_p.shape
@@ -355,7 +379,11 @@ class TorchAttentionMetadata:
         group = num_heads // num_kv_heads
         # [kvh, group * n, hd]: the query heads of a KV group share its keys.
         q_g = q_p[0].reshape(num_kv_heads, group, n, head_dim).reshape(num_kv_heads, group * n, -1)
-        o = eager_attention(q_g, keys, values, mask.repeat(group, 1), scale, softcap)
+        sink = None
+        if sinks is not None:  # row g * n + i of KV head h is query head h * group + g's
+            sink = sinks.view(num_kv_heads, group, 1).expand(num_kv_heads, group, n)
+            sink = sink.reshape(num_kv_heads, group * n, 1)
+        o = eager_attention(q_g, keys, values, mask.repeat(group, 1), scale, softcap, sink)
         return o.view(num_kv_heads, group, n, head_dim).reshape(1, num_heads, n, head_dim)
 
 
@@ -365,15 +393,24 @@ def eager_attention(
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """transformers' eager attention with score soft-capping: ``softmax(cap * tanh(q kᵀ *
-    scale / cap) + mask) v``, the softmax in float32.  ``q`` ``[..., m, hd]``, ``k``/``v``
-    ``[..., L, hd]``, ``mask`` additive, broadcastable to ``[..., m, L]``."""
+    """transformers' eager attention with score soft-capping and/or attention sinks:
+    ``softmax(cap * tanh(q kᵀ * scale / cap) + mask) v``, the softmax in float32, over one
+    more column per row holding its sink logit (then dropped: the sink's value is zero).
+    ``q`` ``[..., m, hd]``, ``k``/``v`` ``[..., L, hd]``, ``mask`` additive, broadcastable to
+    ``[..., m, L]``, ``sinks`` broadcastable to ``[..., m, 1]``."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    weights = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
-    return torch.matmul(weights, v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float() + mask
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)
 
 
 class TorchPagedAttention:
@@ -387,8 +424,13 @@ class TorchPagedAttention:
         use_cpu_kernel: bool = False,
         use_triton_decode: bool = False,
         per_token: bool = False,
+        batch_prompts: bool | None = None,
     ) -> None:
         self.device = device
+        # Whole prompts of a step in one SDPA call (model/prompt_batch.py): on CUDA, where
+        # the per-call host cost is what a step with many prompts pays; on CPU each prompt's
+        # own call stays (no padding computed).
+        self.batch_prompts = device.type == "cuda" if batch_prompts is None else batch_prompts
         self.use_cpu_kernel = use_cpu_kernel
         self.use_triton_decode = use_triton_decode
         # --deterministic (with the CPU kernel): every token of a prefill chunk is attended
@@ -408,6 +450,12 @@ class TorchPagedAttention:
     ) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
+    def _prompt_batch(self, prefills: list[_Prefill]) -> PromptBatch | None:
+        if not self.batch_prompts:
+            return None
+        whole = [(p.token_start, p.num_tokens) for p in prefills if p.start_pos == 0]
+        return prompt_batch(whole, self.device)
+
     def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
         dev = self.device
         if self.per_token and num_decodes < len(seqs):
@@ -421,7 +469,7 @@ class TorchPagedAttention:
                 ),
             ]
             num_decodes = len(seqs)
-        table, max_blocks = _block_table(seqs[:num_decodes], block_size)
+        table, max_blocks = block_table(seqs[:num_decodes], block_size)
         decode_positions = np.fromiter(
             (s.start_pos for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes
         )
@@ -444,124 +492,5 @@ class TorchPagedAttention:
             device=dev,
             use_cpu_kernel=self.use_cpu_kernel,
             use_triton_decode=self.use_triton_decode,
+            fresh=self._prompt_batch(prefills),
         )
-
-
-@dataclass(slots=True)
-class FlashAttentionMetadata:
-    slots: torch.Tensor  # [num_tokens] int64
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, cumulative context lengths
-    max_seqlen_q: int
-    max_seqlen_k: int
-    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
-
-    @property
-    def fused_kv_slots(self) -> torch.Tensor | None:
-        return None  # a CUDA layout: write_kv stores K/V
-
-    @property
-    def kv_layout(self) -> int:
-        return BLOCKS_FIRST
-
-    def sequence_lengths(self) -> torch.Tensor:
-        q_lens = self.cu_seqlens_q.diff().long()
-        return torch.repeat_interleave(self.cu_seqlens_k.diff().long(), q_lens)
-
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
-        two, num_blocks, block_size, heads, head_dim = kv_cache.shape
-        flat = kv_cache.view(two, num_blocks * block_size, heads, head_dim)
-        flat[0].index_copy_(0, self.slots, k)
-        flat[1].index_copy_(0, self.slots, v)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
-        from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
-
-        num_tokens, num_heads, head_dim = q.shape
-        out = flash_attn_varlen_func(
-            q,
-            kv_cache[0],
-            kv_cache[1],
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_k=self.cu_seqlens_k,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
-            softmax_scale=scale,
-            causal=True,
-            # HF's sliding window keeps keys with q_pos - k_pos < window.
-            window_size=(window - 1, 0) if window is not None else (-1, -1),
-            softcap=0.0 if softcap is None else softcap,
-            block_table=self.block_table,
-        )
-        return out.reshape(num_tokens, num_heads * head_dim)  # type: ignore[no-any-return]
-
-
-class FlashPagedAttention:
-    """CUDA backend on flash-attn's paged varlen kernel (one call per layer per step)."""
-
-    name = "flash-attn"
-    block_dim = 1
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-    def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
-        dev = self.device
-        q_lens = np.asarray([s.num_tokens for s in seqs], dtype=np.int32)
-        k_lens = np.asarray([s.context_len for s in seqs], dtype=np.int32)
-        cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
-        table, _ = _block_table(seqs, block_size)
-        return FlashAttentionMetadata(
-            slots=torch.from_numpy(slot_mapping(seqs, num_decodes, block_size)).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu_q).to(dev),
-            cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
-            max_seqlen_q=int(q_lens.max(initial=0)),
-            max_seqlen_k=int(k_lens.max(initial=0)),
-            block_table=torch.from_numpy(table.astype(np.int32)).to(dev),
-        )
-
-
-def select_backend(
-    device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int = 128
-) -> AttentionBackend:
-    """flash-attn when it can run (CUDA, importable, half precision, a block size its paged
-    kernels accept), else the torch backend — with genserve's CPU decode kernel on CPU
-    when it builds (``genserve.kernels.cpu``), and on CUDA with genserve's
-    Triton decode kernel (``genserve.kernels.triton_attention``) when Triton is installed."""
-    if (
-        device.type == "cuda"
-        and dtype in (torch.float16, torch.bfloat16)
-        and block_size % 256 == 0
-        and importlib.util.find_spec("flash_attn") is not None
-    ):
-        return FlashPagedAttention(device)
-    from genserve.kernels import cpu as cpu_kernels
-    from genserve.kernels import triton_attention
-
-    triton_decode = (
-        device.type == "cuda"
-        and triton_attention.available(device)
-        and triton_attention.supports(block_size, head_dim)
-    )
-    return TorchPagedAttention(
-        device,
-        use_cpu_kernel=cpu_kernels.usable(device, dtype),
-        use_triton_decode=triton_decode,
-        per_token=cpu_kernels.batch_invariant(),
-    )

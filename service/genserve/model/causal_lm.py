@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
-from genserve.model.decoder import MLP, DecoderLayer
+from genserve.model.decoder import MLP, Attention, DecoderLayer
 from genserve.model.fused_decode import FusedDecodeArgs, unsupported_reason
 from genserve.model.huge_pages import huge_page_region, release_freed_heap
 from genserve.model.layers import ParallelLMHead, VocabParallelEmbedding, _Packable
@@ -184,10 +184,9 @@ class DecoderForCausalLM(nn.Module):
             # depend on how many rows share its step.
             matvec_rows = _EVERY_ROW
         for layer in self._layers:
-            attn = layer.self_attn
             # The q/k norms too: decode_layer runs them through the same op, so the fused
             # layer and this per-op path give identical results.
-            for norm in (*layer.norms(), attn.q_norm, attn.k_norm):
+            for norm in (*layer.norms(), *layer.self_attn.norms()):
                 if norm is not None:
                     norm.fused = isinstance(norm, RMSNorm)
             layer.self_attn.fused = True
@@ -229,6 +228,11 @@ class DecoderForCausalLM(nn.Module):
         a request may reach; rotary tables are computed now for every position below it.
         Call once, on CUDA with Triton (the runner does), or on any device to run the ops'
         torch references (the CPU proof tests)."""
+        if self.config.mla is not None:
+            # The fused rotary + K/V store writes K/V heads; the latent rows are stored by
+            # model/mla.py itself, so latent-attention models stay on the eager ops.
+            log.info("fused_gpu_layers_unused", reason="multi-head latent attention")
+            return
         for layer in self._layers:
             layer.use_fused_gpu_ops()
         self.norm.gpu_fused = isinstance(self.norm, RMSNorm)
@@ -281,8 +285,7 @@ class DecoderForCausalLM(nn.Module):
     def _linears(layer: DecoderLayer) -> tuple[_Packable, ...]:
         """The layer's projections: attention's and its MLP's (a MoE layer's: its shared
         expert's; the routed experts are ``moe.SparseMoeBlock``'s own)."""
-        attn = layer.self_attn
-        return attn.qkv_proj, attn.o_proj, *layer.mlp.linears()
+        return *layer.self_attn.linears(), *layer.mlp.linears()
 
     def enable_lora(self, step: StepAdapters) -> dict[str, tuple[LoraHook, ModuleSplit]]:
         """Attach a LoRA hook to every adaptable projection; returns, per PEFT module path
@@ -294,7 +297,8 @@ class DecoderForCausalLM(nn.Module):
         self._decode_layers_fused = False  # the fused layer op has no LoRA deltas
         for i, layer in enumerate(self._layers):
             attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, MLP)  # lora_blocker refuses MoE models
+            # lora_blocker refuses MoE and latent-attention models
+            assert isinstance(mlp, MLP) and isinstance(attn, Attention)
             qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
             for linear in (qkv, o, gate_up, down):
                 linear.lora = LoraHook(step)

@@ -30,6 +30,7 @@ from genserve.model.layers import (
     RowParallelLinear,
     _Packable,
 )
+from genserve.model.mla import LatentAttention
 from genserve.model.moe import SparseMoeBlock
 from genserve.model.norms import LayerNorm, Norm, RMSNorm, make_norm
 from genserve.model.rotary import RotaryAngles, apply_rotary, head_permutation
@@ -72,6 +73,12 @@ class Attention(nn.Module):
             in_range=(q_start, q_stop),
         )  # fmt: skip
         self.perm = head_permutation(d, spec.rotary_dim or d, spec.interleaved_rotary)
+        # gpt-oss's sink logits of this shard's query heads, float32 as the softmax is.
+        self.sinks = (
+            nn.Parameter(torch.zeros(self.num_heads, device=device), requires_grad=False)
+            if spec.sinks
+            else None
+        )
         self.qk_norm = spec.qk_norm
         self.q_norm: Norm | None = None
         self.k_norm: Norm | None = None
@@ -87,6 +94,13 @@ class Attention(nn.Module):
             k_shape = (self.num_kv_heads, d) if per_head else (d,)
             self.q_norm = make_norm(spec.qk_norm_spec, q_shape, dtype, device)
             self.k_norm = make_norm(spec.qk_norm_spec, k_shape, dtype, device)
+
+    def linears(self) -> tuple[_Packable, ...]:
+        return self.qkv_proj, self.o_proj
+
+    def norms(self) -> list[Norm]:
+        """The q/k norms, where the spec has them."""
+        return [n for n in (self.q_norm, self.k_norm) if n is not None]
 
     def _qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The projection's Q and K heads (q/k-normed where the spec says), ``[num_tokens,
@@ -125,7 +139,7 @@ class Attention(nn.Module):
         q, k = qk[:, :h], qk[:, h:]  # [num_tokens, h, d], [num_tokens, kvh, d]
         if slots is None:
             meta.write_kv(kv_cache, k, v)
-        out = meta.attend(q, k, v, kv_cache, self.scale, self.window, self.softcap)
+        out = meta.attend(q, k, v, kv_cache, self.scale, self.window, self.softcap, self.sinks)
         return self.o_proj.forward(out)  # out: [num_tokens, h * d]
 
     def forward_gpu(
@@ -146,7 +160,9 @@ class Attention(nn.Module):
         fused_gpu_ops.rotary_store_kv(
             qk, v, cos, sin, positions, meta.slots, kv_cache, meta.kv_layout
         )
-        out = meta.attend(qk[:, :h], qk[:, h:], v, kv_cache, self.scale, self.window, self.softcap)
+        out = meta.attend(
+            qk[:, :h], qk[:, h:], v, kv_cache, self.scale, self.window, self.softcap, self.sinks
+        )
         return self.o_proj.forward(out)  # out: [num_tokens, h * d]
 
     def load(self, weights: WeightSource, prefix: str) -> None:
@@ -173,19 +189,26 @@ class Attention(nn.Module):
                 views[f"{role}.{suffix}"] = RowView(f"{source}.{suffix}", rows)
         self.qkv_proj.load(RowViews(weights, views), ["q", "k", "v"])
         self.o_proj.load(weights, f"{prefix}.{n.o}")
+        if self.sinks is not None:
+            start, stop = self.qkv_proj.q_range  # rows of the local query heads
+            self.sinks.copy_(weights.get_slice(f"{prefix}.{n.sinks}", 0, start // d, stop // d))
         if self.q_norm is not None and self.k_norm is not None:
             self._load_qk_norms(weights, prefix)
 
     def _load_qk_norms(self, weights: WeightSource, prefix: str) -> None:
         n, d = self.config.names, self.head_dim
         cols = torch.tensor(self.perm) if self.perm else None
+        full_width = self.qk_norm is QKNorm.FULL_WIDTH
         q_heads = torch.arange(*self.qkv_proj.q_range)[::d] // d  # local query heads
         kv_heads = torch.tensor(self.qkv_proj.kv_heads)
         views = {}
         for role, name, heads in (("q", n.q_norm, q_heads), ("k", n.k_norm, kv_heads)):
             rows = heads if self.config.attention.qk_norm_weights_per_head else None
+            role_cols = cols
+            if full_width and cols is not None:  # one weight over every head: permute each
+                role_cols = (torch.arange(len(heads))[:, None] * d + cols[None, :]).reshape(-1)
             for suffix in ("weight", "bias"):
-                views[f"{role}.{suffix}"] = RowView(f"{prefix}.{name}.{suffix}", rows, cols)
+                views[f"{role}.{suffix}"] = RowView(f"{prefix}.{name}.{suffix}", rows, role_cols)
         viewed = RowViews(weights, views)
         assert self.q_norm is not None and self.k_norm is not None
         self.q_norm.load(viewed, "q.weight")
@@ -293,7 +316,11 @@ class DecoderLayer(nn.Module):
         self.block = config.block
         self.llama_block = config.block.is_llama
         self.rope_index = config.rope_index(layer_idx)
-        self.self_attn = Attention(config, layer_idx, ctx, dtype, device)
+        self.self_attn: Attention | LatentAttention = (
+            Attention(config, layer_idx, ctx, dtype, device)
+            if config.mla is None
+            else LatentAttention(config, layer_idx, ctx, dtype, device)
+        )
         self.mlp: MLP | SparseMoeBlock = _make_mlp(config, layer_idx, ctx, dtype, device)
         hidden = (config.hidden_size,)
         b = config.block
@@ -353,6 +380,7 @@ class DecoderLayer(nn.Module):
         launches.  Parallel blocks (attention and MLP side by side) sum as the eager path
         does and return ``(output, None)``.  Every sum is the eager path's, in its order."""
         attn, mlp, block = self.self_attn, self.mlp, self.block
+        assert isinstance(attn, Attention)  # use_fused_gpu_ops is not set for latent attention
         if self.pre_attn_norm is None:
             if residual is not None:
                 x = x + residual
@@ -382,8 +410,7 @@ class DecoderLayer(nn.Module):
     def use_fused_gpu_ops(self) -> None:
         """Route this layer's RMSNorms, gated activation and rotary + K/V store through the
         fused GPU ops (``kernels/fused_gpu_ops.py``); called by the model on CUDA."""
-        attn = self.self_attn
-        for norm in [*self.norms(), attn.q_norm, attn.k_norm]:  # q/k norms: full or per head
+        for norm in [*self.norms(), *self.self_attn.norms()]:  # q/k norms: full or per head
             if isinstance(norm, RMSNorm):
                 norm.gpu_fused = True
         mlp = self.mlp
@@ -415,6 +442,7 @@ class DecoderLayer(nn.Module):
         if args is None:
             return
         attn = self.self_attn
+        assert isinstance(attn, Attention)  # fused_decode.unsupported_reason refuses the rest
         norms: list[torch.Tensor | None] = []
         held = (self.pre_attn_norm, self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm)
         for norm in (*held, attn.q_norm, attn.k_norm):  # the op's NormSlot order

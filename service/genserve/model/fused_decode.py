@@ -30,8 +30,12 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     identity angles).  A part added to the spec later lands here as a reason until the op
     learns it, and the model keeps its per-op path."""
     attn, mlp, block = config.attention, config.mlp, config.block
+    if config.mla is not None:
+        return "multi-head latent attention (model/mla.py)"
     if config.moe is not None:
         return "mixture-of-experts MLP (its experts run as genserve::moe_experts)"
+    if attn.sinks:  # the op's attention call passes none (so far only MoE models have them)
+        return "attention sinks"
     if config.norm.kind not in _NORM_KINDS or attn.qk_norm_spec.kind not in _NORM_KINDS:
         return f"norm kind {config.norm.kind} / {attn.qk_norm_spec.kind}"
     if attn.qk_norm not in _QK_NORMS:

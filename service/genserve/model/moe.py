@@ -1,16 +1,28 @@
 """Mixture-of-experts MLPs: routing (:func:`route`) and expert execution
 (:class:`SparseMoeBlock`), as a :class:`~genserve.model.spec.MoeSpec` describes them.
 
-A token's router logits (float32, from a replicated ``[E, H]`` matrix) pick its top-k
-experts as the family's :class:`~genserve.model.spec.RouterSpec` says; the chosen experts'
-SiLU-gated MLPs run and their outputs are summed with the routing weights, plus the shared
-expert where the family has one.  On CPU with genserve's kernels the routed part is one op
+A token's router logits (float32, from a replicated ``[E, H]`` matrix, plus a bias where
+the family has one) pick its top-k experts as the family's
+:class:`~genserve.model.spec.RouterSpec` says; the chosen experts' SiLU-gated MLPs (gpt-oss:
+clamped SwiGLU with biases, :class:`~genserve.model.spec.ClampedSwiGLU`) run and their
+outputs are summed with the routing weights, plus the shared expert where the family has
+one.  On CPU with genserve's kernels the routed part is one op
 per layer (``kernels/moe_cpu.cpp``: rows grouped by expert, only the chosen experts' weights
 read); elsewhere a loop over the chosen experts in torch, as transformers computes it.
 
 Tensor parallelism splits every expert's width (its gate/up rows and down columns) between
 the shards, as the dense MLP is split: each shard computes a partial sum for every token and
 one all-reduce joins them.  Routing runs on every shard on the same input, so they agree.
+A down-projection bias is held by the first shard only (the others hold zeros), so the
+all-reduce adds it once.
+
+Expert parallelism (``ParallelContext.expert_parallel``, ``--expert-parallel``) gives each
+shard whole experts instead: a contiguous range ``[start, stop)`` of the routed experts at
+full width.  Every shard still routes the same (replicated) hidden states the same way,
+computes only the (token, choice) pairs whose expert it holds — never reading another
+shard's expert weights — and the same all-reduce sums the shards' contributions: with
+replicated activations that sum is the whole token exchange (no all-to-all dispatch).  Each
+expert's down bias then lives on the one shard that holds the expert.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genserve.model.layers import _Packable
-from genserve.model.spec import ModelConfig, MoeSpec, RouterSpec, Scoring
+from genserve.model.spec import ClampedSwiGLU, ModelConfig, MoeSpec, RouterSpec, Scoring
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
 
@@ -45,7 +57,10 @@ def route(
     """Router logits ``[num_tokens, E]`` (float32) → ``(weights, expert_ids)``, both
     ``[num_tokens, top_k]`` (float32, int64), computed in the order transformers' routers
     compute them so that ties and roundings agree."""
-    if spec.scoring is Scoring.SOFTMAX:
+    if spec.scoring is Scoring.TOPK_SOFTMAX:
+        top, ids = torch.topk(logits, spec.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    elif spec.scoring is Scoring.SOFTMAX:
         probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, spec.top_k, dim=-1)
         if spec.renormalize:
@@ -76,18 +91,30 @@ def experts_torch(
     weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    clamped: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """The routed experts in torch: one pass per chosen expert over the rows that chose it
     (transformers' loop; the portable path and the kernel's reference).  ``x`` ``[T, H]``,
     ``ids``/``weights`` ``[T, K]``, ``w13`` ``[E, 2L, H]`` (gate rows, then up rows), ``w2``
-    ``[E, H, L]`` → ``[T, H]`` in ``x``'s dtype."""
+    ``[E, H, L]``, optional biases ``b13`` ``[E, 2L]`` and ``b2`` ``[E, H]``, and the
+    activation (SiLU-gated, or ``clamped``) → ``[T, H]`` in ``x``'s dtype."""
     out = torch.zeros_like(x)
     width = w13.shape[1] // 2
     for expert in torch.unique(ids).tolist():
         token_idx, k_pos = torch.where(ids == expert)
-        gate_up = F.linear(x[token_idx], w13[expert])  # [rows, 2L]
-        act = F.silu(gate_up[:, :width]) * gate_up[:, width:]
-        y = F.linear(act, w2[expert]) * weights[token_idx, k_pos, None]
+        bias13 = None if b13 is None else b13[expert]
+        gate_up = F.linear(x[token_idx], w13[expert], bias13)  # [rows, 2L]
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+        if clamped is None:
+            act = F.silu(gate) * up
+        else:
+            gate = gate.clamp(max=clamped.limit)
+            up = up.clamp(-clamped.limit, clamped.limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * clamped.alpha)
+        y = F.linear(act, w2[expert], None if b2 is None else b2[expert])
+        y = y * weights[token_idx, k_pos, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
 
@@ -119,13 +146,31 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"{num_experts} experts in {spec.router.num_groups} groups")
         # Routing runs in float32 on every shard (a replicated matrix; see the module doc).
         self.router = _param(torch.empty(num_experts, hidden, device=device))
+        self.router_bias = (
+            _param(torch.empty(num_experts, device=device)) if spec.router.bias else None
+        )
         self.correction_bias = (
             _param(torch.empty(num_experts, device=device)) if spec.router.correction_bias else None
         )
-        self.width_range = ctx.shard(spec.intermediate_size, "expert width")
+        if spec.expert_bias and not spec.names.interleaved_gate_up:
+            raise ValueError("expert biases are read from gpt-oss's stacked layout only")
+        # This shard's routed experts [start, stop) and its slice of their width: whole
+        # experts under expert parallelism, else every expert's 1/N of the width.
+        if ctx.expert_parallel:
+            self.expert_range = ctx.expert_share(num_experts)
+            self.width_range = (0, spec.intermediate_size)
+        else:
+            self.expert_range = (0, num_experts)
+            self.width_range = ctx.shard(spec.intermediate_size, "expert width")
+        local = self.expert_range[1] - self.expert_range[0]
         width = self.width_range[1] - self.width_range[0]
-        self.w13 = _param(torch.empty(num_experts, 2 * width, hidden, dtype=dtype, device=device))
-        self.w2 = _param(torch.empty(num_experts, hidden, width, dtype=dtype, device=device))
+        self.w13 = _param(torch.empty(local, 2 * width, hidden, dtype=dtype, device=device))
+        self.w2 = _param(torch.empty(local, hidden, width, dtype=dtype, device=device))
+        self.b13: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
+        if spec.expert_bias:
+            self.b13 = _param(torch.empty(local, 2 * width, dtype=dtype, device=device))
+            self.b2 = _param(torch.empty(local, hidden, dtype=dtype, device=device))
         self.shared = shared
         self.shared_gate = (
             _param(torch.empty(1, hidden, dtype=dtype, device=device))
@@ -152,13 +197,15 @@ class SparseMoeBlock(nn.Module):
         return self.shared.linears() if self.shared is not None else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.router)  # [num_tokens, E]
+        logits = F.linear(x.float(), self.router, self.router_bias)  # [num_tokens, E]
         weights, ids = route(logits, self.spec.router, self.correction_bias)
-        if self._fused and x.device.type == "cpu":
-            out: torch.Tensor = torch.ops.genserve.moe_experts(x, ids, weights, self.w13, self.w2)
+        if self.ctx.expert_parallel:
+            out = self._own_experts(x, ids, weights)
         else:
-            out = experts_torch(x, ids, weights, self.w13, self.w2)
-        out = self.ctx.all_reduce(out)  # each shard summed its slice of every expert's width
+            out = self._experts(x, ids, weights)
+        # Each shard summed its slice of every expert's width, or (expert parallel) the
+        # pairs of the experts it holds: either way the sum over shards is the routed output.
+        out = self.ctx.all_reduce(out)
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.shared_gate is not None:
@@ -166,33 +213,98 @@ class SparseMoeBlock(nn.Module):
             out = out + shared
         return out
 
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed sum over ``ids`` ``[T, K]`` (indices into this shard's ``w13``/``w2``)."""
+        clamped = self.spec.activation
+        if self._fused and x.device.type == "cpu":
+            out: torch.Tensor = torch.ops.genserve.moe_experts(
+                x, ids, weights, self.w13, self.w2, self.b13, self.b2,
+                0.0 if clamped is None else clamped.alpha,
+                0.0 if clamped is None else clamped.limit,
+            )  # fmt: skip
+            return out
+        return experts_torch(x, ids, weights, self.w13, self.w2, self.b13, self.b2, clamped)
+
+    def _own_experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert parallelism: this shard's part of the routed sum, from the (token, choice)
+        pairs whose expert it holds only.  The pairs go to the expert op as rows of one
+        choice each (a token choosing two of this shard's experts is two rows), so the op
+        groups them by expert as usual and reads only this shard's weights."""
+        start, stop = self.expert_range
+        token_idx, k_pos = torch.nonzero((ids >= start) & (ids < stop), as_tuple=True)
+        if token_idx.numel() == 0:  # none of this step's choices is ours
+            return torch.zeros_like(x)
+        local_ids = (ids[token_idx, k_pos] - start).unsqueeze(1)  # [pairs, 1]
+        pairs = self._experts(x[token_idx], local_ids, weights[token_idx, k_pos].unsqueeze(1))
+        # A token's choices summed in float32 and rounded once, as the op does within a row
+        # (in bfloat16 a per-choice sum would round once per choice).
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, token_idx, pairs.float()).to(x.dtype)
+
     @torch.no_grad()
     def load(self, weights: WeightSource, prefix: str) -> None:
-        """This shard's slice of every expert, from per-expert matrices or stacked ones."""
+        """This shard's experts (all, or its range under expert parallelism) and its slice
+        of their width, from per-expert matrices or stacked ones."""
         n = self.spec.names
         self.router.copy_(weights.get(f"{prefix}.{n.router}.weight"))
+        if self.router_bias is not None:
+            self.router_bias.copy_(weights.get(f"{prefix}.{n.router}.bias"))
         if self.correction_bias is not None:
             self.correction_bias.copy_(weights.get(f"{prefix}.{n.correction_bias}"))
         start, stop = self.width_range
+        first, last = self.expert_range
         full = self.spec.intermediate_size
         width = stop - start
         experts = f"{prefix}.{n.experts}"
-        if weights.has(f"{experts}.gate_up_proj"):  # [E, 2I, H] and [E, H, I]
+        if n.interleaved_gate_up:
+            self._load_interleaved(weights, experts)
+        elif weights.has(f"{experts}.gate_up_proj") and self.ctx.expert_parallel:
+            # Whole experts: this shard's rows of the stacks [E, 2I, H] and [E, H, I].
+            self.w13.copy_(weights.get_slice(f"{experts}.gate_up_proj", 0, first, last))
+            self.w2.copy_(weights.get_slice(f"{experts}.down_proj", 0, first, last))
+        elif weights.has(f"{experts}.gate_up_proj"):  # [E, 2I, H] and [E, H, I]
             stacked = f"{experts}.gate_up_proj"
             self.w13[:, :width].copy_(weights.get_slice(stacked, 1, start, stop))
             self.w13[:, width:].copy_(weights.get_slice(stacked, 1, full + start, full + stop))
             self.w2.copy_(weights.get_slice(f"{experts}.down_proj", 2, start, stop))
         else:
             rows = weights.get_slice
-            for e in range(self.spec.router.num_experts):
-                at = f"{experts}.{e}"
-                self.w13[e, :width].copy_(rows(f"{at}.{n.gate}.weight", 0, start, stop))
-                self.w13[e, width:].copy_(rows(f"{at}.{n.up}.weight", 0, start, stop))
-                self.w2[e].copy_(rows(f"{at}.{n.down}.weight", 1, start, stop))
+            for e in range(first, last):
+                at, mine = f"{experts}.{e}", e - first
+                self.w13[mine, :width].copy_(rows(f"{at}.{n.gate}.weight", 0, start, stop))
+                self.w13[mine, width:].copy_(rows(f"{at}.{n.up}.weight", 0, start, stop))
+                self.w2[mine].copy_(rows(f"{at}.{n.down}.weight", 1, start, stop))
         if self.shared is not None:
             self.shared.load(weights, prefix)
         if self.shared_gate is not None:
             self.shared_gate.copy_(weights.get(f"{prefix}.{n.shared_gate}.weight"))
+
+    def _load_interleaved(self, weights: WeightSource, experts: str) -> None:
+        """gpt-oss's layout (``MoeNames.interleaved_gate_up``): this shard's gate columns
+        ``2j`` and up columns ``2j + 1`` of ``[E, H, 2I]``, transposed into ``w13``'s rows."""
+        start, stop = self.width_range
+        first, last = self.expert_range
+        width = stop - start
+        gate_cols = torch.arange(start, stop) * 2
+        for e in range(first, last):
+            # One expert at a time: the transposed copy of a whole layer would double it.
+            gate_up = weights.get_slice(f"{experts}.gate_up_proj", 0, e, e + 1)[0]  # [H, 2I]
+            self.w13[e - first, :width].copy_(gate_up[:, gate_cols].t())
+            self.w13[e - first, width:].copy_(gate_up[:, gate_cols + 1].t())
+            down = weights.get_slice(f"{experts}.down_proj", 0, e, e + 1)[0]  # [I, H]
+            self.w2[e - first].copy_(down[start:stop].t())
+        if self.b13 is not None and self.b2 is not None:
+            bias = weights.get(f"{experts}.gate_up_proj_bias")[first:last]  # [E, 2I]
+            self.b13[:, :width].copy_(bias[:, gate_cols])
+            self.b13[:, width:].copy_(bias[:, gate_cols + 1])
+            self.b2.copy_(weights.get(f"{experts}.down_proj_bias")[first:last])
+            # Summed over the shards by the all-reduce: under tensor parallelism every shard
+            # computes every chosen expert, so the first shard alone holds the bias; under
+            # expert parallelism each expert's pairs are computed once, by its holder.
+            if self.ctx.rank != 0 and not self.ctx.expert_parallel:
+                self.b2.zero_()
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:

@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from genserve.model.causal_lm import DecoderForCausalLM
-from genserve.model.decoder import MLP
+from genserve.model.decoder import MLP, Attention
 from genserve.model.kquants import AnyQuantized, cat_any, zero_rows
 from genserve.model.layers import (
     ColumnParallelLinear,
@@ -96,6 +96,8 @@ def _from_float(model: DecoderForCausalLM, method: str, summary: QuantizeSummary
             summary.quantized += 1
         if not isinstance(layer.mlp, MLP):  # routed experts: no quantized expert op yet
             summary.kept.append(f"model.layers.{i} experts")
+        if not isinstance(layer.self_attn, Attention):  # decodes read it per head (mla.py)
+            summary.kept.append(f"model.layers.{i} kv_b_proj")
     embed = quantize_int8(model.embed_tokens.weight)
     model.embed_tokens.set_quantized(embed)
     if model.config.tie_word_embeddings:
@@ -112,6 +114,8 @@ def _from_gguf(
     for i, layer in enumerate(model._layers):
         attn = f"model.layers.{i}.self_attn"
         mlp = f"model.layers.{i}.mlp"
+        if not isinstance(layer.self_attn, Attention):  # serving_path sends these elsewhere
+            raise QuantizationError("latent attention has no GGUF tensor mapping")
         plan += [
             (layer.self_attn.qkv_proj, [f"{attn}.{p}_proj.weight" for p in "qkv"]),
             (layer.self_attn.o_proj, [f"{attn}.o_proj.weight"]),

@@ -68,6 +68,9 @@ class AttentionSpec:
     rotary_dim: int | None = None  # None: the whole head
     # Cohere rotates adjacent pairs (x0, x1) instead of the two halves.
     interleaved_rotary: bool = False
+    # gpt-oss: a learned logit per query head joins each softmax's denominator (an "attention
+    # sink" key whose value is zero), checkpoint ``{layer}.{WeightNames.sinks}``.
+    sinks: bool = False
 
 
 class Activation(StrEnum):
@@ -113,6 +116,7 @@ class BlockSpec:
 class Scoring(StrEnum):
     SOFTMAX = "softmax"  # softmax over every expert, then top-k (Mixtral, Qwen-MoE)
     SIGMOID = "sigmoid"  # independent sigmoids (DeepSeek-V3, GLM-4.5, MiniMax-M2)
+    TOPK_SOFTMAX = "topk_softmax"  # top-k of the logits, softmax over those k (gpt-oss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +126,10 @@ class RouterSpec:
     Softmax: ``top-k(softmax(logits))``, renormalised to sum 1 when ``renormalize``.
     Sigmoid: experts are chosen by ``sigmoid(logits) + correction bias`` within the
     ``topk_groups`` best of ``num_groups`` groups (a group scores by its two best experts),
-    weighted by their plain sigmoid scores (renormalised when ``renormalize``).  Either way
-    the weights are then multiplied by ``scaling_factor``."""
+    weighted by their plain sigmoid scores (renormalised when ``renormalize``).  Top-k
+    softmax: the k largest logits, weighted by a softmax over those k alone.  Every way the
+    weights are then multiplied by ``scaling_factor``.  ``bias``: the router is an affine
+    map (gpt-oss), its bias at ``{MoeNames.router}.bias``."""
 
     num_experts: int
     top_k: int
@@ -133,6 +139,17 @@ class RouterSpec:
     num_groups: int = 1
     topk_groups: int = 1
     scaling_factor: float = 1.0
+    bias: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation on ``gate``/``up``: ``gate`` clamped to at most
+    ``limit``, ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha *
+    gate)``."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,16 +166,21 @@ class MoeNames:
     down: str = "down_proj"
     shared: str = "mlp.shared_expert"  # {shared}.gate_proj ... (the dense MLP's names)
     shared_gate: str = "mlp.shared_expert_gate"
+    # gpt-oss stacks its experts transposed, gate and up columns alternating:
+    # ``gate_up_proj`` [E, H, 2I] (column 2j: gate j, 2j + 1: up j), ``down_proj`` [E, I, H],
+    # with biases ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H].
+    interleaved_gate_up: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class MoeSpec:
-    """A mixture-of-experts MLP: routed SiLU-gated experts of width ``intermediate_size``,
-    plus an always-on shared expert (width ``shared_intermediate_size``; 0: none) whose
-    output is scaled by ``sigmoid(x . w)`` when ``shared_gate`` (Qwen2-MoE).  ``layers``
-    says per layer whether its MLP is the MoE one (else the dense ``MlpSpec`` MLP of
-    ``ModelConfig.intermediate_size``: DeepSeek's first dense layers, Qwen's
-    ``mlp_only_layers``)."""
+    """A mixture-of-experts MLP: routed SiLU-gated experts of width ``intermediate_size``
+    (with ``activation`` set: gpt-oss's clamped SwiGLU; with ``expert_bias``: a bias on
+    each expert's gate/up and down projections), plus an always-on shared expert (width
+    ``shared_intermediate_size``; 0: none) whose output is scaled by ``sigmoid(x . w)`` when
+    ``shared_gate`` (Qwen2-MoE).  ``layers`` says per layer whether its MLP is the MoE one
+    (else the dense ``MlpSpec`` MLP of ``ModelConfig.intermediate_size``: DeepSeek's first
+    dense layers, Qwen's ``mlp_only_layers``)."""
 
     router: RouterSpec
     intermediate_size: int
@@ -166,6 +188,56 @@ class MoeSpec:
     shared_intermediate_size: int = 0
     shared_gate: bool = False
     names: MoeNames = MoeNames()
+    activation: ClampedSwiGLU | None = None
+    expert_bias: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class MlaNames:
+    """Checkpoint names of a latent-attention layer's parts, under the layer's prefix (the
+    output projection is ``WeightNames.o``)."""
+
+    q: str = "self_attn.q_proj"  # when there is no query compression (q_lora_rank None)
+    q_a: str = "self_attn.q_a_proj"
+    q_a_norm: str = "self_attn.q_a_layernorm"
+    q_b: str = "self_attn.q_b_proj"
+    kv_a: str = "self_attn.kv_a_proj_with_mqa"
+    kv_a_norm: str = "self_attn.kv_a_layernorm"
+    kv_b: str = "self_attn.kv_b_proj"
+
+
+@dataclass(frozen=True, slots=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; ``model/mla.py`` implements it).
+
+    Keys and values come from one compressed latent per token: ``kv_a`` maps the hidden
+    state to ``kv_lora_rank`` latent features (RMS-normed) plus ``qk_rope_head_dim`` rotary
+    key features shared by every head; ``kv_b`` expands the latent to each head's
+    ``qk_nope_head_dim`` key and ``v_head_dim`` value features.  Queries are
+    ``qk_nope_head_dim + qk_rope_head_dim`` per head, through a ``q_lora_rank`` bottleneck
+    (RMS-normed) or one projection when ``q_lora_rank`` is None.  The paged cache holds, per
+    token, the normed latent and the rotated rope key: :attr:`cache_width` values, one
+    "head".  ``interleaved_rope``: the checkpoint's rope features rotate in adjacent pairs
+    (DeepSeek's layout; permuted into halves at load)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    norm_eps: float = 1e-6  # the q_a / kv_a RMSNorms (transformers builds them with 1e-6)
+    bias: bool = False  # q_a, kv_a and o projections (``attention_bias``)
+    interleaved_rope: bool = True
+    names: MlaNames = MlaNames()
+
+    @property
+    def cache_width(self) -> int:
+        """Values the cache holds per token and layer: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 class QKVLayout(StrEnum):
@@ -191,6 +263,7 @@ class WeightNames:
     o: str = "self_attn.o_proj"
     q_norm: str = "self_attn.q_norm"
     k_norm: str = "self_attn.k_norm"
+    sinks: str = "self_attn.sinks"
     gate: str = "mlp.gate_proj"
     up: str = "mlp.up_proj"
     down: str = "mlp.down_proj"
@@ -244,6 +317,9 @@ class ModelConfig:
     final_softcap: float | None = None
     # Mixture-of-experts MLPs (None: every layer's MLP is dense).
     moe: MoeSpec | None = None
+    # Multi-head latent attention in every layer (None: the q/k/v attention of ``attention``);
+    # ``head_dim`` is then its rotary width and ``num_kv_heads`` 1 (the latent, see MlaSpec).
+    mla: MlaSpec | None = None
 
     @property
     def qkv_bias(self) -> bool:
@@ -258,6 +334,8 @@ class ModelConfig:
         """Why LoRA adapters cannot be applied to this model (None: they can): the
         adapter paths name Llama's separate projections, unpermuted."""
         n, attn = self.names, self.attention
+        if self.mla is not None:
+            return "its latent attention has no adapter path"
         if self.moe is not None:
             return "its mixture-of-experts MLPs have no adapter path"
         if n.qkv_layout is not QKVLayout.SEPARATE or not n.gate or not self.mlp.gated:

@@ -1,16 +1,22 @@
 """Installing LoRA adapters into the model's LoRA slots: this rank's slice of an adapter
-read by :mod:`genserve.model.adapter_files`, laid out per projection, copied into a slot.
+read by :mod:`genserve.model.adapter_files`, laid out per projection, copied into a slot;
+:class:`AdapterSlots` is the runner's record of what each slot holds.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from genserve.model.adapter_files import AdapterWeights
-from genserve.model.adapter_files import read_adapter as read_adapter  # the runner's import
+from genserve.model.adapter_files import AdapterWeights, read_adapter
+from genserve.model.config import ModelConfig
 from genserve.model.lora import LoraHook, ModuleSplit, SlotWeights, StepAdapters, slice_pair
+from genserve.step import AdapterRef
 
 Targets = dict[str, tuple[LoraHook, ModuleSplit]]
 
@@ -76,3 +82,82 @@ def install(prepared: PreparedAdapter, slot: int, targets: Targets, step: StepAd
     hooks = {id(hook): hook for hook, _ in targets.values()}
     for key, hook in hooks.items():
         hook.set_slot(slot, prepared.per_hook.get(key))
+
+
+# Adapters prepared ahead of their first step (requests cancelled meanwhile leave entries).
+_MAX_PREPARED_ADAPTERS = 16
+
+
+class AdapterSlots:
+    """A runner's LoRA slots: which adapter each holds, and adapters prepared ahead.
+
+    The model's LoRA hooks are attached on the first adapter request (base-only serving pays
+    nothing).  :meth:`prepare` reads and lays out an adapter off the step thread (thread-safe:
+    the engine calls it while steps run); :meth:`ensure`, on the step thread, makes a slot
+    hold an adapter - a copy of what was prepared, or (a shard worker, a test driving the
+    runner directly) read and prepared there and then.  ``step`` tells the hooks which slot
+    each token row of a step uses."""
+
+    def __init__(
+        self,
+        enable_lora: Callable[[StepAdapters], Targets],
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self._enable_lora = enable_lora
+        self._config = config
+        self._dtype = dtype
+        self._device = device
+        self.step = StepAdapters()
+        self.targets: Targets | None = None  # None until the hooks are attached
+        self._slot_ids: dict[int, str] = {}
+        # By (id, path), waiting for their first step; bounded for cancelled requests.
+        self._prepared: OrderedDict[tuple[str, str], PreparedAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def attached(self) -> bool:
+        """Whether the model's hooks are attached (some adapter was asked for)."""
+        return self.targets is not None
+
+    def prepare(self, ref: AdapterRef) -> None:
+        """Read, validate and lay out ``ref``'s adapter for its slot, so that the step that
+        first runs it only copies tensors.  Raises
+        :class:`~genserve.model.lora.AdapterError` for an adapter that does not fit."""
+        key = (ref.adapter_id, ref.path)
+        with self._lock:
+            if self._slot_ids.get(ref.slot) == ref.adapter_id or key in self._prepared:
+                return
+            targets = self._attach()
+        weights = read_adapter(ref.adapter_id, Path(ref.path), self._config)
+        prepared = prepare(weights, targets, self._dtype, self._device)
+        with self._lock:
+            self._prepared[key] = prepared
+            while len(self._prepared) > _MAX_PREPARED_ADAPTERS:
+                self._prepared.popitem(last=False)
+
+    def ensure(self, ref: AdapterRef) -> None:
+        """Make slot ``ref.slot`` hold ``ref.adapter_id`` (step thread)."""
+        if self._slot_ids.get(ref.slot) == ref.adapter_id:
+            return
+        with self._lock:
+            targets = self._attach()
+            prepared = self._prepared.pop((ref.adapter_id, ref.path), None)
+        if prepared is None:
+            weights = read_adapter(ref.adapter_id, Path(ref.path), self._config)
+            prepared = prepare(weights, targets, self._dtype, self._device)
+        install(prepared, ref.slot, targets, self.step)
+        self._slot_ids[ref.slot] = ref.adapter_id
+
+    def _attach(self) -> Targets:
+        """The model's LoRA hooks, attached on first use.  Attaching is safe while a step
+        runs: hooks do nothing until the runner marks rows."""
+        if self.targets is None:
+            from genserve.kernels import cpu as cpu_kernels
+
+            # The BGMV kernel computes every row's delta in one op per projection; without
+            # it (GPU, no compiler, --disable-cpu-kernels) the batched torch path runs.
+            self.step.use_kernel = self._device.type == "cpu" and cpu_kernels.load()
+            self.targets = self._enable_lora(self.step)
+        return self.targets

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from genserve.model.attention import SeqSpec, TorchPagedAttention, select_backend
+from genserve.model.attention import SeqSpec, TorchPagedAttention
+from genserve.model.attention_backend import select_backend
 from genserve.worker.cuda_graphs import (
     DecodeGraphs,
     measure_capture_bytes,

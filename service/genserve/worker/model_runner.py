@@ -10,25 +10,30 @@ worker/step_inputs.py lays out; a pure-decode step replays a CUDA graph where on
 of a chunk that samples, every token of a speculative chunk, and the prompt positions of
 requests asking for prompt logprobs); worker/step_outputs.py turns the sampled rows into the
 step's tokens.  Host → device data goes through worker/device_io.py (pinned, asynchronous on
-CUDA) and a decode step reads one packed block back (issue #29).
+CUDA) and a decode step reads one packed block back (issue #29).  LoRA slots are
+worker/adapters.py's :class:`~genserve.worker.adapters.AdapterSlots`.
+
+Past ~500 lines (~550) on purpose: what is left is the runner's own state - the model, the
+KV tensors, the per-request sampling state and the CUDA graphs - and the two things that
+touch all of it, the start-up sequence (load, size, warm up, capture) and one step
+(register, lay out, forward, sample).  Each part that stands alone already lives beside it
+(step_inputs, step_outputs, request_state, runner_setup, graph_plan, adapters, sampler).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections import OrderedDict
-from pathlib import Path
 
 import structlog
 import torch
 
 from genserve.kernels import fused_gpu_ops
 from genserve.model import rope_scaling
-from genserve.model.attention import AttentionBackend, TorchPagedAttention, select_backend
+from genserve.model.attention import AttentionBackend, TorchPagedAttention
+from genserve.model.attention_backend import select_backend
 from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import ResolvedModel
-from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
+from genserve.model.mla import latent_cache_shape
 from genserve.model.quantize_model import model_weight_bytes
 from genserve.model.registry import build_model
 from genserve.model.serving_path import choose_serving_path
@@ -43,7 +48,7 @@ from genserve.step import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from genserve.worker.adapters import PreparedAdapter, install, prepare, read_adapter
+from genserve.worker.adapters import AdapterSlots
 from genserve.worker.cuda_graphs import DecodeGraphs
 from genserve.worker.device_io import DeviceIO, Readback
 from genserve.worker.graph_plan import (
@@ -75,8 +80,6 @@ log = structlog.get_logger("genserve.worker")
 
 # On CUDA, part of the budget stays free for activations and allocator fragmentation.
 _CUDA_ACTIVATION_RESERVE = 0.1
-# Adapters prepared ahead of their first step (requests cancelled meanwhile leave entries).
-_MAX_PREPARED_ADAPTERS = 16
 
 
 class ModelRunner:
@@ -185,15 +188,8 @@ class ModelRunner:
         self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
         # Sampling parameters on the device, one slot per request, kept across steps.
         self._table = SamplingTable(self.device, self.io)
-        # LoRA: hooks are attached on the first adapter request, so base-only serving pays
-        # nothing; _slot_ids says which adapter each slot holds now.
-        self._lora_step = StepAdapters()
-        self._lora_targets: dict[str, tuple[LoraHook, ModuleSplit]] | None = None
-        self._slot_ids: dict[int, str] = {}
-        # Adapters read and laid out off the step thread (prepare_adapter), by (id, path),
-        # waiting for their first step; bounded in case requests are cancelled first.
-        self._prepared: OrderedDict[tuple[str, str], PreparedAdapter] = OrderedDict()
-        self._lora_lock = threading.Lock()
+        # LoRA: hooks attached on the first adapter request; what each slot holds.
+        self._adapters = AdapterSlots(self.model.enable_lora, self.config, self.dtype, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.num_blocks = 0
@@ -223,9 +219,15 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- KV cache sizing
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes on this rank: K and V, every layer, this rank's KV heads."""
+        """Bytes one block takes on this rank: K and V, every layer, this rank's KV heads;
+        with latent attention the latent and rope key rows instead (every rank holds them
+        whole: model/mla.py)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * elem
+        mla = self.config.mla
+        if mla is not None:
+            per_token = mla.cache_width * elem
+        else:
+            per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * elem
         return per_token * block_size * self.config.num_layers
 
     def available_kv_memory_bytes(self, fraction: float) -> int:
@@ -252,19 +254,25 @@ class ModelRunner:
         self.backend = select_backend(
             self.device, block_size, self.dtype, head_dim=self.config.head_dim
         )
-        if not self.serving.is_native and not isinstance(self.backend, TorchPagedAttention):
+        mla = self.config.mla
+        sinks = self.serving.is_native and self.config.attention.sinks
+        torch_metadata = not self.serving.is_native or sinks or mla is not None
+        if torch_metadata and not isinstance(self.backend, TorchPagedAttention):
             from genserve.kernels import cpu as cpu_kernels
 
-            # The fallback's attention reads TorchAttentionMetadata (and its cache layout).
+            # The fallback's attention and latent attention read TorchAttentionMetadata (and
+            # the fallback its cache layout); flash-attn's paged kernel has no attention
+            # sinks (gpt-oss).
             self.backend = TorchPagedAttention(
                 self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
             )
-        shape = self.backend.kv_cache_shape(
-            num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim
-        )
-        if self._graph_plan is not None:  # one scratch block past the scheduler's, for padding
+        # One scratch block past the scheduler's, for padding CUDA graph steps.
+        allocated = num_blocks + (1 if self._graph_plan is not None else 0)
+        if mla is not None:
+            shape = latent_cache_shape(allocated, block_size, mla.cache_width)
+        else:
             shape = self.backend.kv_cache_shape(
-                num_blocks + 1, block_size, self.model.num_local_kv_heads, self.config.head_dim
+                allocated, block_size, self.model.num_local_kv_heads, self.config.head_dim
             )
         pool = zeros((self.config.num_layers, *shape), self.dtype, self.device)
         self.kv_caches = list(pool.unbind(0))
@@ -322,7 +330,7 @@ class ModelRunner:
         self.initialize_kv_cache(self.num_blocks, self.block_size)
         if self._graph_plan is not None:
             self._graphs = self._graph_plan.capture(
-                self.model, self.kv_caches, self.device, self._lora_targets is not None
+                self.model, self.kv_caches, self.device, self._adapters.attached
             )
 
     def enable_cuda_graphs(self, sizes: tuple[int, ...], max_seq_len: int, block_size: int) -> None:
@@ -331,6 +339,12 @@ class ModelRunner:
         a trial capture).  No-op on CPU or without the Triton decode kernel (logged)."""
         if not self.serving.is_native:
             log.info("cuda_graphs_off", reason="the transformers fallback runs eagerly")
+            return
+        if self.config.attention.sinks:
+            log.info("cuda_graphs_off", reason="attention sinks decode through eager attention")
+            return
+        if self.config.mla is not None:
+            log.info("cuda_graphs_off", reason="latent attention runs eagerly")
             return
         target = GraphTarget(
             self.model,
@@ -366,7 +380,7 @@ class ModelRunner:
             self.model.end_requests(step.finished_req_ids)  # type: ignore[operator]
         for new in step.new_requests:
             if new.adapter is not None:
-                self._ensure_adapter(new.adapter)
+                self._adapters.ensure(new.adapter)
             self._requests[new.req_id] = RequestState.from_new(new)
             self._table.add(new.req_id, new.sampling, new.num_prompt_tokens, new.num_output_tokens)
             self._penalties.remove(new.req_id)  # a readmission recounts from its tokens
@@ -393,9 +407,9 @@ class ModelRunner:
             token_ids, positions = flat_inputs(plan, self.io)
             if placeholders:
                 self._fill_placeholders(token_ids, placeholders, plan.chunks)
-            if self._lora_targets is not None:
+            if self._adapters.attached:
                 slots = [self._requests[c.req_id].adapter_slot for c in plan.chunks]
-                self._lora_step.set_rows(
+                self._adapters.step.set_rows(
                     [s for c, s in zip(plan.chunks, slots, strict=True) for _ in c.token_ids],
                     self.device,
                 )
@@ -440,7 +454,7 @@ class ModelRunner:
 
     def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether any chunk of the step runs under a LoRA adapter."""
-        if self._lora_targets is None:
+        if not self._adapters.attached:
             return False
         return any(self._requests[c.req_id].adapter_slot >= 0 for c in chunks)
 
@@ -488,44 +502,7 @@ class ModelRunner:
         first runs it only copies tensors.  Blocking and thread-safe: the engine calls it
         from a worker thread while steps run.  Raises
         :class:`~genserve.model.lora.AdapterError` for an adapter that does not fit."""
-        key = (ref.adapter_id, ref.path)
-        with self._lora_lock:
-            if self._slot_ids.get(ref.slot) == ref.adapter_id or key in self._prepared:
-                return
-            targets = self._enable_lora()
-        weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
-        prepared = prepare(weights, targets, self.dtype, self.device)
-        with self._lora_lock:
-            self._prepared[key] = prepared
-            while len(self._prepared) > _MAX_PREPARED_ADAPTERS:
-                self._prepared.popitem(last=False)
-
-    def _enable_lora(self) -> dict[str, tuple[LoraHook, ModuleSplit]]:
-        """The model's LoRA hooks, attached on first use (base-only serving pays nothing).
-        Attaching is safe while a step runs: hooks do nothing until the runner marks rows."""
-        if self._lora_targets is None:
-            from genserve.kernels import cpu as cpu_kernels
-
-            # The BGMV kernel computes every row's delta in one op per projection; without
-            # it (GPU, no compiler, --disable-cpu-kernels) the batched torch path runs.
-            self._lora_step.use_kernel = self.device.type == "cpu" and cpu_kernels.load()
-            self._lora_targets = self.model.enable_lora(self._lora_step)
-        return self._lora_targets
-
-    def _ensure_adapter(self, ref: AdapterRef) -> None:
-        """Make slot ``ref.slot`` hold ``ref.adapter_id``: a slot copy of the adapter
-        prepared off this thread, or (a shard worker, a test driving the runner directly)
-        read and prepared here."""
-        if self._slot_ids.get(ref.slot) == ref.adapter_id:
-            return
-        with self._lora_lock:
-            targets = self._enable_lora()
-            prepared = self._prepared.pop((ref.adapter_id, ref.path), None)
-        if prepared is None:
-            weights = read_adapter(ref.adapter_id, Path(ref.path), self.config)
-            prepared = prepare(weights, targets, self.dtype, self.device)
-        install(prepared, ref.slot, targets, self._lora_step)
-        self._slot_ids[ref.slot] = ref.adapter_id
+        self._adapters.prepare(ref)
 
     def _state(self, req_id: str) -> RequestState:
         state = self._requests.get(req_id)

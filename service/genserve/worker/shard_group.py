@@ -80,10 +80,16 @@ class ShardGroup:
 
 
 def init_shard_group(
-    rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    expert_parallel: bool = False,
 ) -> ShardGroup:
     """Rendezvous at ``master_addr:master_port`` (rank 0 listens there).  Blocks until every
-    rank has joined or ``COLLECTIVE_TIMEOUT`` passes."""
+    rank has joined or ``COLLECTIVE_TIMEOUT`` passes.  ``expert_parallel``: the model's
+    context splits routed experts between the ranks (``--expert-parallel``)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -96,7 +102,8 @@ def init_shard_group(
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     if not isinstance(control, dist.ProcessGroup):  # a non-member gets a sentinel; all are
         raise RuntimeError(f"rank {rank} is not in the control group")
-    return ShardGroup(ParallelContext(rank, world_size), control)
+    parallel = ParallelContext(rank, world_size, expert_parallel=expert_parallel)
+    return ShardGroup(parallel, control)
 
 
 def leave_shard_group() -> None:

@@ -9,6 +9,16 @@ class ShardingError(ValueError):
     """``--num-shard`` / ``--sharded`` cannot work on this machine; the message says why."""
 
 
+def check_expert_parallel(expert_parallel: bool, num_shard: int) -> None:
+    """``--expert-parallel`` splits experts between shards: refused on one shard, where it
+    would silently mean nothing."""
+    if expert_parallel and num_shard < 2:
+        raise ShardingError(
+            "--expert-parallel splits the routed experts between shards: give --num-shard 2 "
+            f"or more (this server runs {num_shard} shard)"
+        )
+
+
 def resolve_num_shard(num_shard: int | None, sharded: bool | None, num_gpus: int) -> int:
     """The number of shards to run.
 

@@ -48,6 +48,7 @@ class WorkerSpec:
     cpu_kernels: bool = True
     cpu_int_dot: str = "off"  # issue #28 --cpu-int-dot (auto | on | off)
     deterministic: bool = False  # --deterministic: batch-invariant kernels
+    expert_parallel: bool = False  # --expert-parallel: whole routed experts per rank
     rope_scaling: str | None = None  # issue #15 --rope-scaling / --rope-factor
     rope_factor: float | None = None
     quantize: str | None = None  # issue #14 --quantize (its canonical name)
@@ -90,6 +91,8 @@ class WorkerSpec:
         args.append(f"--cpu-int-dot={self.cpu_int_dot}")
         if self.deterministic:
             args.append("--deterministic")
+        if self.expert_parallel:
+            args.append("--expert-parallel")
         return args
 
 

@@ -42,6 +42,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--disable-cpu-kernels", action="store_true")
     p.add_argument("--cpu-int-dot", choices=("auto", "on", "off"), default="off")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--expert-parallel", action="store_true")
     p.add_argument("--rope-scaling", choices=("linear", "dynamic"), default=None)
     p.add_argument("--rope-factor", type=float, default=None)
     p.add_argument("--quantize", choices=("int8", "int4", "gguf"), default=None)
@@ -113,7 +114,14 @@ def run(args: argparse.Namespace) -> None:
     )
     int_dot.configure(args.cpu_int_dot)  # every rank multiplies as rank 0 does
     device = rank_device(args.rank, torch.cuda.is_available())
-    group = init_shard_group(args.rank, args.world_size, args.master_addr, args.master_port, device)
+    group = init_shard_group(
+        args.rank,
+        args.world_size,
+        args.master_addr,
+        args.master_port,
+        device,
+        expert_parallel=args.expert_parallel,
+    )
     runner = ModelRunner(
         ResolvedModel(
             Path(args.model_dir),

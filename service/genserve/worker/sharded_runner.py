@@ -187,6 +187,7 @@ class ShardSettings:
     cpu_kernels: bool  # False: --disable-cpu-kernels
     deterministic: bool = False  # --deterministic: batch-invariant kernels on every rank
     cpu_int_dot: str = "off"  # --cpu-int-dot: every rank multiplies as rank 0 does
+    expert_parallel: bool = False  # --expert-parallel: whole routed experts per rank
 
 
 def launch_sharded_runner(
@@ -221,6 +222,7 @@ def launch_sharded_runner(
         cpu_kernels=settings.cpu_kernels,
         deterministic=settings.deterministic,
         cpu_int_dot=settings.cpu_int_dot,
+        expert_parallel=settings.expert_parallel,
         rope_scaling=model.rope_scaling,
         rope_factor=model.rope_factor,
         quantize=model.quantize,
@@ -229,7 +231,14 @@ def launch_sharded_runner(
     processes = ShardProcesses(spec, on_failure)
     try:
         device = rank_device(0, on_cuda)
-        group = init_shard_group(0, num_shard, settings.master_addr, settings.master_port, device)
+        group = init_shard_group(
+            0,
+            num_shard,
+            settings.master_addr,
+            settings.master_port,
+            device,
+            expert_parallel=settings.expert_parallel,
+        )
         runner = ShardedModelRunner(
             model,
             getattr(torch, dtype_name),

@@ -12,13 +12,16 @@ from typing import Any
 
 from genserve.model.families import (
     cohere,
+    deepseek_v3,
     gemma,
     gemma2,
     gemma3,
     glm4_moe,
     gpt_neox,
+    gpt_oss,
     granite,
     llama,
+    minimax_m2,
     mixtral,
     olmo2,
     phi,
@@ -34,7 +37,7 @@ from genserve.model.spec import ModelConfig, UnsupportedModelError
 _MODULES = (
     llama, qwen3, gemma, gemma2, gemma3, phi3, granite, olmo2, stablelm, phi, gpt_neox,
     starcoder2, cohere, smollm3, mixtral, qwen_moe,
-    glm4_moe,
+    glm4_moe, gpt_oss, minimax_m2, deepseek_v3,
 )  # fmt: skip
 
 FAMILIES: dict[str, Callable[[Any, str], ModelConfig]] = {
@@ -51,6 +54,9 @@ _BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 NATIVE_ARCHITECTURES = tuple(FAMILIES)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from genserve.model.spec import Activation, ModelConfig, RopeConfig, UnsupportedModelError
+from genserve.model.spec import (
+    Activation,
+    ModelConfig,
+    MoeNames,
+    MoeSpec,
+    RopeConfig,
+    RouterSpec,
+    Scoring,
+    UnsupportedModelError,
+)
 
 _ACTIVATIONS = {
     "silu": Activation.SILU,
@@ -103,3 +112,30 @@ def base_config(hf: Any, architecture: str, **parts: Any) -> ModelConfig:
     }
     fields.update(parts)
     return ModelConfig(**fields)
+
+
+def grouped_sigmoid_moe(hf: Any) -> MoeSpec:
+    """DeepSeek-V3's mixture of experts (GLM-4.5 shares it): sigmoid scores plus a correction
+    bias pick the top-k within the ``topk_group`` best of ``n_group`` groups, weights
+    renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``; dense MLPs on
+    the first ``first_k_dense_replace`` layers; ungated shared experts beside the routed ones."""
+    experts = int(getattr(hf, "n_routed_experts", None) or hf.num_local_experts)
+    router = RouterSpec(
+        experts,
+        int(hf.num_experts_per_tok),
+        scoring=Scoring.SIGMOID,
+        renormalize=bool(hf.norm_topk_prob),
+        correction_bias=True,
+        num_groups=int(hf.n_group),
+        topk_groups=int(hf.topk_group),
+        scaling_factor=float(hf.routed_scaling_factor),
+    )
+    width = int(hf.moe_intermediate_size)
+    dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+    return MoeSpec(
+        router,
+        width,
+        tuple(i >= dense for i in range(int(hf.num_hidden_layers))),
+        shared_intermediate_size=width * int(getattr(hf, "n_shared_experts", 0) or 0),
+        names=MoeNames(shared="mlp.shared_experts"),
+    )

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from genserve.model.families.common import activation, base_config, rotary_dim
+from genserve.model.families.common import (
+    activation,
+    base_config,
+    grouped_sigmoid_moe,
+    rotary_dim,
+)
 from genserve.model.spec import (
     Activation,
     AttentionSpec,
     MlpSpec,
     ModelConfig,
-    MoeNames,
-    MoeSpec,
     NormSpec,
     QKNorm,
-    RouterSpec,
-    Scoring,
     UnsupportedModelError,
 )
 
@@ -32,26 +33,7 @@ def config(hf: Any, architecture: str) -> ModelConfig:
     norm = NormSpec(eps=float(hf.rms_norm_eps))
     bias = bool(getattr(hf, "attention_bias", False))
     qk_norm = QKNorm.PER_HEAD if getattr(hf, "use_qk_norm", False) else QKNorm.NONE
-    experts = int(getattr(hf, "n_routed_experts", None) or hf.num_local_experts)
-    router = RouterSpec(
-        experts,
-        int(hf.num_experts_per_tok),
-        scoring=Scoring.SIGMOID,
-        renormalize=bool(hf.norm_topk_prob),
-        correction_bias=True,
-        num_groups=int(hf.n_group),
-        topk_groups=int(hf.topk_group),
-        scaling_factor=float(hf.routed_scaling_factor),
-    )
-    width = int(hf.moe_intermediate_size)
-    dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
-    moe = MoeSpec(
-        router,
-        width,
-        tuple(i >= dense for i in range(int(hf.num_hidden_layers))),
-        shared_intermediate_size=width * int(getattr(hf, "n_shared_experts", 0) or 0),
-        names=MoeNames(shared="mlp.shared_experts"),
-    )
+    moe = grouped_sigmoid_moe(hf)
     return base_config(
         hf,
         architecture,
