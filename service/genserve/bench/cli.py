@@ -217,6 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from genserve.bench.cpu_compare import main as cpu_main
 
         return cpu_main(args[1:])
+    if args[:1] == ["gguf-start"]:  # start-up time, memory and cache disk on a real-shape GGUF
+        from genserve.bench.gguf_start import main as gguf_start_main
+
+        return gguf_start_main(args[1:])
     if args[:1] == ["grammar"]:  # constrained vs unconstrained decoding, side by side
         from genserve.bench.grammar_compare import main as grammar_main
 

@@ -30,10 +30,21 @@ constexpr int64_t kPlainWeight = -1;
 // bits[i] of a projection in the integer dot-product layout (model/int_dot_panels.py): 8 or 4
 // plus this (--cpu-int-dot).
 constexpr int64_t kIntDotBits = 100;
+// bits[i] of GGUF K-quant rows (model/kquants.py): weights[3i .. 3i + 2] are (the super-blocks,
+// uint8; the segments' GGML types, int64 [S]; their row counts, int64 [S]) and groups[i] the
+// kernel path (-1 float, else an int_dot.h code), as KQuantWeight.linear passes them.
+constexpr int64_t kKQuantBits = 200;
+
+at::IntArrayRef int_list(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1,
+              "decode_layer: K-quant segment lists must be int64 [S]");
+  return at::IntArrayRef(t.data_ptr<int64_t>(), t.numel());
+}
 
 // Projection i of the layer (0 qkv, 1 o, 2 gate_up, 3 down): weights[3i .. 3i + 2] are
 // (panels, quantized data or the plain weight; scales; mins), bits[i] 0 for float32 panels,
-// kPlainWeight for a plain weight, 8 or 4 for quantized panels; an empty tensor for none.
+// kPlainWeight for a plain weight, 8 or 4 for quantized panels, kIntDotBits + 8 or 4 for the
+// integer layout, kKQuantBits for K-quant rows; an empty tensor for none.
 // With `residual` (the down projection), returns residual += the product: float32 panels
 // and quantized panels on float32 add it as they store each output tile, the same sums in
 // the same order as the separate add_ they replace.
@@ -51,6 +62,15 @@ at::Tensor project(int64_t i, const at::Tensor& x, at::TensorList weights,
   const bool fuse_add = residual != nullptr && !(bias.has_value() && bias->defined()) &&
                         x.scalar_type() == at::kFloat && residual->scalar_type() == at::kFloat &&
                         residual->is_contiguous();
+  if (bits[i] == kKQuantBits) {
+    const auto types = int_list(weights[3 * i + 1]);
+    const auto rows = int_list(weights[3 * i + 2]);
+    if (fuse_add) {
+      return genserve_ops::kquant_linear_add_(*residual, x, data, types, rows, groups[i]);
+    }
+    const auto y = genserve_ops::kquant_linear(x, data, types, rows, bias, groups[i]);
+    return residual != nullptr ? residual->add_(y) : y;
+  }
   if (bits[i] > kIntDotBits) {
     if (fuse_add) {
       return genserve_ops::int_dot_linear_add_(*residual, x, data, weights[3 * i + 1],

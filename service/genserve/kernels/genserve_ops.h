@@ -61,4 +61,11 @@ at::Tensor& qpanel_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::T
                                int64_t bits, int64_t group, int64_t N,
                                const c10::optional<at::Tensor>& bias);
 
+// kquant_cpu.cpp: x Wᵀ (+ b) on GGUF K-quant rows (`types` GGML codes 12/13/14, `rows` per
+// segment), `isa` -1 for the float path or an int_dot.h code; and acc += x Wᵀ (float32, no bias).
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef types,
+                         at::IntArrayRef rows, const c10::optional<at::Tensor>& bias, int64_t isa);
+at::Tensor& kquant_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& data,
+                               at::IntArrayRef types, at::IntArrayRef rows, int64_t isa);
+
 }  // namespace genserve_ops

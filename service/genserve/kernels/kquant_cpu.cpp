@@ -36,6 +36,7 @@
 #include <tuple>
 #include <vector>
 
+#include "genserve_ops.h"
 #include "int_dot.h"
 #include "kquant_rows.h"
 
@@ -433,9 +434,10 @@ std::vector<KSegment> segments_of(const at::Tensor& data, at::IntArrayRef types,
   return segments;
 }
 
-at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef types,
-                         at::IntArrayRef rows, const c10::optional<at::Tensor>& bias,
-                         int64_t isa) {
+// The product into `out` ([M, N] float32, contiguous): written, or added to with `accumulate`.
+void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef types,
+                at::IntArrayRef rows, const c10::optional<at::Tensor>& bias, int64_t isa,
+                at::Tensor& out, bool accumulate) {
   TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "kquant_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                                x.scalar_type() == at::kHalf),
@@ -446,6 +448,9 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, at::IntArr
               "kquant_linear: contiguous uint8 data expected");
   const std::vector<KSegment> segments = segments_of(data, types, rows, K);
   const int64_t N = segments.back().row0 + segments.back().rows;
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == M && out.size(1) == N,
+              "kquant_linear: the output must be float32 [M, N] contiguous");
   RunRows run = &float_rows;
   if (isa != genserve_ops::kIntDotNone) {
     run = int_path(isa);
@@ -454,15 +459,15 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, at::IntArr
   }
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(!accumulate, "kquant_linear_add_: no bias (its add would round otherwise)");
     TORCH_CHECK(bias->numel() == N, "kquant_linear: bias must be [N]");
     b = bias->to(at::kFloat).contiguous();
   }
+  if (M == 0 || N == 0) return;
   const auto xc = x.to(at::kFloat).contiguous();  // half-precision models: widened once
-  auto out = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
   KRowJob job{nullptr, nullptr, nullptr, xc.data_ptr<float>(), K, M, N, segments.data(),
               static_cast<int64_t>(segments.size()), 0, 0,
-              b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>()};
+              b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), accumulate};
   Q8K qx;
   if (isa != genserve_ops::kIntDotNone) {
     qx = quantize_q8k(xc);
@@ -473,8 +478,33 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, at::IntArr
   // Each task streams >= ~32 KB of weights (a few rows at 1B sizes).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / segments[0].row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { run(job, begin, end); });
+}
+
+}  // namespace
+
+namespace genserve_ops {
+
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef types,
+                         at::IntArrayRef rows, const c10::optional<at::Tensor>& bias,
+                         int64_t isa) {
+  TORCH_CHECK(x.dim() == 2, "kquant_linear: x [M, K] expected");
+  int64_t n = 0;
+  for (const int64_t r : rows) n += r;
+  auto out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  kquant_run(x, data, types, rows, bias, isa, out, false);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
+
+at::Tensor& kquant_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& data,
+                               at::IntArrayRef types, at::IntArrayRef rows, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "kquant_linear_add_: float32 x expected");
+  kquant_run(x, data, types, rows, c10::nullopt, isa, acc, true);
+  return acc;
+}
+
+}  // namespace genserve_ops
+
+namespace {
 
 // x quantized as the integer path quantizes it: (q int8 [M, K], d float32 [M, K / 256],
 // Σq int16 [M, K / 16]); for tests.
@@ -528,7 +558,7 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
-  m.impl("kquant_linear", &kquant_linear);
+  m.impl("kquant_linear", &genserve_ops::kquant_linear);
   m.impl("kquant_quantize", &kquant_quantize);
   m.impl("kquant_dequantize", &kquant_dequantize);
 }

@@ -29,6 +29,9 @@ struct KRowJob {
   int64_t type, block_bytes;  // of the row being computed
   const float* bias;
   float* out;  // [M, n]
+  // out += the product (kquant_linear_add_: the residual add of the one-op decode layer); only
+  // without a bias, so that the sum is the per-op path's residual + y in the same rounding.
+  bool accumulate = false;
 
   const KSegment& segment_of(int64_t row) const {
     int64_t s = 0;
@@ -36,7 +39,22 @@ struct KRowJob {
     return segments[s];
   }
   void store(int64_t m_row, int64_t col, float v) const {
-    out[m_row * n + col] = bias == nullptr ? v : v + bias[col];
+    float& o = out[m_row * n + col];
+    if (accumulate) {
+      // The finished sum first: under -fassociative-math the compiler may otherwise start
+      // the horizontal sum's chain from `o` (o + v0 + v1 + ...), which rounds otherwise than
+      // the per-op path's residual + y.  An empty asm makes v opaque, at no cost.
+#if defined(__x86_64__)
+      __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+      __asm__("" : "+w"(v));
+#else
+      __asm__("" : "+m"(v));
+#endif
+      o += v;
+    } else {
+      o = bias == nullptr ? v : v + bias[col];
+    }
   }
 };
 

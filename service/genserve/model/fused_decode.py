@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genserve.model.kquants import KQuantWeight
+from genserve.model.kquants import K_TYPES, KQuantWeight
 from genserve.model.layers import _Packable
 from genserve.model.spec import Activation, ModelConfig, NormKind, QKNorm
 
@@ -15,6 +15,8 @@ from genserve.model.spec import Activation, ModelConfig, NormKind, QKNorm
 _NORM_KINDS = {NormKind.RMS: 0, NormKind.RMS_ONE_PLUS: 0, NormKind.LAYER: 1}
 _QK_NORMS = {QKNorm.NONE: 0, QKNorm.PER_HEAD: 1, QKNorm.FULL_WIDTH: 2}
 _ACTIVATIONS = {Activation.SILU: 0, Activation.GELU: 1, Activation.GELU_TANH: 2}
+# A projection's ``bits`` for GGUF K-quant rows (decode_layer_cpu.cpp's kKQuantBits).
+_KQUANT_BITS = 200
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
@@ -76,7 +78,9 @@ class FusedDecodeArgs:
     takes them: per projection (panels, quantized data or the plain weight; scales; mins),
     its bits (0: float32 panels, -1: a plain half-precision weight), group, output width and
     bias, an empty tensor standing for none; and the step size up to which plain weights go
-    through the matvec (as ``layers._linear`` decides)."""
+    through the matvec (as ``layers._linear`` decides).  GGUF K-quant rows go as (their
+    super-blocks; their segments' GGML type codes; row counts), bits 200 and the kernel path
+    (``KQuantWeight.isa``: float or an integer one) in place of the group."""
 
     weights: list[torch.Tensor]
     bits: list[int]
@@ -87,8 +91,8 @@ class FusedDecodeArgs:
 
     @classmethod
     def of(cls, linears: tuple[_Packable, ...]) -> FusedDecodeArgs | None:
-        """None where a projection has none of those forms (a oneDNN-packed weight, GGUF
-        K-quant super-blocks: those layers step through the layer-by-layer path)."""
+        """None where a projection has none of those forms (a oneDNN-packed weight: those
+        layers step through the layer-by-layer path)."""
         args = cls([], [], [], [], [], linears[0].matvec_rows)
         empty = torch.empty(0)
         for linear in linears:
@@ -100,7 +104,13 @@ class FusedDecodeArgs:
                 args.groups.append(0)
                 args.outs.append(linear.panel_outputs)
             elif isinstance(linear.qpanels, KQuantWeight):
-                return None
+                k = linear.qpanels
+                codes = torch.tensor([K_TYPES[t][0] for t in k.types], dtype=torch.int64)
+                rows = torch.tensor(k.row_counts, dtype=torch.int64)
+                args.weights.extend((k.data, codes, rows))
+                args.bits.append(_KQUANT_BITS)
+                args.groups.append(k.isa)  # the kernel path, as KQuantWeight.linear passes it
+                args.outs.append(k.out_features)
             elif linear.qpanels is not None:
                 q = linear.qpanels
                 args.weights.extend((q.data, q.scales, empty if q.mins is None else q.mins))
