@@ -61,6 +61,7 @@ _HEADERS += [
         "kquant_decode.inc",
         "kquant_int_row.inc",
         "kquant_rows.h",
+        "moe_grouping.h",
         "moe_quant_row.inc",
     )
 ]

@@ -36,6 +36,7 @@
 
 #include "int_dot.h"
 #include "kquant_rows.h"
+#include "moe_grouping.h"
 #include "vec_math.h"
 
 #if defined(__x86_64__)
@@ -347,22 +348,11 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
   const int64_t* id = ids.data_ptr<int64_t>();
 
   // Group the (token, choice) pairs by expert, tokens in order within each.
-  std::vector<int64_t> counts(E, 0);
-  for (int64_t i = 0; i < T * K; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < E, "moe_experts_gguf: expert id ", id[i], " out of range");
-    ++counts[id[i]];
-  }
-  std::vector<int64_t> starts(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) starts[e + 1] = starts[e] + counts[e];
-  std::vector<int64_t> slot_of(T * K), token_of(T * K);
-  {
-    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
-    for (int64_t i = 0; i < T * K; ++i) {
-      const int64_t s = next[id[i]]++;
-      slot_of[i] = s;
-      token_of[s] = i / K;
-    }
-  }
+  const genserve_moe::ExpertGroups groups = genserve_moe::group_by_expert(id, T, K, E, "moe_experts_gguf");
+  const std::vector<int64_t>& counts = groups.counts;
+  const std::vector<int64_t>& starts = groups.starts;
+  const std::vector<int64_t>& slot_of = groups.slot_of;
+  const std::vector<int64_t>& token_of = groups.token_of;
   const int64_t slots = T * K;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor xs = at::empty({slots, H}, f32);
