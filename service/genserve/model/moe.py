@@ -218,7 +218,8 @@ class SparseMoeBlock(nn.Module):
         return reason
 
     def set_quantized_experts(self, experts: QuantizedExperts) -> None:
-        """Serve the routed experts from ``experts`` (a GGUF file's blocks) and drop the
+        """Serve the routed experts from ``experts`` (a GGUF file's blocks, or the Q8_0 /
+        Q4_0 blocks ``--quantize int8|int4`` makes: ``model/moe_quant.py``) and drop the
         float ``w13``/``w2`` (never written: they cost no memory until then).  Plain
         SiLU-gated experts only (the op has no expert biases or clamped activation)."""
         if self.b13 is not None or self.spec.activation is not None:
@@ -237,8 +238,8 @@ class SparseMoeBlock(nn.Module):
 
     def linears(self) -> tuple[_Packable, ...]:
         """The projections the dense paths (panels, --quantize) handle: the shared
-        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype, or in a
-        GGUF file's blocks (``quantized_experts``)."""
+        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype, or in GGUF
+        blocks (``quantized_experts``: a GGUF file's, or ``--quantize int8|int4``'s)."""
         return self.shared.linears() if self.shared is not None else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
