@@ -7,7 +7,8 @@ parity — and ``Info.model_weight_bytes`` shows the experts no longer held in f
 
 Tiny checkpoints (tests/utils/moe_models.py): Qwen3-MoE (a dense first layer, renormalised
 softmax top-2 of 8) and Qwen2-MoE (a sigmoid-gated shared expert, widened to 64 so that
-int4's groups of 32 divide it); expert width 32, hidden 64."""
+int4's groups of 32 divide it); expert width 32, hidden 64.  With ``--num-shard 2`` (expert
+width 64) each shard quantizes its half of every expert."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from genserve.testing.tiny_model import default_tokenizer_dir
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.prompts import PARITY_SERVER_ARGS, varied_prompts
+from tests.e2e.test_tensor_parallel import generate_all
+from tests.e2e.tp_utils import SERVER_ARGS, shard_args, start_servers
 from tests.utils.hf_reference import hf_greedy
 from tests.utils.inproc_server import inproc_server
 from tests.utils.moe_models import make_moe_model
@@ -118,4 +121,22 @@ def test_quantized_experts_match_transformers_on_dequantized_weights(
     expected = hf_greedy(reference, PROMPTS, MAX_NEW_TOKENS)
     for prompt, got, (ids, logprobs) in zip(PROMPTS, served, expected, strict=True):
         assert [t.id for t in got.tokens] == ids, (family, method, prompt[:40])
+        assert [t.logprob for t in got.tokens] == pytest.approx(logprobs, abs=1e-3)
+
+
+def test_two_shards_quantize_their_slices_of_the_experts(tmp_path: Path) -> None:
+    # Expert width 64 split in two: each shard holds Q4_0 blocks of its 32 columns of the
+    # down projection and 32 rows of gate/up, which are those of the whole expert's blocks.
+    model_dir = make_moe_model(
+        tmp_path / "qwen3_moe", "qwen3_moe", default_tokenizer_dir(), seed=1,
+        moe_intermediate_size=64, intermediate_size=128,  # the dense layer 0's too
+    )  # fmt: skip
+    with start_servers([(model_dir, (*SERVER_ARGS, *shard_args(2), "--quantize", "int4"))]) as (
+        server,
+    ):
+        served = generate_all(server, PROMPTS, MAX_NEW_TOKENS)
+    reference, _, _ = _dequantized_copy(model_dir, tmp_path / "ref", "int4")
+    expected = hf_greedy(reference, PROMPTS, MAX_NEW_TOKENS)
+    for prompt, got, (ids, logprobs) in zip(PROMPTS, served, expected, strict=True):
+        assert [t.id for t in got.tokens] == ids, prompt[:40]
         assert [t.logprob for t in got.tokens] == pytest.approx(logprobs, abs=1e-3)
