@@ -149,8 +149,8 @@ def check_family_logits(family: str, model_dir: str) -> None:
         fused = logits()
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         want = hf(ids[None]).logits[0].float()
-    torch.testing.assert_close(fused, loop, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fused, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused, loop, atol=1e-4, rtol=1e-4, msg=lambda m: f"{family}: {m}")
+    torch.testing.assert_close(fused, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{family}: {m}")
 
 
 # ------------------------------------------------------------------------------ CPU tests
@@ -209,15 +209,14 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @needs_triton
-@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
-def test_family_logits_with_triton_experts_interpreted(
-    family: str, moe_dirs: dict[str, Path]
-) -> None:
+def test_family_logits_with_triton_experts_interpreted(moe_dirs: dict[str, Path]) -> None:
+    # Every family in one interpreted process: starting one (torch, transformers, Triton's
+    # interpreter) costs about as much as a family's check.
+    args = [str(moe_dirs[family]) for family in sorted(MOE_FAMILIES)]
     _run_interpreted(
-        "import sys; from tests.unit.test_triton_moe import check_family_logits as c; "
-        "c(sys.argv[1], sys.argv[2])",
-        family,
-        str(moe_dirs[family]),
+        "import sys; from tests.unit.test_triton_moe import check_family_logits as c\n"
+        "for d in sys.argv[1:]: c(d.rsplit('/', 1)[1], d)",
+        *args,
     )
 
 
