@@ -1,7 +1,7 @@
 """The Triton mixture-of-experts kernels (``kernels/triton_moe.py``, the CUDA path of
 ``model/moe.py``) against the torch expert loop they replace.
 
-On CPU through Triton's interpreter (``TRITON_INTERPRET=1``, a fresh process per check, as
+On CPU through Triton's interpreter (``TRITON_INTERPRET=1``, in fresh processes, as
 in ``test_triton_fused.py``; skipped where triton is not installed): the kernels equal
 ``experts_torch`` at 1 row, a few rows and tall tiles, SiLU-gated and gpt-oss's clamped
 SwiGLU with biases, float32 and bfloat16; inside every native MoE family's decoder (softmax
