@@ -8,7 +8,8 @@ parity — and ``Info.model_weight_bytes`` shows the experts no longer held in f
 Tiny checkpoints (tests/utils/moe_models.py): Qwen3-MoE (a dense first layer, renormalised
 softmax top-2 of 8) and Qwen2-MoE (a sigmoid-gated shared expert, widened to 64 so that
 int4's groups of 32 divide it); expert width 32, hidden 64.  With ``--num-shard 2`` (expert
-width 64) each shard quantizes its half of every expert."""
+width 64) each shard quantizes its half of every expert, and with ``--expert-parallel`` its
+own experts."""
 
 from __future__ import annotations
 
@@ -124,16 +125,20 @@ def test_quantized_experts_match_transformers_on_dequantized_weights(
         assert [t.logprob for t in got.tokens] == pytest.approx(logprobs, abs=1e-3)
 
 
-def test_two_shards_quantize_their_slices_of_the_experts(tmp_path: Path) -> None:
-    # Expert width 64 split in two: each shard holds Q4_0 blocks of its 32 columns of the
-    # down projection and 32 rows of gate/up, which are those of the whole expert's blocks.
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width-split", "expert-parallel"])
+def test_two_shards_quantize_their_own_experts(expert_parallel: bool, tmp_path: Path) -> None:
+    # int4 (groups of 32 along the inputs): every shard's blocks and groups are those of the
+    # whole matrix, so the dequantized checkpoint is the reference for any split (int8's
+    # per-channel scale would be taken over each shard's half of a row-parallel row).
+    # Expert width 64: split in two, each shard holds Q4_0 blocks of its 32 columns of every
+    # expert's down projection; --expert-parallel: 4 of the 8 experts each, at full width.
     model_dir = make_moe_model(
         tmp_path / "qwen3_moe", "qwen3_moe", default_tokenizer_dir(), seed=1,
         moe_intermediate_size=64, intermediate_size=128,  # the dense layer 0's too
     )  # fmt: skip
-    with start_servers([(model_dir, (*SERVER_ARGS, *shard_args(2), "--quantize", "int4"))]) as (
-        server,
-    ):
+    ep = ("--expert-parallel",) if expert_parallel else ()
+    args = (*SERVER_ARGS, *shard_args(2), *ep, "--quantize", "int4")
+    with start_servers([(model_dir, args)]) as (server,):
         served = generate_all(server, PROMPTS, MAX_NEW_TOKENS)
     reference, _, _ = _dequantized_copy(model_dir, tmp_path / "ref", "int4")
     expected = hf_greedy(reference, PROMPTS, MAX_NEW_TOKENS)

@@ -56,10 +56,10 @@ def test_experts_stack_per_projection() -> None:
 
 
 def test_reasons_to_stay_float() -> None:
-    assert why_float(64, 32, False, False, False) is None
-    assert "gpt-oss" in str(why_float(64, 32, True, True, False))
-    assert "expert-parallel" in str(why_float(64, 32, False, False, True))
-    assert "multiple of 32" in str(why_float(64, 48, False, False, False))
+    assert why_float(64, 32, False, False) is None
+    assert "gpt-oss" in str(why_float(64, 32, True, True))
+    assert "multiple of 32" in str(why_float(64, 48, False, False))
+    assert "multiple of 32" in str(why_float(40, 32, False, False))
 
 
 @pytest.fixture(scope="module")

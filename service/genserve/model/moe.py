@@ -224,9 +224,10 @@ class SparseMoeBlock(nn.Module):
         SiLU-gated experts only (the op has no expert biases or clamped activation)."""
         if self.b13 is not None or self.spec.activation is not None:
             raise ValueError("quantized experts run plain SiLU-gated experts without biases")
-        if self.ctx.expert_parallel:
-            raise ValueError("quantized experts hold every expert: not with expert parallelism")
-        num_experts, hidden = self.spec.router.num_experts, self.router.shape[1]
+        # This shard's experts: every expert, or its range under expert parallelism (a GGUF
+        # file's stacks hold every expert, so those are not set under expert parallelism).
+        num_experts = self.expert_range[1] - self.expert_range[0]
+        hidden = self.router.shape[1]
         width = self.width_range[1] - self.width_range[0]
         expected = ((num_experts, width), (num_experts, width), (num_experts, hidden))
         got = tuple(tuple(t.shape[:2]) for t in (experts.gate, experts.up, experts.down))

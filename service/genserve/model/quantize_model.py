@@ -124,10 +124,8 @@ def _quantize_routed_experts(
     """A MoE layer's routed experts as Q8_0 / Q4_0 blocks (``model/moe_quant.py``) for the
     CPU expert op; those the op cannot run stay in the model dtype, named with the reason."""
     width, hidden = moe.w2.shape[2], moe.w2.shape[1]
-    reason = why_float(
-        hidden, width, moe.b13 is not None, moe.spec.activation is not None,
-        moe.ctx.expert_parallel,
-    )  # fmt: skip
+    # Under expert parallelism w13/w2 hold this shard's experts only: those are quantized.
+    reason = why_float(hidden, width, moe.b13 is not None, moe.spec.activation is not None)
     if reason is None and moe.w13.device.type != "cpu":
         reason = "the quantized expert op is CPU-only (CUDA runs float experts in Triton)"
     if reason is not None:
