@@ -190,6 +190,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             dtype=getattr(torch, dtype_name),
             device=device,
             parallel=ParallelContext.single(),
+            prefill_attention=config.gpu_prefill_attention,
         )
     try:
         return _size_and_warm_up(
