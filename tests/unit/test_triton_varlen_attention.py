@@ -406,3 +406,21 @@ def test_greedy_output_with_triton_prefill_equals_transformers_on_the_gpu(
         ids = torch.tensor([prompt], device=device)
         want = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, len(prompt) :]
         assert out_tokens[i][:new_tokens] == want.tolist(), i
+
+
+def test_micro_benchmark_runs_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """scripts/gpu-check.sh's mixed-attn stage, tiny and on the CPU (SDPA paths: the Triton
+    one needs the interpreter there), so the GPU call does not fail on the script itself."""
+    from genserve.bench.mixed_attention import main
+
+    args = (
+        "--device cpu --dtype float32 --paths sdpa,sdpa-pinned --decodes 3 --context 40 "
+        "--prompts 2 --prompt-len 5 --chunk 6 --chunk-after 17 --heads 4 --kv-heads 2 "
+        "--head-dim 16 --iters 2 --builds 2"
+    )
+    main(args.split())
+    out = capsys.readouterr().out
+    assert "3 decode rows" in out and "19 rows" in out
+    lines = [line.split() for line in out.splitlines()[2:]]
+    assert [line[0] for line in lines] == ["sdpa", "sdpa-pinned"]
+    assert all(line[1] == "-" and float(line[2]) > 0 for line in lines)
