@@ -114,7 +114,8 @@ def run_path(
     iters = args.iters
     if cuda:
         torch.cuda.synchronize(device)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         begin.record()
     start = time.perf_counter()
     for _ in range(iters):
