@@ -424,3 +424,55 @@ def test_micro_benchmark_runs_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> 
     lines = [line.split() for line in out.splitlines()[2:]]
     assert [line[0] for line in lines] == ["sdpa", "sdpa-pinned"]
     assert all(line[1] == "-" and float(line[2]) > 0 for line in lines)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("dtype", "options"),
+    [("bf16", False), ("fp32", True)],
+    ids=["bf16-gqa4-one-sequence", "fp32-window-softcap-sinks"],
+)
+def test_kernel_compiles_for_hopper_without_a_gpu(dtype: str, options: bool) -> None:
+    """The interpreter checks the arithmetic but not what only the compiler sees (types of
+    loop-carried values, a sequence count of 1 specialised to a constant): compile the
+    kernel ahead of time for sm_90 with Triton's own ptxas, no GPU needed."""
+    import inspect
+
+    import triton
+
+    compiler = pytest.importorskip("triton.compiler")
+    backends = pytest.importorskip("triton.backends.compiler")
+    from genserve.kernels import triton_varlen_attention as tva
+
+    kernel = tva._kernel()
+    names = list(inspect.signature(kernel.fn).parameters)
+    pointers = {"table_ptr": "*i64", "qstart_ptr": "*i64", "lens_ptr": "*i64"}
+    pointers |= {"sinks_ptr": "*fp32", "scale": "fp32", "softcap": "fp32"}
+    pointers |= {n: f"*{dtype}" for n in ("q_ptr", "cache_ptr", "out_ptr")}
+    group, head_dim = (4, 128) if dtype == "bf16" else (3, 80)
+    block_m, block_q = tva.tile_rows(group)
+    constants: dict[str, object] = {
+        "GROUP": group,
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_q,
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
+        "BLOCK_SIZE": 16,
+        "USE_WINDOW": options,
+        "USE_SOFTCAP": options,
+        "USE_SINKS": options,
+        "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+    }
+    if not options:
+        constants["num_seqs"] = 1  # what Triton's specialisation of a 1 argument makes
+    signature = {
+        n: "constexpr" if n in constants else pointers.get(n, "i64" if "stride" in n else "i32")
+        for n in names
+    }
+    source = compiler.ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(n),): v for n, v in constants.items()},
+    )
+    compiled = triton.compile(source, target=backends.GPUTarget("cuda", 90, 32))
+    assert len(compiled.asm["cubin"]) > 0

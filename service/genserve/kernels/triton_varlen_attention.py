@@ -190,8 +190,10 @@ def _define_kernel() -> Any:
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         # The sequence owning this tile: the last s with qs[s] // BLOCK_Q + s <= tile.
+        # Annotated: the loop-carried bounds keep one type even where Triton specialises
+        # num_seqs == 1 to a constant.
         lo: tl.int32 = 0
-        hi = num_seqs - 1
+        hi: tl.int32 = num_seqs - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             first_tile = tl.load(qstart_ptr + mid).to(tl.int32) // BLOCK_Q + mid
