@@ -21,12 +21,6 @@ from genserve.model.step_upload import Upload
 
 # --gpu-prefill-attention: how a CUDA step with prompt rows attends (docs/gpu-step.md).
 PrefillAttentionFlag = Literal["auto", "triton", "sdpa", "sdpa-pinned"]
-PREFILL_ATTENTION_CHOICES: tuple[PrefillAttentionFlag, ...] = (
-    "auto",
-    "triton",
-    "sdpa",
-    "sdpa-pinned",
-)
 
 
 def triton_prefill_unusable(
