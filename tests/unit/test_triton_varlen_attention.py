@@ -340,72 +340,38 @@ def test_compiled_kernel_matches_sdpa_per_sequence_on_the_gpu() -> None:
 
 
 @pytest.mark.cuda
-def test_greedy_output_with_triton_prefill_equals_transformers_on_the_gpu(
-    tiny_model_factory: TinyModelFactory,
+@pytest.mark.parametrize("prefill", ["triton", "sdpa-pinned", "sdpa"])
+def test_greedy_output_per_prefill_path_equals_transformers_on_the_gpu(
+    tiny_model_factory: TinyModelFactory, prefill: str
 ) -> None:
-    """The runner with ``--gpu-prefill-attention triton`` (float32, CUDA graphs off so every
-    step with prompt rows and every decode runs eagerly through the kernels), prompts
-    admitted in two waves so steps mix decode rows, fresh prompts and continuing chunks:
-    greedy tokens equal transformers' ``generate``."""
-    from transformers import AutoModelForCausalLM
-
+    """The runner with ``--gpu-prefill-attention`` set (float32, decode steps replayed from
+    CUDA graphs, every step with prompt rows through the chosen path) over the GPU tests'
+    mixed workload — prompts of 1 to 130 tokens arriving into running batches, a prefix-cache
+    hit (a chunk continuing from cached blocks), a preemption: greedy tokens equal
+    transformers' ``generate``."""
     from genserve.model.loader import ResolvedModel
-    from genserve.step import NewRequestData, SamplingParams, ScheduledChunk, SchedulerOutput
     from genserve.worker.model_runner import ModelRunner
+    from tests.unit.test_cuda_gpu import SIZES, _mixed_workload, hf_greedy_cuda
+    from tests.unit.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, Driver
 
-    model_dir = tiny_model_factory("llama", seed=5)
-    device = torch.device("cuda")
+    model_dir = tiny_model_factory("llama")
     runner = ModelRunner(
-        ResolvedModel(model_dir, "tiny"), torch.float32, device, prefill_attention="triton"
+        ResolvedModel(model_dir, str(model_dir)),
+        torch.float32,
+        torch.device("cuda"),
+        prefill_attention=prefill,  # type: ignore[arg-type]
     )
-    runner.initialize_kv_cache(64, 16)
+    runner.enable_cuda_graphs(SIZES, 1024, BLOCK_SIZE)
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     runner.warmup()
-    assert runner.backend is not None and runner.backend.name.endswith("+triton-prefill")
-    gen = torch.Generator().manual_seed(3)
-    prompts = [tuple(torch.randint(3, 1000, (n,), generator=gen).tolist()) for n in (5, 23, 40, 9)]
-    new_tokens = 12
-    tables = [tuple(range(i * 4, i * 4 + 4)) for i in range(len(prompts))]
-    out_tokens: list[list[int]] = [[] for _ in prompts]
-    step_id = 0
-
-    def run(chunks: list[ScheduledChunk], news: tuple[NewRequestData, ...] = ()) -> None:
-        nonlocal step_id
-        step_id += 1
-        result = runner.execute_model(SchedulerOutput(step_id, tuple(chunks), new_requests=news))
-        for s in result.sampled:
-            out_tokens[int(s.req_id[1:])].append(s.token_id)
-
-    def decode_chunk(i: int) -> ScheduledChunk:
-        return ScheduledChunk(
-            f"r{i}", (out_tokens[i][-1],), len(prompts[i]) + len(out_tokens[i]) - 1, tables[i], True
-        )
-
-    def new(i: int) -> NewRequestData:
-        return NewRequestData(f"r{i}", prompts[i], len(prompts[i]), 0, SamplingParams())
-
-    # Wave 1: prompt 0 whole, prompt 1's first 16 tokens (no sample).
-    run(
-        [ScheduledChunk("r0", prompts[0], 0, tables[0], True),
-         ScheduledChunk("r1", prompts[1][:16], 0, tables[1], False)],
-        (new(0), new(1)),
-    )  # fmt: skip
-    # Mixed: r0 decodes, r1 continues from the cache, r2 and r3 arrive whole.
-    run(
-        [decode_chunk(0),
-         ScheduledChunk("r1", prompts[1][16:], 16, tables[1], True),
-         ScheduledChunk("r2", prompts[2], 0, tables[2], True),
-         ScheduledChunk("r3", prompts[3], 0, tables[3], True)],
-        (new(2), new(3)),
-    )  # fmt: skip
-    while any(len(t) < new_tokens for t in out_tokens):
-        run([decode_chunk(i) for i, t in enumerate(out_tokens) if len(t) < new_tokens])
+    assert runner.backend is not None
+    suffix = {"triton": "+triton-prefill", "sdpa-pinned": "+pinned-prefill", "sdpa": "-decode"}
+    assert runner.backend.name.endswith(suffix[prefill]), runner.backend.name
+    reqs = _mixed_workload(Driver(runner, budget=48))
+    for req in reqs:
+        expected = hf_greedy_cuda(model_dir, req.tokens[: req.num_prompt], req.max_new)
+        assert [s.token_id for s in req.out] == expected, (prefill, req.req_id)
     runner.shutdown()
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).to(device)
-    for i, prompt in enumerate(prompts):
-        ids = torch.tensor([prompt], device=device)
-        want = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, len(prompt) :]
-        assert out_tokens[i][:new_tokens] == want.tolist(), i
 
 
 def test_micro_benchmark_runs_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
