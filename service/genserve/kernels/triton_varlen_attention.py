@@ -235,7 +235,8 @@ def _define_kernel() -> Any:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-        k_base = cache_ptr + kv_head * c_stride_head
+        # 64-bit: a KV head's offset in a large cache passes 2^31 elements.
+        k_base = cache_ptr + kv_head.to(tl.int64) * c_stride_head
         v_base = k_base + c_stride_kv
         for b in range(first // BLOCK_SIZE, tl.cdiv(kv_end, BLOCK_SIZE)):
             block_id = tl.load(table_ptr + seq * t_stride_seq + b).to(tl.int64)
