@@ -93,6 +93,37 @@ class SamplerOutput:
 
 # Token ids travel in the packed float32 readback: exact below 2**24.
 _MAX_PACKED_ID = 1 << 24
+# Top alternatives the sync-free path ranks whenever a row asks for at most this many: the
+# sampled tail captured in a CUDA graph ranks this many every step (a fixed shape), and the
+# eager path ranks as many so that tied logprobs come out in the same order either way.
+TOP_WIDTH = 20
+
+
+def top_width(max_top: int, sync_free: bool, vocab: int) -> int:
+    """How many alternatives are ranked for a step whose widest row asks ``max_top``."""
+    if sync_free and 0 < max_top <= TOP_WIDTH:
+        return min(TOP_WIDTH, vocab)
+    return max_top
+
+
+def unpack(
+    host: list[list[float]],
+    params: Sequence[SamplingParams],
+    width: int,
+    device_token_ids: torch.Tensor | None = None,
+) -> SamplerOutput:
+    """A :class:`SamplerOutput` from the packed rows ``[id, logprob, width top ids, width
+    top logprobs]`` read back from the device (row ``i`` keeps ``params[i]``'s top-n)."""
+    ids = [int(row[0]) for row in host]
+    top_tokens: list[tuple[TokenLogprob, ...]] = [()] * len(host)
+    for i, (p, row) in enumerate(zip(params, host, strict=True)):
+        n = p.num_top_tokens
+        if n:
+            top_tokens[i] = tuple(
+                TokenLogprob(int(t), lp)
+                for t, lp in zip(row[2 : 2 + n], row[2 + width : 2 + width + n], strict=True)
+            )
+    return SamplerOutput(ids, [row[1] for row in host], top_tokens, device_token_ids)
 
 
 def _uses_penalty(p: SamplingParams) -> bool:
@@ -204,26 +235,16 @@ class Sampler:
         """Everything the host needs, in one float32 block ``[rows, 2 + 2 * max_top]`` (ids,
         their logprobs, top ids, top logprobs) and one copy."""
         parts = [token_ids.to(torch.float32)[:, None], chosen[:, None]]
+        width = 0
         if max_top:
             assert logprobs is not None
-            top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [num_rows, max_top]
+            width = top_width(max_top, self.sync_free, logprobs.shape[-1])
+            top_values, top_ids = logprobs.topk(width, dim=-1)  # [num_rows, width]
             parts += [top_ids.to(torch.float32), top_values]
         if logprobs is not None and logprobs.shape[-1] > _MAX_PACKED_ID:
             raise ValueError(f"vocabulary of {logprobs.shape[-1]} ids: too wide to pack")
         packed = self._readback.fetch(torch.cat(parts, dim=1))
-        host = packed.tolist()
-        ids = [int(row[0]) for row in host]
-        top_tokens: list[tuple[TokenLogprob, ...]] = [()] * len(host)
-        if max_top:
-            for i, (p, row) in enumerate(zip(params, host, strict=True)):
-                n = p.num_top_tokens
-                top_tokens[i] = tuple(
-                    TokenLogprob(int(t), lp)
-                    for t, lp in zip(
-                        row[2 : 2 + n], row[2 + max_top : 2 + max_top + n], strict=True
-                    )
-                )
-        return SamplerOutput(ids, [row[1] for row in host], top_tokens, token_ids)
+        return unpack(packed.tolist(), params, width, token_ids)
 
     def _apply_penalties(
         self, scores: torch.Tensor, rows: Sequence[SamplingRow], table: TableRows | None = None
@@ -282,24 +303,30 @@ class Sampler:
             scores = min_p_filter(scores, values.column("min_p"))
         if any(p.typical_p < 1.0 for p in params):
             scores = _typical_p(scores, values.column("typical_p"))
-        probs = torch.softmax(scores, dim=-1)  # [n, vocab]
-        cumulative = probs.cumsum(dim=-1)
-        uniform = values.uniform().to(cumulative.dtype)
-        # Scaled by the row's own total, so rounding in the float32 sum biases nothing.
-        target = (uniform * cumulative[:, -1])[:, None]
-        vocab = probs.shape[-1]
-        picked = torch.searchsorted(cumulative, target, right=True).clamp_(max=vocab - 1)
-        # Filtered tokens add nothing to the sum, so the search never stops on one, except
-        # when rounding puts the target at the very end: then take the last allowed token.
-        stray = probs.gather(1, picked)[:, 0] == 0
-        if self.sync_free:  # the same choice for every row, decided on the device
-            ids = torch.arange(vocab, device=probs.device)
-            last_allowed = torch.where(probs > 0, ids, -1).amax(dim=-1)  # [n]
-            return torch.where(stray, last_allowed, picked[:, 0])
-        if bool(stray.any()):
-            for i in stray.nonzero()[:, 0].tolist():
-                picked[i, 0] = int((probs[i] > 0).nonzero()[-1, 0])
-        return picked[:, 0]
+        return draw(scores, values.uniform(), self.sync_free)
+
+
+def draw(scores: torch.Tensor, uniform: torch.Tensor, sync_free: bool) -> torch.Tensor:
+    """One token per row of the filtered, tempered ``scores`` ``[n, vocab]`` by inverse
+    CDF at ``uniform`` (float64 ``[n]``): the first token whose cumulative probability
+    exceeds it.  ``sync_free``: decide the rounding corner case on the device."""
+    probs = torch.softmax(scores, dim=-1)  # [n, vocab]
+    cumulative = probs.cumsum(dim=-1)
+    # Scaled by the row's own total, so rounding in the float32 sum biases nothing.
+    target = (uniform.to(cumulative.dtype) * cumulative[:, -1])[:, None]
+    vocab = probs.shape[-1]
+    picked = torch.searchsorted(cumulative, target, right=True).clamp_(max=vocab - 1)
+    # Filtered tokens add nothing to the sum, so the search never stops on one, except
+    # when rounding puts the target at the very end: then take the last allowed token.
+    stray = probs.gather(1, picked)[:, 0] == 0
+    if sync_free:  # the same choice for every row, decided on the device
+        ids = torch.arange(vocab, device=probs.device)
+        last_allowed = torch.where(probs > 0, ids, -1).amax(dim=-1)  # [n]
+        return torch.where(stray, last_allowed, picked[:, 0])
+    if bool(stray.any()):
+        for i in stray.nonzero()[:, 0].tolist():
+            picked[i, 0] = int((probs[i] > 0).nonzero()[-1, 0])
+    return picked[:, 0]
 
 
 _ARGMAX_CHUNK = 1024
