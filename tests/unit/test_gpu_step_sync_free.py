@@ -32,6 +32,7 @@ from genserve.step import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from genserve.worker import model_runner
 from genserve.worker.cuda_graphs import DecodeGraphs
 from genserve.worker.graph_plan import sampling_state
 from genserve.worker.model_runner import ModelRunner
@@ -237,3 +238,52 @@ def test_decode_step_on_cuda_has_no_synchronising_call(
     finally:
         torch.cuda.set_sync_debug_mode("default")
     runner.shutdown()
+
+
+def _cuda_runner(model_dir: Path) -> ModelRunner:
+    runner = ModelRunner(ResolvedModel(model_dir, "tiny"), torch.bfloat16, torch.device("cuda"))
+    runner.enable_cuda_graphs(BUCKETS, 4 * BLOCK_SIZE, BLOCK_SIZE)
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    runner.warmup()
+    assert runner.cuda_graph_sizes == BUCKETS, "capture failed: see the warning logged"
+    return runner
+
+
+@pytest.mark.cuda
+def test_sampled_step_in_the_graph_equals_eager_sampling_on_cuda(
+    tiny_model_factory: TinyModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU: 64 seeded, penalised, filtered rows sampled by the captured sampled tail,
+    every decode step under sync debug "error", give the tokens the eager sync-free sampler
+    gives from the same graph's logits (the graphs' forward is the same in both runs)."""
+    model_dir = tiny_model_factory("llama", seed=3)
+    runner = _cuda_runner(model_dir)
+    graphs = runner._graphs
+    assert graphs is not None
+    served: list[bool] = []
+    sampled = graphs.sampled
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor | None:
+        out = sampled(*args, **kwargs)  # type: ignore[arg-type]
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(graphs, "sampled", spy)
+    in_graph = _Stream(runner, 64, SAMPLED)
+    in_graph.decode()  # first decode: one-time allocations (the pinned readback buffer)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            in_graph.decode()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    runner.shutdown()
+    assert served == [True] * 4
+
+    monkeypatch.setattr(model_runner, "graph_sample", lambda *args, **kwargs: None)
+    eager_runner = _cuda_runner(model_dir)
+    eager = _Stream(eager_runner, 64, SAMPLED)
+    for _ in range(4):
+        eager.decode()
+    eager_runner.shutdown()
+    assert in_graph.tokens == eager.tokens
