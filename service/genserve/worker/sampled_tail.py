@@ -42,13 +42,8 @@ import torch
 
 from genserve.worker.logits_processors import min_p_filter
 from genserve.worker.request_state import PenaltyCounts
-from genserve.worker.sampler import (
-    TOP_WIDTH,
-    SamplingRow,
-    _top_p_sync_free,
-    _typical_p,
-    draw,
-)
+from genserve.worker.sampler import TOP_WIDTH, SamplingRow
+from genserve.worker.sampling_filters import draw, top_p_sync_free, typical_p_filter
 from genserve.worker.sampling_table import (
     _MIN_NEW,
     _NUM_OUTPUT,
@@ -174,9 +169,9 @@ def sample_tail(
     index = (torch.where(top_k > 0, top_k.clamp(max=vocab), vocab) - 1)[:, None]
     threshold = kth.gather(1, index).masked_fill((top_k == 0)[:, None], float("-inf"))
     scores = scores.masked_fill(scores < threshold, float("-inf"))
-    scores = _top_p_sync_free(scores, torch.where(sampled, top_p, 1.0))
+    scores = top_p_sync_free(scores, torch.where(sampled, top_p, 1.0))
     scores = min_p_filter(scores, min_p)
-    scores = _typical_p(scores, typical_p)
+    scores = typical_p_filter(scores, typical_p)
     drawn = draw(scores, device_uniform(seed, num_output), sync_free=True)
     token_ids = torch.where(sampled, drawn, greedy_ids)
 
