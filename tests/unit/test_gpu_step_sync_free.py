@@ -38,6 +38,7 @@ from genserve.worker.graph_plan import sampling_state
 from genserve.worker.model_runner import ModelRunner
 from genserve.worker.sync_audit import SyncAudit
 from tests.conftest import TinyModelFactory
+from tests.unit.test_sampling_table import _Stream as PlaceholderStream
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -238,6 +239,41 @@ def test_decode_step_on_cuda_has_no_synchronising_call(
     finally:
         torch.cuda.set_sync_debug_mode("default")
     runner.shutdown()
+
+
+@pytest.mark.usefixtures("cuda_path_on_cpu")
+def test_sampled_tail_gives_the_same_tokens_with_overlap_on_and_off(
+    tiny_model_factory: TinyModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded sampling in the graphs' sampled tail, with the next step's tokens as
+    placeholders (overlapped scheduling) or known: the same tokens, every step served by
+    the tail; and the same as the eager sync-free sampler over the same logits."""
+    model_dir = tiny_model_factory("llama", seed=3)
+
+    def tokens(placeholders: bool, tail: bool) -> list[list[int]]:
+        runner = _runner(model_dir, explicit=True)
+        graphs = runner._graphs
+        assert graphs is not None
+        served: list[bool] = []
+        sampled = graphs.sampled
+
+        def spy(*args: object, **kwargs: object) -> torch.Tensor | None:
+            out = sampled(*args, **kwargs)  # type: ignore[arg-type]
+            served.append(out is not None)
+            return out
+
+        monkeypatch.setattr(graphs, "sampled", spy)
+        stream = PlaceholderStream(runner, 8, SAMPLED)
+        for _ in range(3):
+            stream.decode(placeholders)
+        assert served == ([True] * 3 if tail else [])
+        return stream.tokens
+
+    known = tokens(placeholders=False, tail=True)
+    assert tokens(placeholders=True, tail=True) == known
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner, "graph_sample", lambda *args, **kwargs: None)
+        assert tokens(placeholders=True, tail=False) == known
 
 
 def _cuda_runner(model_dir: Path) -> ModelRunner:
