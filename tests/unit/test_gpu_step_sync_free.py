@@ -36,7 +36,7 @@ from genserve.worker import model_runner
 from genserve.worker.cuda_graphs import DecodeGraphs
 from genserve.worker.graph_plan import sampling_state
 from genserve.worker.model_runner import ModelRunner
-from genserve.worker.sync_audit import SyncAudit
+from genserve.worker.sync_audit import AuditCounts, SyncAudit
 from tests.conftest import TinyModelFactory
 from tests.unit.test_sampling_table import _Stream as PlaceholderStream
 
@@ -165,7 +165,9 @@ class _Stream:
         for s in out.sampled:
             self.tokens[int(s.req_id[1:])].append(s.token_id)
 
-    def decode(self) -> None:
+    def decode(self, grammar: tuple[torch.Tensor, tuple[str, ...]] | None = None) -> None:
+        """One decode step of every request (``grammar``: the step's bitmask and the
+        requests it constrains)."""
         self.step_id += 1
         chunks = tuple(
             ScheduledChunk(
@@ -173,7 +175,11 @@ class _Stream:
             )
             for i, p in enumerate(self.prompts)
         )
-        self._record(self.runner.execute_model(SchedulerOutput(self.step_id, chunks)))
+        bitmask, constrained = grammar if grammar is not None else (None, ())
+        step = SchedulerOutput(
+            self.step_id, chunks, grammar_bitmask=bitmask, grammar_req_ids=constrained
+        )
+        self._record(self.runner.execute_model(step))
 
 
 @pytest.mark.usefixtures("cuda_path_on_cpu")
@@ -274,6 +280,48 @@ def test_sampled_tail_gives_the_same_tokens_with_overlap_on_and_off(
     with monkeypatch.context() as patch:
         patch.setattr(model_runner, "graph_sample", lambda *args, **kwargs: None)
         assert tokens(placeholders=True, tail=False) == known
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """xgrammar's packed int32 layout of bool ``[rows, vocab]``: bit ``j % 32`` of word
+    ``j // 32`` for token ``j``."""
+    rows, vocab = allowed.shape
+    bits = torch.nn.functional.pad(allowed, (0, -vocab % 32)).view(rows, -1, 32).long()
+    packed = (bits << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+@pytest.mark.usefixtures("cuda_path_on_cpu")
+def test_a_constrained_step_samples_in_the_graph(
+    tiny_model_factory: TinyModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step with grammar-constrained rows: their bitmask goes to the device in one
+    more asynchronous copy and is applied in the sampled tail (nothing else outside the
+    graphs), the constrained rows keep to it, and the tokens equal the eager sampler's."""
+    model_dir = tiny_model_factory("llama", seed=3)
+    constrained = ("r0", "r2", "r5")
+
+    def run(tail: bool) -> tuple[list[list[int]], AuditCounts]:
+        runner = _runner(model_dir, explicit=True)
+        stream = _Stream(runner, 8, SAMPLED)
+        stream.decode()
+        allowed = torch.zeros(len(constrained), runner.config.vocab_size, dtype=torch.bool)
+        allowed[:, 100:120] = True
+        bitmask = _bitmask(allowed)  # the engine's, made before the step: host memory
+        with SyncAudit(host_tensors=[bitmask], graphs=runner._graphs) as audit:
+            stream.decode((bitmask, constrained))
+        return stream.tokens, audit.counts
+
+    tokens, counts = run(tail=True)
+    outside = {k: v for k, v in counts.details.items() if k.startswith("outside_graph:")}
+    assert outside == {"outside_graph:aten.copy_": 4}, outside
+    summary = (counts.h2d, counts.h2d_blocking, counts.d2h, counts.syncs, counts.implicit)
+    assert summary == (3, 0, 1, 0, 0), counts.details
+    assert all(100 <= tokens[int(r[1:])][-1] < 120 for r in constrained)
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner, "graph_sample", lambda *args, **kwargs: None)
+        eager, _ = run(tail=False)
+    assert tokens == eager
 
 
 def _cuda_runner(model_dir: Path) -> ModelRunner:

@@ -12,7 +12,13 @@ from genserve.step import NewRequestData, SamplingParams
 from genserve.worker.device_io import DeviceIO
 from genserve.worker.graph_plan import sampling_state
 from genserve.worker.request_state import PenaltyCounts
-from genserve.worker.sampled_tail import TailSources, graphable, packed_width, sample_tail
+from genserve.worker.sampled_tail import (
+    TailSources,
+    grammar_words,
+    graphable,
+    packed_width,
+    sample_tail,
+)
 from genserve.worker.sampler import TOP_WIDTH, Sampler, SamplerOutput, SamplingRow, unpack
 from genserve.worker.sampling_table import (
     BIAS_WIDTH,
@@ -24,6 +30,8 @@ CPU = torch.device("cpu")
 VOCAB = 4096
 PROMPT = (5, 9, 5, 17, 3, 9, 9)  # repeated tokens: the penalties bite
 OUTPUT = 2  # of which the last two are output tokens
+# A step's grammar: packed bitmask rows (xgrammar's int32 layout) and the row of each.
+Grammar = tuple[torch.Tensor, list[int]]
 
 KINDS = [
     SamplingParams(),
@@ -73,11 +81,13 @@ class _State:
             rows.append(SamplingRow(p, n, len(PROMPT) - OUTPUT + n, counts, output))
         return rows
 
-    def eager(self, logits: torch.Tensor) -> SamplerOutput:
+    def eager(self, logits: torch.Tensor, grammar: Grammar | None = None) -> SamplerOutput:
         """The sync-free sampler reading the table, then what the runner does after it."""
         rows = self.rows()
         table_rows = self.table.rows(self.ids)
-        out = Sampler(CPU, self.io)(logits.clone(), rows, table=table_rows)
+        bitmask, constrained = grammar if grammar is not None else (None, [])
+        sampler = Sampler(CPU, self.io)
+        out = sampler(logits.clone(), rows, bitmask, constrained, table=table_rows)
         counted = [i for i, r in enumerate(rows) if uses_output_count(r.params)]
         self.table.advance(table_rows.subset(torch.tensor(counted)))
         penalised = [i for i, r in enumerate(self.ids) if r in self.penalties]
@@ -88,7 +98,9 @@ class _State:
         self.steps += 1
         return out
 
-    def tail(self, logits: torch.Tensor, padding: int = 0) -> SamplerOutput:
+    def tail(
+        self, logits: torch.Tensor, padding: int = 0, grammar: Grammar | None = None
+    ) -> SamplerOutput:
         """The tail over the rows and ``padding`` padding rows, as a graph bucket runs it."""
         slots = [self.table.slot(r) for r in self.ids] + [self.sources.padding_slot] * padding
         zero = self.penalties.zero_slot
@@ -96,7 +108,22 @@ class _State:
         pad = torch.zeros(padding, VOCAB)
         bucket = torch.cat((logits, pad))
         out = torch.full((len(slots), packed_width(VOCAB)), float("nan"))
-        sample_tail(bucket, torch.tensor(slots), torch.tensor(penalty_slots), self.sources, out)
+        # The graphs' grammar buffers: stale words where the flag is 0 (never read).
+        shape = (len(slots), grammar_words(VOCAB))
+        words = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32)
+        flags = torch.zeros(len(slots), dtype=torch.int64)
+        if grammar is not None:
+            bitmask, constrained = grammar
+            words[constrained] = bitmask
+            flags[constrained] = 1
+        sample_tail(
+            bucket,
+            torch.tensor(slots),
+            torch.tensor(penalty_slots),
+            self.sources,
+            out,
+            (words, flags),
+        )
         self.steps += 1
         return unpack(out[: len(self.ids)].tolist(), self.kinds, TOP_WIDTH)
 
@@ -166,3 +193,31 @@ def test_reallocated_sources_send_steps_back_to_the_eager_sampler() -> None:
     table.add("a", params, 3, 0)
     table.add("b", params, 3, 0)  # grows
     assert not sources.current(table, penalties, penalised=False)
+
+
+def test_grammar_masks_apply_in_the_tail_as_in_the_sampler() -> None:
+    """Constrained rows (greedy, sampled, penalised, biased) get their bitmask, the others
+    none, whatever stale words their rows of the buffer hold."""
+    constrained = [0, 3, 8, 12, 13]
+    generator = torch.Generator().manual_seed(5)
+    eager, tail = _State(KINDS), _State(KINDS)
+    for trial in range(2):
+        # Sparse masks (a structural position: few tokens allowed) and dense ones.
+        dense = torch.rand(len(constrained), VOCAB, generator=generator) < 0.5
+        sparse = torch.rand(len(constrained), VOCAB, generator=generator) < 0.01
+        allowed = torch.where(torch.tensor([1, 0, 1, 0, 1])[:, None] == 1, sparse, dense)
+        allowed[:, 7] = True  # never empty
+        bits = torch.nn.functional.pad(allowed, (0, 32 * grammar_words(VOCAB) - VOCAB))
+        weights = 1 << torch.arange(32, dtype=torch.int64)
+        packed = (bits.view(len(constrained), -1, 32).long() * weights).sum(-1)
+        bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        logits = _logits(len(KINDS), trial)
+        expected = eager.eager(logits, (bitmask, constrained))
+        got = tail.tail(logits, padding=3, grammar=(bitmask, constrained))
+        assert got.token_ids == expected.token_ids
+        assert got.logprobs == expected.logprobs
+        assert got.top_tokens == expected.top_tokens
+        for i, row in enumerate(constrained):
+            assert allowed[i, got.token_ids[row]]
+        assert torch.equal(tail.table.ints, eager.table.ints)
+        assert torch.equal(tail.penalties.table, eager.penalties.table)

@@ -25,9 +25,10 @@ How (the same shape as TGI's ``cuda_graph_warmup``, vLLM's CUDAGraphRunner and S
   plain greedy replays both and reads that block back, nothing else running after the
   replay but the one copy.  A third graph per bucket, the *sampled tail*
   (worker/sampled_tail.py), samples every kind of row the eager sampler does except the
-  watermark and grammar masks (penalties, logit bias, bans, temperature, top-k/p, min-p,
+  watermark (penalties, logit bias, bans, grammar masks, temperature, top-k/p, min-p,
   typical-p, seeds, top-n) from per-slot parameter tensors that persist across steps; the
-  rows' slots travel in two more rows of the step's one input copy.  Steps it cannot serve
+  rows' slots and grammar flags travel in three more rows of the step's one input copy, a
+  constrained step's bitmask in one more copy.  Steps it cannot serve
   sample eagerly from the static logits.  Pure-decode steps replay (speculative chunks too:
   each draft token is a decode row); steps with a prefill chunk, with LoRA rows (the
   adapter hooks index per-step row tensors that the graph would freeze), or with a context
@@ -53,7 +54,7 @@ from genserve.config import parse_batch_sizes as parse_batch_sizes  # the flag's
 from genserve.model.attention import TorchAttentionMetadata
 from genserve.worker.device_io import host_buffer
 from genserve.worker.request_state import PenaltyCounts
-from genserve.worker.sampled_tail import TailSources, packed_width, sample_tail
+from genserve.worker.sampled_tail import TailSources, grammar_words, packed_width, sample_tail
 from genserve.worker.sampling_table import SamplingTable
 
 log = structlog.get_logger("genserve.worker")
@@ -61,7 +62,9 @@ log = structlog.get_logger("genserve.worker")
 # Default buckets: every power of two up to 8, then steps of 8 (what TGI and vLLM default to);
 # a step pads to the next bucket, so at most 7 wasted rows above 8.
 _DEFAULT_MAX_BATCH = 256
-_INPUT_ROWS = 6  # token ids, positions, KV slots, context lengths, sampling, penalty slots
+# Token ids, positions, KV slots, context lengths; sampling slots, penalty slots, grammar
+# flags (the sampled tail's).
+_INPUT_ROWS = 7
 
 
 def default_batch_sizes(max_batch: int | None) -> tuple[int, ...]:
@@ -170,9 +173,9 @@ class DecodeGraphs:
         self.device = device
         self.use_triton_decode = use_triton_decode
         largest = self.sizes[-1]
-        # Device inputs: rows of one [6, largest] buffer (token ids, positions, KV slots,
-        # context lengths, and each row's sampling-table and penalty slots for the sampled
-        # tail), so a step moves them with one contiguous copy.
+        # Device inputs: rows of one [7, largest] buffer (token ids, positions, KV slots,
+        # context lengths, and for the sampled tail each row's sampling-table and penalty
+        # slots and its grammar flag), so a step moves them with one contiguous copy.
         self._inputs = torch.zeros((_INPUT_ROWS, largest), dtype=torch.int64, device=device)
         (
             self.token_ids,
@@ -181,6 +184,7 @@ class DecodeGraphs:
             self.context_lens,
             self.sample_slots,
             self.penalty_slots,
+            self.grammar_flags,
         ) = self._inputs.unbind(0)
         self.block_table = torch.zeros((largest, width), dtype=torch.int64, device=device)
         # Host staging, allocated once (pinned on CUDA, so the copies are truly asynchronous),
@@ -205,6 +209,11 @@ class DecodeGraphs:
             (largest, packed_width(vocab)), dtype=torch.float32, device=device
         )
         self._sources: TailSources | None = None
+        # Constrained steps' packed bitmask rows (read where a row's grammar flag is set),
+        # staged in a pinned buffer allocated once.
+        words = grammar_words(vocab)
+        self.grammar_words = torch.zeros((largest, words), dtype=torch.int32, device=device)
+        self._grammar_staging = host_buffer((largest, words), torch.int32, device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._sampled_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -224,6 +233,7 @@ class DecodeGraphs:
         pad, zero = self._padding_slots()
         self.sample_slots.fill_(pad)
         self.penalty_slots.fill_(zero)
+        self.grammar_flags.zero_()
 
     def _padding_slots(self) -> tuple[int, int]:
         """The sampling-table and penalty slots padding rows read (neutral, zero)."""
@@ -279,6 +289,7 @@ class DecodeGraphs:
             self.penalty_slots[:size],
             self._sources,
             self.sample_buffer[:size],
+            (self.grammar_words[:size], self.grammar_flags[:size]),
         )
 
     @property
@@ -333,11 +344,13 @@ class DecodeGraphs:
         padded: PaddedDecode,
         sample_slots: Sequence[int] = (),
         penalty_slots: Sequence[int] = (),
+        constrained_rows: Sequence[int] = (),
     ) -> torch.Tensor:
         """Hidden states ``[num_rows, hidden]`` of a padded decode step (valid until the next
         call: they live in the graph's output buffer); :meth:`logits`, :meth:`greedy` and
         :meth:`sampled` then read the same step.  ``sample_slots`` / ``penalty_slots``: each
-        row's slots for the sampled tail (empty: the step will not replay it)."""
+        row's slots for the sampled tail (empty: the step will not replay it);
+        ``constrained_rows``: the rows whose grammar mask :meth:`stage_grammar` will give."""
         b = padded.bucket
         self._bucket = b
         inputs, table = self._staging[self._next_staging]
@@ -353,6 +366,8 @@ class DecodeGraphs:
         host[4, n:b] = pad
         host[5, :n] = penalty_slots
         host[5, n:b] = zero
+        host[6, :b] = 0
+        host[6, list(constrained_rows)] = 1
         columns = padded.block_table.shape[1]
         table.numpy()[:b, :columns] = padded.block_table
         # Whole rows: one contiguous copy (a [b, columns] slice of the [b, width] buffer
@@ -385,6 +400,30 @@ class DecodeGraphs:
             tail.replay()
         return self.greedy_buffer[:num_rows]
 
+    def can_sample(self, table: SamplingTable, penalties: PenaltyCounts, penalised: bool) -> bool:
+        """Whether :meth:`sampled` can serve a step of ``table`` / ``penalties`` (see
+        ``TailSources.current``) from the last :meth:`run`'s bucket."""
+        sources = self._sources
+        if sources is None or not sources.current(table, penalties, penalised):
+            return False
+        # Captured without a tail (bound after capture): sample eagerly.
+        return not self._graphs or self._bucket in self._sampled_graphs
+
+    def stage_grammar(self, bitmask: torch.Tensor, rows: Sequence[int]) -> bool:
+        """Copy a constrained step's packed bitmask (a host tensor, ``bitmask[i]`` for row
+        ``rows[i]``; the rows :meth:`run` was told) to the device for the sampled tail: one
+        ``non_blocking`` copy of whole rows.  False (sample eagerly) for a mask on the
+        device or wider than the logits."""
+        b = self._bucket
+        words = self.grammar_words.shape[1]
+        if b is None or bitmask.device.type != "cpu" or bitmask.shape[1] > words:
+            return False
+        staging = self._grammar_staging.numpy()
+        staging[list(rows), : bitmask.shape[1]] = bitmask.numpy()
+        staging[list(rows), bitmask.shape[1] :] = 0  # past the mask: not allowed
+        self.grammar_words[:b].copy_(self._grammar_staging[:b], non_blocking=True)
+        return True
+
     def sampled(
         self, num_rows: int, table: SamplingTable, penalties: PenaltyCounts, penalised: bool
     ) -> torch.Tensor | None:
@@ -395,14 +434,11 @@ class DecodeGraphs:
         b = self._bucket
         if b is None:
             raise RuntimeError("sampled() reads the step run() replayed: run() first")
-        sources = self._sources
-        if sources is None or not sources.current(table, penalties, penalised):
+        if not self.can_sample(table, penalties, penalised):
             return None
         tail = self._sampled_graphs.get(b)
-        if tail is None:
-            if self._graphs:  # captured without a tail: sample eagerly
-                return None
-            self._sampled_tail(b)  # not captured (CPU tests): the same ops, eagerly
+        if tail is None:  # not captured (CPU tests): the same ops, eagerly
+            self._sampled_tail(b)
         else:
             tail.replay()
         return self.sample_buffer[:num_rows]

@@ -189,11 +189,13 @@ def graph_forward(
     chunks: Sequence[ScheduledChunk],
     seqs: Sequence[SeqSpec],
     sampling: tuple[SamplingTable, PenaltyCounts] | None = None,
+    constrained: Sequence[str] = (),
 ) -> torch.Tensor | None:
     """Hidden states of a pure-decode step (``seqs``: one decode row per token of
     ``chunks``) from a graph, or None when it must run eagerly (LoRA rows, no bucket, a
     context wider than the table).  ``sampling``: the runner's per-slot state, whose slots
-    for each row are staged with the inputs (steps without draft tokens)."""
+    for each row are staged with the inputs (steps without draft tokens), with a flag on
+    the rows of the ``constrained`` requests (the step's grammar mask applies to them)."""
     if has_lora_rows:
         return None
     bucket = pick_bucket(len(seqs), graphs.sizes)
@@ -214,10 +216,12 @@ def graph_forward(
     if sampling is None or any(c.num_draft_tokens for c in chunks):
         return graphs.run(padded)
     table, penalties = sampling
+    masked = set(constrained)
     return graphs.run(
         padded,
         [table.slot(c.req_id) for c in chunks],
         [penalties.slot_or_zero(c.req_id) for c in chunks],
+        [i for i, c in enumerate(chunks) if c.req_id in masked],
     )
 
 
@@ -255,19 +259,26 @@ def graph_sample(
     chunks: Sequence[ScheduledChunk],
     sampling: tuple[SamplingTable, PenaltyCounts],
     readback: Readback,
+    grammar: tuple[torch.Tensor, Sequence[int]] | None = None,
 ) -> SamplerOutput | None:
     """The tokens of a graph-replayed step (rows = its first ``len(rows)`` rows, one per
     chunk) from the bucket's sampled tail and one readback: what the sync-free sampler
     returns for them, with the slots' output and penalty counts already advanced on the
-    device.  None when the step needs the eager sampler (draft tokens, a row the tail does
-    not sample, state reallocated since capture)."""
+    device.  ``grammar``: the step's bitmask and the row of each of its rows (the rows
+    :func:`graph_forward` flagged).  None when the step needs the eager sampler (draft
+    tokens, a row the tail does not sample, state reallocated since capture, a bitmask it
+    cannot stage)."""
     if not rows or any(c.num_draft_tokens for c in chunks) or not all(map(graphable, rows)):
         return None
     table, penalties = sampling
     penalised = any(c.req_id in penalties for c in chunks)
-    packed = graphs.sampled(len(rows), table, penalties, penalised)
-    if packed is None:
+    sources_ok = graphs.can_sample(table, penalties, penalised)
+    if not sources_ok:
         return None
+    if grammar is not None and not graphs.stage_grammar(*grammar):
+        return None
+    packed = graphs.sampled(len(rows), table, penalties, penalised)
+    assert packed is not None
     host = readback.fetch(packed).tolist()
     width = (packed_width(graphs.logits_buffer.shape[-1]) - 2) // 2
     return unpack(host, [r.params for r in rows], width)

@@ -417,6 +417,7 @@ class ModelRunner:
                 chunks,
                 plan.seqs,
                 (self._table, self._penalties),
+                step.grammar_req_ids if step.grammar_bitmask is not None else (),
             )
         replayed = self._graphs if hidden is not None else None  # logits computed there too
         if hidden is None:
@@ -547,11 +548,13 @@ class ModelRunner:
         speculative = any(c.num_draft_tokens for c in chunks)
         bitmask, constrained = grammar_rows(chunks, step)
         out = None
-        if graphs is not None and bitmask is None:
-            out = graph_greedy(graphs, rows, self._graph_readback)
+        if graphs is not None:
+            if bitmask is None:
+                out = graph_greedy(graphs, rows, self._graph_readback)
             sampling = (self._table, self._penalties)
+            grammar = (bitmask, constrained) if bitmask is not None else None
             if out is None:
-                out = graph_sample(graphs, rows, chunks, sampling, self._graph_readback)
+                out = graph_sample(graphs, rows, chunks, sampling, self._graph_readback, grammar)
                 if out is not None:  # the sampled tail advanced the slots' counts itself
                     accepted = accept(out, chunks, states, self._penalties)
                     self._last_ids, self._last_rows = None, accepted.last_rows

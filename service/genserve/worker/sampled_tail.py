@@ -6,12 +6,13 @@
 :class:`~genserve.worker.request_state.PenaltyCounts`, and does on the device, with shapes
 that depend on the bucket only, what :class:`~genserve.worker.sampler.Sampler` does on its
 sync-free path: logit bias and ``min_new_tokens`` bans, repetition / frequency / presence
-penalties, greedy argmax, temperature, top-k, top-p, min-p, typical-p and the seeded draw;
-then it packs ids, logprobs and the top alternatives into one block (the step's readback)
-and advances the slots' output counts and penalty counts, as the runner does after an eager
-step.  Every parameter is read from the per-slot tensors, which persist across steps and
-change only when a request is registered; a step uploads nothing but the slot of each row
-(two rows of the graph's one input copy).
+penalties, the grammar bitmask of constrained rows, greedy argmax, temperature, top-k,
+top-p, min-p, typical-p and the seeded draw; then it packs ids, logprobs and the top
+alternatives into one block (the step's readback) and advances the slots' output counts and
+penalty counts, as the runner does after an eager step.  Every parameter is read from the
+per-slot tensors, which persist across steps and change only when a request is registered;
+a step uploads nothing but each row's slots and grammar flag (rows of the graph's one input
+copy) and, when it has constrained rows, their bitmask.
 
 Where the eager sampler skips a filter no row uses, the tail applies it to every row with
 the row's own value, and a neutral value leaves a row bit for bit as it was (a top-k of 0
@@ -28,8 +29,13 @@ needs no generator state and a request draws the same tokens with graphs on or o
 or in any batch, with overlap on or off (its output index comes from the slot, not the step).
 Unseeded requests have a seed drawn by the engine, so no device generator state is needed.
 
+Grammar masks: the step's packed bitmask (xgrammar's int32 layout) is uploaded, when a step
+has constrained rows, into a static ``[rows, words]`` buffer, and each row's flag (in the
+step's inputs) says whether its mask applies; the bits are unpacked on the device, tokens
+past the mask's width are disallowed (as worker/grammar_mask.py's CPU path does).
+
 What stays with the eager sampler (:func:`graphable`): the watermark (a ``randperm`` per
-previous token), grammar masks (a per-step bitmask; the caller checks), more than
+previous token), a bitmask wider than the logits or already on the device, more than
 :data:`~genserve.worker.sampler.TOP_WIDTH` alternatives, more logit-bias entries or banned
 ids than a slot holds, and speculative chunks (several rows per request).
 """
@@ -119,17 +125,35 @@ class TailSources:
         )
 
 
+def grammar_words(vocab: int) -> int:
+    """int32 words of a packed bitmask covering ``vocab`` tokens."""
+    return -(-vocab // 32)
+
+
+def allowed_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool ``[n, vocab]`` from packed int32 ``[n, words]`` (bit ``j % 32`` of word
+    ``j // 32`` is token ``j``, xgrammar's layout); tokens past the words are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1)
+    if bits.shape[1] < vocab:
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
+    return bits[:, :vocab] != 0
+
+
 def sample_tail(
     logits: torch.Tensor,
     slots: torch.Tensor,
     penalty_slots: torch.Tensor,
     sources: TailSources,
     out: torch.Tensor,
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Sample every row of ``logits`` (float32 ``[n, vocab]``; row ``i`` belongs to table
     slot ``slots[i]`` and penalty slot ``penalty_slots[i]``, int64 on the device) into
     ``out`` (float32 ``[n, packed_width(vocab)]``), then advance the slots' output counts
-    and penalty counts.  No host value is read, no shape depends on a value."""
+    and penalty counts.  ``grammar``: packed bitmask rows (int32 ``[n, words]``) and each
+    row's flag (int64 ``[n]``, nonzero: the row's mask applies).  No host value is read, no
+    shape depends on a value."""
     floats, ints, bias_ids, bias_values, ban_ids, counts_table = sources.tensors
     vocab = logits.shape[-1]
     f = floats.index_select(1, slots)  # [F, n]
@@ -160,6 +184,10 @@ def sample_tail(
     scores = scores - counts / lengths[:, None] * freq[:, None]
     scores = scores - (output > 0).to(scores.dtype) * presence[:, None]
     scores = scores - output * out_freq[:, None]
+    if grammar is not None:  # after the penalties, before temperature (as the sampler)
+        words, flags = grammar
+        keep = allowed_tokens(words, vocab) | (flags == 0)[:, None]
+        scores = scores.masked_fill(~keep, float("-inf"))
     greedy_ids = scores.argmax(dim=-1)
 
     # Sampled rows: temperature, filters, the seeded draw.
