@@ -272,8 +272,7 @@ def graph_sample(
         return None
     table, penalties = sampling
     penalised = any(c.req_id in penalties for c in chunks)
-    sources_ok = graphs.can_sample(table, penalties, penalised)
-    if not sources_ok:
+    if not graphs.can_sample(table, penalties, penalised):
         return None
     if grammar is not None and not graphs.stage_grammar(*grammar):
         return None

@@ -198,7 +198,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.backend: AttentionBackend | None = None
         self._graphs: DecodeGraphs | None = None
-        self._graph_readback = Readback(self.io)  # all-greedy graph steps' one copy back
+        self._graph_readback = Readback(self.io)  # the graph tails' one copy back
         # The last sampling step's token ids on the device and each request's row in them:
         # a placeholder chunk of the next step reads its input token there (issue #29).
         self._last_ids: torch.Tensor | None = None
