@@ -34,10 +34,13 @@ from genserve.step import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from genserve.worker import model_runner
 from genserve.worker.cuda_graphs import DecodeGraphs
+from genserve.worker.graph_plan import sampling_state
 from genserve.worker.model_runner import ModelRunner
-from genserve.worker.sync_audit import SyncAudit
+from genserve.worker.sync_audit import AuditCounts, SyncAudit
 from tests.conftest import TinyModelFactory
+from tests.unit.test_sampling_table import _Stream as PlaceholderStream
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -185,6 +188,10 @@ def _runner(model_dir: Path, explicit: bool, dtype: torch.dtype = torch.bfloat16
         device=CPU,
         use_triton_decode=True,
     )
+    # Slots allocated up front, as a runner with graphs has them, read by the sampled tail.
+    vocab = runner.config.vocab_size
+    runner._table, runner._penalties = sampling_state(vocab, CPU, runner.io, graphs=True)
+    runner._graphs.bind_sampling(runner._table, runner._penalties)
     return runner
 
 
@@ -208,7 +215,9 @@ class _Stream:
         for s in out.sampled:
             self.tokens[int(s.req_id[1:])].append(s.token_id)
 
-    def decode(self) -> None:
+    def decode(self, grammar: tuple[torch.Tensor, tuple[str, ...]] | None = None) -> None:
+        """One decode step of every request (``grammar``: the step's bitmask and the
+        requests it constrains)."""
         self.step_id += 1
         chunks = tuple(
             ScheduledChunk(
@@ -216,7 +225,11 @@ class _Stream:
             )
             for i, p in enumerate(self.prompts)
         )
-        self._record(self.runner.execute_model(SchedulerOutput(self.step_id, chunks)))
+        bitmask, constrained = grammar if grammar is not None else (None, ())
+        step = SchedulerOutput(
+            self.step_id, chunks, grammar_bitmask=bitmask, grammar_req_ids=constrained
+        )
+        self._record(self.runner.execute_model(step))
 
 
 @pytest.mark.usefixtures("cuda_path_on_cpu")
@@ -245,13 +258,13 @@ def test_decode_step_reads_back_once_and_never_waits_otherwise(
     assert counts.implicit == 0, problems
     assert 0 < counts.layer_kernels <= MAX_LAYER_KERNELS, counts.summary()
     # The final norm and the LM head run in the bucket's graph; a greedy step's argmax and
-    # logprob in its greedy tail: after the replay, only the one copy back (plus, before it,
-    # the two input uploads).  A sampled step samples eagerly from the graph's logits.
+    # logprob in its greedy tail, a sampled step's penalties, filters, seeded draw, top-n
+    # and count updates in its sampled tail: after the replay, only the one copy back (plus,
+    # before it, the two input uploads).
     outside = {k: v for k, v in counts.details.items() if k.startswith("outside_graph:")}
-    assert "outside_graph:aten.mm" not in outside, outside
-    if kind == "greedy":
-        assert outside == {"outside_graph:aten.copy_": counts.h2d + counts.d2h}, outside
-        assert counts.kernels - counts.graph_kernels == 3, counts.summary()
+    assert outside == {"outside_graph:aten.copy_": counts.h2d + counts.d2h}, outside
+    assert counts.h2d == 2, counts.summary()
+    assert counts.kernels - counts.graph_kernels == 3, counts.summary()
     assert all(len(t) == 3 for t in stream.tokens)
 
     # The explicit-transfer, sync-free path samples exactly what the CPU path samples.
@@ -344,3 +357,129 @@ def test_decode_step_on_cuda_has_no_synchronising_call(
     finally:
         torch.cuda.set_sync_debug_mode("default")
     runner.shutdown()
+
+
+@pytest.mark.usefixtures("cuda_path_on_cpu")
+def test_sampled_tail_gives_the_same_tokens_with_overlap_on_and_off(
+    tiny_model_factory: TinyModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded sampling in the graphs' sampled tail, with the next step's tokens as
+    placeholders (overlapped scheduling) or known: the same tokens, every step served by
+    the tail; and the same as the eager sync-free sampler over the same logits."""
+    model_dir = tiny_model_factory("llama", seed=3)
+
+    def tokens(placeholders: bool, tail: bool) -> list[list[int]]:
+        runner = _runner(model_dir, explicit=True)
+        graphs = runner._graphs
+        assert graphs is not None
+        served: list[bool] = []
+        sampled = graphs.sampled
+
+        def spy(*args: object, **kwargs: object) -> torch.Tensor | None:
+            out = sampled(*args, **kwargs)  # type: ignore[arg-type]
+            served.append(out is not None)
+            return out
+
+        monkeypatch.setattr(graphs, "sampled", spy)
+        stream = PlaceholderStream(runner, 8, SAMPLED)
+        for _ in range(3):
+            stream.decode(placeholders)
+        assert served == ([True] * 3 if tail else [])
+        return stream.tokens
+
+    known = tokens(placeholders=False, tail=True)
+    assert tokens(placeholders=True, tail=True) == known
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner, "graph_sample", lambda *args, **kwargs: None)
+        assert tokens(placeholders=True, tail=False) == known
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """xgrammar's packed int32 layout of bool ``[rows, vocab]``: bit ``j % 32`` of word
+    ``j // 32`` for token ``j``."""
+    rows, vocab = allowed.shape
+    bits = torch.nn.functional.pad(allowed, (0, -vocab % 32)).view(rows, -1, 32).long()
+    packed = (bits << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+@pytest.mark.usefixtures("cuda_path_on_cpu")
+def test_a_constrained_step_samples_in_the_graph(
+    tiny_model_factory: TinyModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step with grammar-constrained rows: their bitmask goes to the device in one
+    more asynchronous copy and is applied in the sampled tail (nothing else outside the
+    graphs), the constrained rows keep to it, and the tokens equal the eager sampler's."""
+    model_dir = tiny_model_factory("llama", seed=3)
+    constrained = ("r0", "r2", "r5")
+
+    def run(tail: bool) -> tuple[list[list[int]], AuditCounts]:
+        runner = _runner(model_dir, explicit=True)
+        stream = _Stream(runner, 8, SAMPLED)
+        stream.decode()
+        allowed = torch.zeros(len(constrained), runner.config.vocab_size, dtype=torch.bool)
+        allowed[:, 100:120] = True
+        bitmask = _bitmask(allowed)  # the engine's, made before the step: host memory
+        with SyncAudit(host_tensors=[bitmask], graphs=runner._graphs) as audit:
+            stream.decode((bitmask, constrained))
+        return stream.tokens, audit.counts
+
+    tokens, counts = run(tail=True)
+    outside = {k: v for k, v in counts.details.items() if k.startswith("outside_graph:")}
+    assert outside == {"outside_graph:aten.copy_": 4}, outside
+    summary = (counts.h2d, counts.h2d_blocking, counts.d2h, counts.syncs, counts.implicit)
+    assert summary == (3, 0, 1, 0, 0), counts.details
+    assert all(100 <= tokens[int(r[1:])][-1] < 120 for r in constrained)
+    with monkeypatch.context() as patch:
+        patch.setattr(model_runner, "graph_sample", lambda *args, **kwargs: None)
+        eager, _ = run(tail=False)
+    assert tokens == eager
+
+
+def _cuda_runner(model_dir: Path) -> ModelRunner:
+    runner = ModelRunner(ResolvedModel(model_dir, "tiny"), torch.bfloat16, torch.device("cuda"))
+    runner.enable_cuda_graphs(BUCKETS, 4 * BLOCK_SIZE, BLOCK_SIZE)
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    runner.warmup()
+    assert runner.cuda_graph_sizes == BUCKETS, "capture failed: see the warning logged"
+    return runner
+
+
+@pytest.mark.cuda
+def test_sampled_step_in_the_graph_equals_eager_sampling_on_cuda(
+    tiny_model_factory: TinyModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU: 64 seeded, penalised, filtered rows sampled by the captured sampled tail,
+    every decode step under sync debug "error", give the tokens the eager sync-free sampler
+    gives from the same graph's logits (the graphs' forward is the same in both runs)."""
+    model_dir = tiny_model_factory("llama", seed=3)
+    runner = _cuda_runner(model_dir)
+    graphs = runner._graphs
+    assert graphs is not None
+    served: list[bool] = []
+    sampled = graphs.sampled
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor | None:
+        out = sampled(*args, **kwargs)  # type: ignore[arg-type]
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(graphs, "sampled", spy)
+    in_graph = _Stream(runner, 64, SAMPLED)
+    in_graph.decode()  # first decode: one-time allocations (the pinned readback buffer)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            in_graph.decode()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    runner.shutdown()
+    assert served == [True] * 4
+
+    monkeypatch.setattr(model_runner, "graph_sample", lambda *args, **kwargs: None)
+    eager_runner = _cuda_runner(model_dir)
+    eager = _Stream(eager_runner, 64, SAMPLED)
+    for _ in range(4):
+        eager.decode()
+    eager_runner.shutdown()
+    assert in_graph.tokens == eager.tokens
