@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from genserve.kernels import cpu as cpu_kernels
-from genserve.kernels import triton_attention
+from genserve.kernels import triton_attention, triton_varlen_attention
+from genserve.kernels.triton_varlen_attention import VarlenBatch
+from genserve.model.attention import PrefillAttention, TorchPagedAttention
 from genserve.model.loader import ResolvedModel
 from genserve.step import (
     NewRequestData,
@@ -108,22 +110,70 @@ def _stub_decode(
     return _paged_decode(q, kv_cache, block_table, context_lens, scale)
 
 
+@torch.library.custom_op("genserve_test::paged_varlen", mutates_args=())
+def _paged_varlen(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The Triton whole-step kernel's contract in torch (one op, as the kernel is one
+    launch): causal attention of each sequence's queries over its paged context."""
+    _, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = [int(x) for x in query_start]  # the kernel's own business: not audited
+    for i, n in enumerate(int(x) for x in seq_lens):
+        lo, hi = starts[i], starts[i + 1]
+        blocks = block_table[i, : -(-n // block_size)]
+        k = kv_cache[0][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :n].float()
+        v = kv_cache[1][:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :n].float()
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        qi = q[lo:hi].transpose(0, 1).float()  # [heads, n_q, hd]
+        q_pos = torch.arange(n - (hi - lo), n)[:, None]
+        scores = (qi @ k.transpose(1, 2) * scale).masked_fill(
+            torch.arange(n)[None, :] > q_pos, float("-inf")
+        )
+        out[lo:hi] = (torch.softmax(scores, -1) @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+@_paged_varlen.register_fake
+def _(q: torch.Tensor, *_: object) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _stub_varlen(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: VarlenBatch,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    assert window is None and softcap is None and sinks is None
+    return _paged_varlen(q, kv_cache, batch.query_start, batch.seq_lens, batch.block_table, scale)
+
+
 @pytest.fixture
 def cuda_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """CPU kernels off (torch's ops, as on CUDA) and the Triton decode kernel stubbed."""
+    """CPU kernels off (torch's ops, as on CUDA) and the Triton attention kernels stubbed."""
     was_enabled = cpu_kernels._settings.enabled
     cpu_kernels.configure(enabled=False)
     monkeypatch.setattr(triton_attention, "paged_decode_attention", _stub_decode)
+    monkeypatch.setattr(triton_varlen_attention, "paged_varlen_attention", _stub_varlen)
     yield
     cpu_kernels.configure(enabled=was_enabled)
 
 
-def _runner(model_dir: Path, explicit: bool) -> ModelRunner:
+def _runner(model_dir: Path, explicit: bool, dtype: torch.dtype = torch.bfloat16) -> ModelRunner:
     """``explicit``: the CUDA path (explicit transfers, the fused GPU layer ops); else the
     ordinary CPU path (eager torch layers) as the reference."""
-    runner = ModelRunner(
-        ResolvedModel(model_dir, "tiny"), torch.bfloat16, CPU, explicit_transfers=explicit
-    )
+    runner = ModelRunner(ResolvedModel(model_dir, "tiny"), dtype, CPU, explicit_transfers=explicit)
     if explicit:
         runner.model.use_fused_gpu_ops(MAX_POSITIONS)
     runner.initialize_kv_cache(NUM_BLOCKS + 1, BLOCK_SIZE)
@@ -222,6 +272,68 @@ def test_decode_step_reads_back_once_and_never_waits_otherwise(
     plain.decode()
     plain.decode()
     assert stream.tokens == plain.tokens
+
+
+def _mixed_step(runner: ModelRunner, stream: _Stream, params: SamplingParams) -> SchedulerOutput:
+    """The stream's decode rows, two fresh prompts and a chunk continuing a prompt whose
+    first 8 tokens were prefilled in a step before (run here): issue #29's mixed step."""
+    n = len(stream.prompts)
+    prompts = {f"r{n}": tuple(range(5, 15)), f"r{n + 1}": tuple(range(7, 13))}
+    long_prompt = tuple(range(20, 34))
+    first = ScheduledChunk(f"r{n + 2}", long_prompt[:8], 0, (n + 2,), False)
+    new_long = NewRequestData(f"r{n + 2}", long_prompt, len(long_prompt), 0, params)
+    runner.execute_model(SchedulerOutput(100, (first,), new_requests=(new_long,)))
+    decodes = [
+        ScheduledChunk(f"r{i}", (stream.tokens[i][-1],), len(p) + len(stream.tokens[i]) - 1,
+                       (i,), True)
+        for i, p in enumerate(stream.prompts)
+    ]  # fmt: skip
+    fresh = [ScheduledChunk(r, p, 0, (n + j,), True) for j, (r, p) in enumerate(prompts.items())]
+    rest = ScheduledChunk(f"r{n + 2}", long_prompt[8:], 8, (n + 2,), True)
+    news = tuple(NewRequestData(r, p, len(p), 0, params) for r, p in prompts.items())
+    return SchedulerOutput(101, (*decodes, *fresh, rest), new_requests=news)
+
+
+@pytest.mark.usefixtures("cuda_path_on_cpu")
+@pytest.mark.parametrize("prefill", ["triton", "sdpa", "sdpa-pinned"])
+def test_mixed_step_reads_back_once_and_never_waits_otherwise(
+    tiny_model_factory: TinyModelFactory, prefill: PrefillAttention
+) -> None:
+    """A step with 64 decode rows, two fresh prompts and a continuing chunk (eager, not a
+    graph) through each ``--gpu-prefill-attention`` path: its metadata goes up in
+    non-blocking copies, nothing is read back but the sampled tokens; through the Triton
+    kernel a layer is the decode step's nine launches.  The tokens equal the CPU path's
+    (float32 here: in bfloat16 the stubbed kernels' float32 softmax and the CPU path's
+    bfloat16 products part on near-ties of the random tiny model)."""
+    model_dir = tiny_model_factory("llama", seed=3)
+    tokens = []
+    for explicit in (True, False):
+        runner = _runner(model_dir, explicit=explicit, dtype=torch.float32)
+        if explicit:  # the backend a CUDA runner resolves for the flag (CPU resolves "sdpa")
+            runner.backend = TorchPagedAttention(
+                CPU, use_triton_decode=True, batch_prompts=True, prefill=prefill,
+                upload=runner.io.upload_tensor,
+            )  # fmt: skip
+        stream = _Stream(runner, 64, GREEDY)
+        stream.decode()
+        step = _mixed_step(runner, stream, GREEDY)
+        if not explicit:
+            tokens.append([s.token_id for s in runner.execute_model(step).sampled])
+            continue
+        layer = runner.model._layers[1]
+        with SyncAudit(layer=layer) as audit:
+            out = runner.execute_model(step)
+        tokens.append([s.token_id for s in out.sampled])
+        counts = audit.counts
+        problems = {k: v for k, v in counts.details.items() if not k.startswith("kernel:")}
+        assert counts.h2d > 0 and counts.h2d_blocking == 0, problems
+        assert counts.d2h == 1, problems
+        assert counts.syncs == 0, problems
+        assert counts.implicit == 0, problems
+        if prefill == "triton":
+            assert counts.layer_kernels <= MAX_LAYER_KERNELS, counts.summary()
+    assert len(tokens[0]) == 64 + 3
+    assert tokens[0] == tokens[1]
 
 
 @pytest.mark.cuda

@@ -30,7 +30,11 @@ import torch
 from genserve.kernels import fused_gpu_ops
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, TorchPagedAttention
-from genserve.model.attention_backend import select_backend
+from genserve.model.attention_backend import (
+    PrefillAttentionFlag,
+    resolve_prefill_attention,
+    select_backend,
+)
 from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import ResolvedModel
 from genserve.model.mla import latent_cache_shape
@@ -100,11 +104,15 @@ class ModelRunner:
         parallel: ParallelContext | None = None,
         trust_remote_code: bool = False,
         explicit_transfers: bool = False,
+        prefill_attention: PrefillAttentionFlag = "auto",
     ) -> None:
         """``explicit_transfers``: on a CPU device, make every host↔device transfer an
         explicit copy and sample without value-dependent branches — the CUDA path, run on
-        the CPU (the proof test of issue #29); no effect on CUDA."""
+        the CPU (the proof test of issue #29); no effect on CUDA.  ``prefill_attention``:
+        ``--gpu-prefill-attention`` (``model/attention_backend.py``), resolved when the KV
+        cache's block size is known."""
         self.resolved = model
+        self.prefill_attention: PrefillAttentionFlag = prefill_attention
         self.dtype = dtype
         self.device = device
         if device.type == "cpu":
@@ -253,10 +261,23 @@ class ModelRunner:
 
         Zero-filled: attention masks out unused slots, but 0 * NaN garbage would still
         poison a softmax-weighted sum."""
-        self.backend = select_backend(
-            self.device, block_size, self.dtype, head_dim=self.config.head_dim
-        )
         mla = self.config.mla
+        prefill = resolve_prefill_attention(
+            self.prefill_attention,
+            self.device,
+            block_size,
+            self.dtype,
+            self.config.head_dim,
+            model_supported=self.serving.is_native and mla is None,
+        )
+        self.backend = select_backend(
+            self.device,
+            block_size,
+            self.dtype,
+            head_dim=self.config.head_dim,
+            prefill=prefill,
+            upload=self.io.upload_tensor,
+        )
         sinks = self.serving.is_native and self.config.attention.sinks
         torch_metadata = not self.serving.is_native or sinks or mla is not None
         if torch_metadata and not isinstance(self.backend, TorchPagedAttention):
@@ -266,7 +287,10 @@ class ModelRunner:
             # the fallback its cache layout); flash-attn's paged kernel has no attention
             # sinks (gpt-oss).
             self.backend = TorchPagedAttention(
-                self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
+                self.device,
+                use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype),
+                prefill=prefill,
+                upload=self.io.upload_tensor,
             )
         # One scratch block past the scheduler's, for padding CUDA graph steps.
         allocated = num_blocks + (1 if self._graph_plan is not None else 0)
