@@ -28,10 +28,13 @@ step thread *before* step n's tokens are known, whenever the scheduler allows it
 (:meth:`Scheduler.can_schedule_ahead`) and the runner fills placeholder tokens
 (``supports_token_from_last_step``).  Outputs are the same with and without ``overlap``.
 
-Departure from DESIGN.md ("one asyncio loop: the engine loop is a task on the gRPC event
-loop"): the engine loop has a thread and a loop of its own, so a busy gRPC loop (many
-streams serialised, a slow consumer) no longer delays the step's hand-off to the runner;
-the two share the GIL, so what they still share is Python time, not turns of one loop.
+Departure from DESIGN.md ("How a request flows": the engine loop, one task, on the
+servicer's event loop): it is still one task, but on an event loop of its own in a
+dedicated thread, so a busy gRPC loop (many streams serialised, a slow consumer) no longer
+delays the hand-off of the next step to the runner.  The two threads share the GIL, so
+what they still share is Python time, not turns of one loop.  The scheduler is read from
+outside only through the engine thread (``AsyncEngine.call_in_engine``; the metrics'
+scrape binds to its loop), and step observers run on the gRPC loop, not here.
 """
 
 from __future__ import annotations
