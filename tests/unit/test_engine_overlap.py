@@ -1,10 +1,10 @@
 """AsyncEngine with ``overlap``: step n + 1 is scheduled before step n's tokens are known
 (the fake runner fills its placeholder tokens from its own last step), and step n is
-streamed (detokenised, stop strings checked, observers told) while step n + 1 runs.
-Against a fake runner that sleeps a fixed "device" time D per step and a scheduler that
-spends a fixed host time H on the engine thread applying each result, a step takes about max(H, D) instead of H + D; and outputs
-are the same with overlap on and off (greedy, stop strings, stop token ids, max tokens,
-cancellation, preemption)."""
+applied and detokenised (stop strings checked) while step n + 1 runs.  Against a fake
+runner that sleeps a fixed "device" time D per step and a scheduler that spends a fixed
+host time H on the engine thread applying each result, a step takes about max(H, D)
+instead of H + D; and outputs are the same with overlap on and off (greedy, stop strings,
+stop token ids, max tokens, cancellation, preemption)."""
 
 from __future__ import annotations
 
