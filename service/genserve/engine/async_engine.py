@@ -85,7 +85,6 @@ class AsyncEngine:
         self._clients: dict[str, _Client] = {}
         self._accepting = False
         self._stopped = False
-        self._dead_reason: str | None = None  # mark_dead's reason, before the engine's
         self._idle = asyncio.Event()  # set whenever the last stream ends
         self._drain_cut = False  # end_drain: shutdown aborts in-flight requests at once
         self.step_observers: list[Callable[[StepObservation], None]] = []
@@ -111,11 +110,11 @@ class AsyncEngine:
     @property
     def is_ready(self) -> bool:
         """True when a request sent now would be generated."""
-        return self._accepting and self.dead_reason is None and self._thread.is_running
+        return self._accepting and self._core.dead_reason is None and self._thread.is_running
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead_reason or self._core.dead_reason
+        return self._core.dead_reason
 
     @property
     def num_in_flight(self) -> int:
@@ -155,22 +154,14 @@ class AsyncEngine:
         Safe to call from any thread; runs at once on the engine thread, even while it
         awaits a step that will never end."""
         self._accepting = False
-        if self._dead_reason is None:
-            self._dead_reason = reason
-        # The engine thread may be inside a step that will never end (a serial engine runs
-        # the step itself): end the calls from the gRPC loop too, not only from there.
         if not self._thread.call_soon(functools.partial(self._core.die, reason)):
             self._core.die(reason)
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._end_clients, FinishReason.ERROR, reason)
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting, let in-flight requests finish for up to ``grace_s``, abort the rest,
         stop the engine thread and the runner."""
         self._accepting = False
-        if self._clients and self.dead_reason is None and not self._drain_cut:
+        if self._clients and self._core.dead_reason is None and not self._drain_cut:
             self._idle.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), max(0.0, grace_s))
@@ -185,23 +176,22 @@ class AsyncEngine:
             )
         await asyncio.to_thread(self._thread.stop)
         self._stopped = True
-        self._end_clients(FinishReason.ABORTED, "server is shutting down")
+        self._end_leftovers()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._runner.shutdown)
         self._core.executor.shutdown(wait=False, cancel_futures=True)
 
-    def _end_clients(self, reason: FinishReason, message: str) -> None:
-        """gRPC loop: end every call still open with ``reason`` (the engine died, or stopped
-        without answering them); the engine's own final outputs, if any come, are dropped."""
+    def _end_leftovers(self) -> None:
+        """Clients the stopped engine never answered (a delivery lost to a dead thread)."""
         for req_id, client in list(self._clients.items()):
             final = FinalInfo(
-                finish_reason=reason,
+                finish_reason=FinishReason.ABORTED,
                 generated_text="",
                 num_generated_tokens=client.num_outputs,
                 num_prompt_tokens=len(client.request.prompt_token_ids),
                 num_cached_tokens=0,
                 num_preemptions=0,
-                error=message,
+                error="server is shutting down",
             )
             self._finish(req_id, client)
             client.queue.put_nowait(TokenOutput(index=client.num_outputs, token=None, final=final))

@@ -1,17 +1,15 @@
 """The engine loop: schedule → run → apply tokens → stop checks → detokenise → hand outputs.
 
 Everything here runs on the engine thread (:class:`~genserve.engine.engine_thread.
-EngineThread`), on that thread's own asyncio loop. With ``overlap``,
-``Runner.execute_model`` runs in one more thread (the *step thread*) so that the next step
-can be prepared while a step computes; without it the loop is serial and the engine thread
-runs the step itself (a thread hop less per step). The scheduler, the per-request
-detokenisers and the stream bookkeeping are owned by the engine thread and need no locks;
-requests and aborts arrive through the engine thread's inbox (:meth:`EngineLoop.add`,
-:meth:`EngineLoop.abort`, posted by the facade, ``engine/async_engine.py``). Each step's
-outputs leave in **one** batch (:class:`Delivery`) through the ``deliver`` callback, which
-the facade turns into one ``call_soon_threadsafe`` to the gRPC event loop; that loop puts
-the outputs into the request streams and tells the step observers (metrics, traces). The
-engine loop never waits for the gRPC loop.
+EngineThread`), on that thread's own asyncio loop, except ``Runner.execute_model``, which
+runs in one more thread (the *step thread*) so that the next step can be prepared while a
+step computes.  The scheduler, the per-request detokenisers and the stream bookkeeping are
+owned by the engine thread and need no locks; requests and aborts arrive through the engine
+thread's inbox (:meth:`EngineLoop.add`, :meth:`EngineLoop.abort`, posted by the facade,
+``engine/async_engine.py``).  Each step's outputs leave in **one** batch (:class:`Delivery`)
+through the ``deliver`` callback, which the facade turns into one ``call_soon_threadsafe``
+to the gRPC event loop; that loop puts the outputs into the request streams and tells the
+step observers (metrics, traces).  The engine loop never waits for the gRPC loop.
 
 Where detokenisation runs, and why: here, on the engine thread, because a stop string ends
 a request in the scheduler (freeing its KV blocks, keeping it out of the next batch) and
@@ -247,20 +245,8 @@ class EngineLoop:
         carries no finished ids either, so skipping it loses nothing)."""
         if step.is_empty and not step.finished_req_ids:
             return None
-        started = time.perf_counter()
-        if not self.overlap:
-            # Serial: nothing else is due on this thread while the step runs, so run it here
-            # and spare two thread wake-ups a step (measured on the CPU: the hop to the step
-            # thread and back cost ~5% of decode speed there once the engine left the gRPC
-            # loop).  Arrivals and aborts wait in the inbox, as they would for the result.
-            done: asyncio.Future[RunnerOutput] = loop.create_future()
-            try:
-                done.set_result(self.runner.execute_model(step))
-            except Exception as exc:
-                done.set_exception(exc)
-            return _Running(step, done, started)
         future = loop.run_in_executor(self.executor, self.runner.execute_model, step)
-        return _Running(step, future, started)
+        return _Running(step, future, time.perf_counter())
 
     def _emit_step(self, done: _Finished) -> None:
         """Detokenise a finished step's tokens (stop strings), hand them and the step's
