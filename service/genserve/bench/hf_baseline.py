@@ -17,6 +17,7 @@ works for any batch size, unlike streamers.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -202,9 +203,12 @@ def run_static_generate(
     pad_to = max(len(tokenizer(p.text)["input_ids"]) for p in prompts)
     kwargs: dict[str, Any] = {"cache_implementation": "static", "disable_compile": not compile}
     if compile:
-        kwargs["compile_config"] = CompileConfig(
-            fullgraph=True, mode="reduce-overhead", _compile_all_devices=model.device.type == "cpu"
-        )
+        options: dict[str, Any] = {"fullgraph": True, "mode": "reduce-overhead"}
+        # Older transformers (5.17 on the GPU machine) have no ``_compile_all_devices``; it
+        # only matters on CPU, where compilation is otherwise skipped.
+        if "_compile_all_devices" in inspect.signature(CompileConfig).parameters:
+            options["_compile_all_devices"] = model.device.type == "cpu"
+        kwargs["compile_config"] = CompileConfig(**options)
     remainder = len(prompts) % batch_size
     padded = list(prompts) + [prompts[0]] * ((batch_size - remainder) % batch_size)
     run_padded_generate(  # warm-up: compile and capture, not measured
