@@ -26,6 +26,7 @@ from tqdm import tqdm
 from genserve.logging import progress_bars
 from genserve.model import model_cache
 from genserve.model.gguf_config import apply_llama_cpp_hparams
+from genserve.model.gguf_metadata_reader import fast_config_reader
 
 log = structlog.get_logger("genserve.model")
 
@@ -134,11 +135,20 @@ def _save_gguf_metadata(gguf_file: Path, out_dir: Path, trust_remote_code: bool)
     """``config.json`` and the tokenizer of ``gguf_file``, from its metadata (transformers
     reads them without touching a tensor).  No weights: they are read from the GGUF file
     itself at every start (model/gguf_weights.py), quantized matrices as they are stored."""
+    progress = _Progress(2, gguf_file.name)
+    # transformers reads the config (twice: again under AutoTokenizer) with gguf.GGUFReader;
+    # the fast reader gives it the same fields without a numpy view per vocabulary string.
+    with fast_config_reader():
+        _save_config_and_tokenizer(gguf_file, out_dir, trust_remote_code, progress)
+
+
+def _save_config_and_tokenizer(
+    gguf_file: Path, out_dir: Path, trust_remote_code: bool, progress: _Progress
+) -> None:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     src, name = str(gguf_file.parent), gguf_file.name
-    progress = _Progress(2, name)
     try:
         progress.stage("reading config")
         config = AutoConfig.from_pretrained(
