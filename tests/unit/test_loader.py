@@ -31,7 +31,7 @@ def test_embedded_default_is_converted_once_and_cached() -> None:
     cache = load_config([]).genserve_cache / "models"  # shared with the tiny models' tokenizer
     resolved = resolve_model(None, cache_dir=cache)
     assert resolved.model_id == DEFAULT_GGUF_NAME
-    assert resolved.revision is not None and resolved.revision.startswith("sha256:")
+    assert resolved.revision is not None and resolved.revision.startswith("sha256-sampled:")
     assert resolved.local_dir.parent == cache
     assert resolved.local_dir.name.startswith("gguf-")  # keyed by content, not file name
     for name in ("config.json", "tokenizer.json"):

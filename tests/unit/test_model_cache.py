@@ -35,10 +35,67 @@ def test_same_gguf_under_two_names_is_one_entry(tiny_gguf: Path, tmp_path: Path)
     built = record.stat().st_mtime_ns
     second = resolve_model(str(other), cache_dir=cache)
     assert second.local_dir == first.local_dir and second.revision == first.revision
-    assert first.local_dir.name == f"gguf-{first.revision.removeprefix('sha256:')}"
+    assert first.local_dir.name == f"gguf-{first.revision.removeprefix('sha256-sampled:')}"
     (entry,) = model_cache.list_entries(cache)
     assert set(entry.sources) == {str(tiny_gguf.resolve()), str(other.resolve())}
     assert json.loads(record.read_text())["created"] * 1e9 <= built  # not rebuilt
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate tokenizer", "overwrite config", "delete tokenizer", "garbage record", "no config"],
+)
+def test_damaged_entry_is_rebuilt_not_fatal(tiny_gguf: Path, tmp_path: Path, damage: str) -> None:
+    """A cache entry cut short or overwritten is rebuilt at the next start (#28), and the
+    model loads from it."""
+    from genserve.tokenizer import Tokenizer
+
+    cache = tmp_path / "models"
+    entry = resolve_model(str(tiny_gguf), cache_dir=cache).local_dir
+    good = {name: (entry / name).read_bytes() for name in ("config.json", "tokenizer.json")}
+    tokenizer, config = entry / "tokenizer.json", entry / "config.json"
+    if damage == "truncate tokenizer":
+        tokenizer.write_bytes(good["tokenizer.json"][:100])
+    elif damage == "overwrite config":  # same size, other bytes: only the digest tells
+        config.write_bytes(b" " * len(good["config.json"]))
+    elif damage == "delete tokenizer":
+        tokenizer.unlink()
+    elif damage == "garbage record":
+        (entry / model_cache.ENTRY_FILE).write_text("{not json")
+    else:
+        config.unlink()
+    assert not model_cache.is_current(entry, conversion.GGUF_ENTRY_VERSION)
+    again = resolve_model(str(tiny_gguf), cache_dir=cache).local_dir
+    assert again == entry
+    assert {name: (entry / name).read_bytes() for name in good} == good
+    assert model_cache.is_current(entry, conversion.GGUF_ENTRY_VERSION)
+    assert Tokenizer(entry).vocab_size > 0
+
+
+def test_cut_digest_memo_is_recomputed(tiny_gguf: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "models"
+    first = resolve_model(str(tiny_gguf), cache_dir=cache)
+    (memo,) = model_cache.digest_memo_dir(cache).glob("*.txt")
+    memo.write_text(memo.read_text()[:10])
+    assert resolve_model(str(tiny_gguf), cache_dir=cache).revision == first.revision
+    assert len(memo.read_text()) == 64
+
+
+def test_sampled_digest_sees_header_and_weights(tiny_gguf: Path, tmp_path: Path) -> None:
+    """The digest covers the header in full and samples the tensor data: a change in either
+    is another file (the trade-off: bytes between samples are not read)."""
+    from genserve.model.file_identity import sampled_digest
+    from genserve.model.gguf_index import GGUFIndex
+
+    base = sampled_digest(tiny_gguf)
+    data = bytearray(tiny_gguf.read_bytes())
+    start = min(int(t.data_offset) for t in GGUFIndex(tiny_gguf).tensors)
+    for at in (66, start, len(data) - 1):  # "llama" (the architecture), data start, last byte
+        changed = tmp_path / f"changed-{at}.gguf"
+        copy = bytearray(data)
+        copy[at] ^= 0xFF
+        changed.write_bytes(bytes(copy))
+        assert sampled_digest(changed) != base, at
 
 
 _KILLED_BUILD = textwrap.dedent(

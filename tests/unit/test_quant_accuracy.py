@@ -91,3 +91,29 @@ def test_fixed_inputs_and_cli_registration(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):  # bad configuration names fail before any server starts
         bench_main(["quant-accuracy", "--configs", "float32,nonsense"])
     assert "nonsense" in capsys.readouterr().err
+
+
+def test_distribution_measures() -> None:
+    """dist_compare's measures on hand-made distributions: identical sides agree fully
+    with zero KL; a flipped top token counts; the KL is the textbook one."""
+    import numpy as np
+
+    from genserve.bench import dist_compare
+
+    p = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]]))
+    q = np.log(np.array([[0.2, 0.7, 0.1], [0.1, 0.6, 0.3]]))
+    ids = [0, 0, 1]
+    ref = dist_compare.Distributions("ref", p)
+    same = dist_compare.compare(ref, dist_compare.Distributions("same", p.copy()), ids)
+    assert same["top1_agreement"] == 1.0 and same["mean_kl"] == pytest.approx(0.0, abs=1e-12)
+    assert same["ppl_ratio"] == pytest.approx(1.0)
+    other = dist_compare.compare(ref, dist_compare.Distributions("q", q), ids)
+    assert other["top1_agreement"] == 0.5
+    kl0 = 0.7 * math.log(0.7 / 0.2) + 0.2 * math.log(0.2 / 0.7)
+    assert other["mean_kl"] == pytest.approx(kl0 / 2)
+    # ppl of ids[1:] = (0, 1): exp(-(log .7 + log .6)/2) vs exp(-(log .2 + log .6)/2)
+    assert other["ppl_ratio"] == pytest.approx(math.sqrt(0.7 / 0.2))
+    row = dist_compare.dense([(0, -1.0), (1, -2.0), (2, -3.0)], 3, "x")
+    assert row.tolist() == [-1.0, -2.0, -3.0]
+    with pytest.raises(ValueError, match="1 of 3"):
+        dist_compare.dense([(0, -1.0), (1, -2.0)], 3, "x")

@@ -34,6 +34,14 @@ server's weight size where its Info reports ``model_weight_bytes``.
     genserve-bench quant-accuracy --configs float32,int8,int4,gguf --out quant-accuracy.json
     genserve-bench quant-accuracy --configs float32,bfloat16 --max-new-tokens 16
     genserve-bench quant-accuracy --configs float32,gguf,gguf-int-dot   # --cpu-int-dot cost
+
+``--llama-cpp`` (a ``--model-id`` that is a ``.gguf`` file) adds full next-token
+distributions over the first ``--dist-tokens`` ids of the passage, from every configuration
+and from ``llama-server`` on the same file, each compared with the baseline's: top-1
+agreement, mean KL divergence and the perplexity ratio (:mod:`genserve.bench.dist_compare`).
+
+    genserve-bench quant-accuracy --model-id FILE.gguf --configs float32,gguf,gguf-int-dot \
+        --llama-cpp --out accuracy.json
 """
 
 from __future__ import annotations
@@ -42,16 +50,18 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 
+from genserve.bench import dist_compare
 from genserve.bench.launch import LaunchedServer, split_server_args
 from genserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -338,8 +348,10 @@ def run_config(
     base: ConfigResult | None,
     passage: str | list[int],
     timeout_s: float,
+    after: Callable[[str, list[int]], None] | None = None,
 ) -> list[int]:
-    """Launch one server with ``result.server_args``, :func:`measure` it, stop it."""
+    """Launch one server with ``result.server_args``, :func:`measure` it, call ``after``
+    (its address and the passage ids) while it still runs, stop it."""
     log = log_dir / f"{result.name}.log"
     server = LaunchedServer(result.server_args, "127.0.0.1", port, threads, log)
     start = time.perf_counter()
@@ -355,12 +367,61 @@ def run_config(
             f"measured in {time.perf_counter() - healthy:.0f} s",
             flush=True,
         )
+        if after is not None:
+            after(server.address, ids)
         return ids
     except BaseException:
         print(server.log_tail(), file=sys.stderr)
         raise
     finally:
         server.stop()
+
+
+class _DistRun:
+    """The ``--llama-cpp`` side of a run: each genserve configuration's distributions over
+    the passage's first ids (read while its server runs), then llama-server's."""
+
+    def __init__(self, model: Path, args: argparse.Namespace) -> None:
+        from genserve.model.gguf_index import GGUFIndex
+
+        self.model, self.args = model, args
+        embedding = next(t for t in GGUFIndex(model).tensors if t.name == "token_embd.weight")
+        self.vocab = int(embedding.shape[1])  # GGUF dimensions: innermost first
+        self.ids: list[int] = []
+        self.sides: dict[str, dist_compare.Distributions] = {}
+
+    def collector(self, name: str) -> Callable[[str, list[int]], None]:
+        def collect(address: str, passage_ids: list[int]) -> None:
+            self.ids = list(passage_ids[: self.args.dist_tokens])
+            self.sides[name] = asyncio.run(
+                dist_compare.genserve_distributions(
+                    address, name, self.ids, self.vocab, self.args.timeout
+                )
+            )
+
+        return collect
+
+    def run_llama_cpp(self, log_dir: Path) -> None:
+        command = dist_compare.llama_server_command(
+            self.args.llama_cpp_bin, self.model, self.args.port, self.args.threads, 4096
+        )
+        print(f"llama.cpp: {shlex.join(command)}", flush=True)
+        self.sides["llama.cpp"] = dist_compare.run_llama_server(
+            command,
+            self.args.port,
+            log_dir / "llama-server.log",
+            self.ids,
+            self.vocab,
+            self.args.timeout,
+        )
+
+    def rows(self, baseline: str) -> list[dict[str, float | str]]:
+        ref = self.sides[baseline]
+        return [
+            {"side": name, **dist_compare.compare(ref, side, self.ids)}
+            for name, side in self.sides.items()
+            if name != baseline
+        ]
 
 
 def _parse_config(text: str) -> tuple[str, tuple[str, ...]]:
@@ -405,7 +466,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="OMP threads of the servers")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", type=Path, help="write the summary and raw measurements as JSON")
+    p.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also compare full distributions with llama-server's on the same --model-id GGUF",
+    )
+    p.add_argument(
+        "--llama-cpp-bin",
+        type=Path,
+        default=Path(os.environ.get("LLAMA_CPP_BIN", "/work/llamacpp/build/bin")),
+        help="directory with llama-server (env LLAMA_CPP_BIN)",
+    )
+    p.add_argument(
+        "--dist-tokens", type=int, default=64, help="passage ids the distributions cover"
+    )
     args = p.parse_args(args_in)
+    if args.llama_cpp and not (args.model_id and args.model_id.endswith(".gguf")):
+        p.error("--llama-cpp compares on one file: give --model-id FILE.gguf")
     known = {**BUILTIN_CONFIGS, **dict(args.extra)}
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in [*names, args.baseline] if n not in known]
@@ -418,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model_id:
         shared = ["--model-id", args.model_id, *shared]
     passage: str | list[int] = args.text_file.read_text() if args.text_file else PASSAGE
+    dists = _DistRun(Path(args.model_id), args) if args.llama_cpp else None
+    if dists is not None:
+        shared += ["--max-top-n-tokens", str(dists.vocab)]
 
     results: list[ConfigResult] = []
     with tempfile.TemporaryDirectory(prefix="genserve-bench-quant-") as tmp:
@@ -433,8 +513,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[0] if results else None,
                 passage,
                 args.timeout,
+                dists.collector(name) if dists is not None else None,
             )
             results.append(result)
+        if dists is not None:
+            dists.run_llama_cpp(Path(tmp))
     base = results[0]
     rows = [summarize(base, r) for r in results]
     table = markdown_table(rows, args.baseline)
@@ -443,6 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"perplexity over {len(base.passage_logprobs)} tokens\n"
     )
     print(table)
+    dist_rows = dists.rows(args.baseline) if dists is not None else []
+    if dists is not None:
+        print(f"\nFull distributions, {dists.model.name} ({args.baseline} = reference):\n")
+        print(dist_compare.markdown_table(dist_rows, args.baseline, len(dists.ids) - 1))
     if args.out is not None:
         report = {
             "baseline": args.baseline,
@@ -451,6 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prompts": list(PROMPTS),
             "passage_tokens": len(base.passage_logprobs) + 1,
             "rows": rows,
+            "distribution_rows": dist_rows,
             "configs": [asdict(r) for r in results],
         }
         args.out.write_text(json.dumps(report, indent=2))

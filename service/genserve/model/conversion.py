@@ -13,10 +13,8 @@ even by concurrent starts, interrupted builds cleaned up).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -25,32 +23,11 @@ from tqdm import tqdm
 
 from genserve.logging import progress_bars
 from genserve.model import model_cache
+from genserve.model.file_identity import file_digest
 from genserve.model.gguf_config import apply_llama_cpp_hparams
+from genserve.model.gguf_metadata_reader import fast_config_reader
 
 log = structlog.get_logger("genserve.model")
-
-_CHUNK = 1 << 22
-
-
-def file_digest(path: Path, cache_dir: Path) -> str:
-    """sha256 of ``path``'s content, memoised per (path, size, mtime) under ``cache_dir`` so
-    that later starts do not re-read a multi-gigabyte file."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    memo = model_cache.digest_memo_dir(cache_dir) / f"{key.hexdigest()[:32]}.txt"
-    with contextlib.suppress(OSError):
-        return memo.read_text().strip()
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    value = digest.hexdigest()
-    with contextlib.suppress(OSError):
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(value)
-        tmp.replace(memo)
-    return value
 
 
 def dir_fingerprint(model_dir: Path) -> str:
@@ -66,7 +43,9 @@ def dir_fingerprint(model_dir: Path) -> str:
 # 2: gguf_config restores the settings transformers' GGUF reader drops (head_dim, soft-caps,
 # sliding window, Gemma's query scale, Phi-3's partial rotary and longrope factors).
 # 3: and the expert widths of Qwen2/3-MoE files (moe_intermediate_size, shared expert's).
-GGUF_ENTRY_VERSION = 3
+# 4: entries record their files' sizes and digests (model_cache.entry_intact), keyed by the
+#    sampled digest (file_identity).
+GGUF_ENTRY_VERSION = 4
 
 
 def convert_gguf(gguf_file: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:
@@ -134,11 +113,20 @@ def _save_gguf_metadata(gguf_file: Path, out_dir: Path, trust_remote_code: bool)
     """``config.json`` and the tokenizer of ``gguf_file``, from its metadata (transformers
     reads them without touching a tensor).  No weights: they are read from the GGUF file
     itself at every start (model/gguf_weights.py), quantized matrices as they are stored."""
+    progress = _Progress(2, gguf_file.name)
+    # transformers reads the config (twice: again under AutoTokenizer) with gguf.GGUFReader;
+    # the fast reader gives it the same fields without a numpy view per vocabulary string.
+    with fast_config_reader():
+        _save_config_and_tokenizer(gguf_file, out_dir, trust_remote_code, progress)
+
+
+def _save_config_and_tokenizer(
+    gguf_file: Path, out_dir: Path, trust_remote_code: bool, progress: _Progress
+) -> None:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     src, name = str(gguf_file.parent), gguf_file.name
-    progress = _Progress(2, name)
     try:
         progress.stage("reading config")
         config = AutoConfig.from_pretrained(

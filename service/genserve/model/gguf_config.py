@@ -27,9 +27,11 @@ def apply_llama_cpp_hparams(gguf_file: Path, config: Any) -> dict[str, Any]:
     """Set on ``config`` (read from ``gguf_file`` by transformers) the fields the file's
     llama.cpp metadata gives and transformers dropped; only fields ``config`` has.  Returns
     what was set (transformers names), for the log."""
-    from gguf import GGUFReader
+    from genserve.model.gguf_index import GGUFIndex
 
-    reader = GGUFReader(gguf_file)
+    # The index reads scalars and tensor records without parsing the vocabulary arrays
+    # (gguf.GGUFReader made a numpy view per string: most of a minute at 8B).
+    reader = GGUFIndex(gguf_file)
     fields = reader.fields
     arch = _scalar(fields, "general.architecture")
     if not isinstance(arch, str):

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import structlog
 
-from genserve.model.conversion import convert_gguf, convert_pytorch_bin, file_digest
+from genserve.model.conversion import convert_gguf, convert_pytorch_bin
+from genserve.model.file_identity import file_digest
 from genserve.model.model_cache import clean_interrupted, read_record, record_sources
 from genserve.model.weight_files import has_weights
 
@@ -52,8 +53,9 @@ class ResolvedModel:
 
     ``local_dir`` holds ``config.json``, ``*.safetensors`` and the tokenizer files;
     ``model_id`` is what the user named (or the default's file name); ``revision`` is the hub
-    commit, the source file's content digest (``sha256:…``), the requested revision, or
-    ``None`` for a plain local directory.
+    commit, the source file's content digest (``sha256-sampled:…``, see
+    ``model/file_identity.py``), the requested revision, or ``None`` for a plain local
+    directory.
     """
 
     local_dir: Path
@@ -136,7 +138,7 @@ def resolve_model(
 
 def _from_gguf(gguf: Path, model_id: str, cache: Path, trust_remote_code: bool) -> ResolvedModel:
     local_dir = convert_gguf(gguf, cache, trust_remote_code)
-    digest = f"sha256:{file_digest(gguf, cache)[:16]}"
+    digest = f"sha256-sampled:{file_digest(gguf, cache)[:16]}"
     return ResolvedModel(local_dir, model_id, digest, gguf_file=gguf)
 
 

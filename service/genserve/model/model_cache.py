@@ -12,8 +12,10 @@ Layout::
       .digests/             memoised file digests (path, size, mtime -> sha256)
 
 An entry directory under its final name is always complete: it is built in ``.tmp`` and
-appears with one atomic rename.  ``entry.json`` records the sources it was built from and
-when; its mtime is touched at every use (``genserve cache prune --older-than``).
+appears with one atomic rename.  ``entry.json`` records the sources it was built from,
+when, and each file's size and sha256: an entry whose files no longer match (cut short,
+deleted, overwritten) is rebuilt at the next start, never served.  Its mtime is touched
+at every use (``genserve cache prune --older-than``).
 
 Interrupted work (a process killed while building) leaves a temporary directory and a lock
 file; :func:`clean_interrupted` removes both at the next start, but only when no live
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -43,6 +46,9 @@ log = structlog.get_logger("genserve.model")
 
 ENTRY_FILE = "entry.json"
 _TMP, _LOCKS, _DIGESTS = ".tmp", ".locks", ".digests"
+# Entry files up to this size are recorded with their sha256 (configs, tokenizers: a few MB,
+# milliseconds to check at a start); larger ones (converted weights) by size.
+_HASHED_UP_TO = 64 << 20
 
 
 class EntryBusy(RuntimeError):
@@ -64,12 +70,51 @@ def is_complete(entry: Path) -> bool:
 
 
 def is_current(entry: Path, version: int) -> bool:
-    """``entry`` is complete and was written by the converter of format ``version`` (entries
-    from before formats were recorded count as version 1)."""
+    """``entry`` is complete, intact (:func:`entry_intact`) and was written by the converter
+    of format ``version`` (entries from before formats were recorded count as version 1)."""
     if not is_complete(entry):
         return False
-    recorded = read_record(entry).get("version", 1)
-    return recorded == version
+    record = read_record(entry)
+    return record.get("version", 1) == version and entry_intact(entry, record)
+
+
+def _file_manifest(directory: Path) -> dict[str, list[object]]:
+    """``{name: [size, sha256 or None]}`` of ``directory``'s files (the entry record aside);
+    files over :data:`_HASHED_UP_TO` (converted weights) by size only."""
+    manifest: dict[str, list[object]] = {}
+    for path in sorted(directory.rglob("*")):
+        if not path.is_file() or path.name.startswith(f".{ENTRY_FILE}") or path.name == ENTRY_FILE:
+            continue
+        size = path.stat().st_size
+        digest = _sha256(path) if size <= _HASHED_UP_TO else None
+        manifest[str(path.relative_to(directory))] = [size, digest]
+    return manifest
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def entry_intact(entry: Path, record: dict[str, object] | None = None) -> bool:
+    """Every file ``entry``'s record lists is there with its recorded size and digest (a
+    config or tokenizer cut short by a full disk, a file deleted or overwritten by hand):
+    such an entry is rebuilt, never served.  Entries recorded before manifests (no
+    ``files``) are taken as they are."""
+    record = read_record(entry) if record is None else record
+    files = record.get("files")
+    if files is None:
+        return True
+    if not isinstance(files, dict):
+        return False
+    for name, expected in files.items():
+        path = entry / name
+        try:
+            size, digest = expected
+            if path.stat().st_size != size or (digest is not None and _sha256(path) != digest):
+                return False
+        except (OSError, TypeError, ValueError):
+            return False
+    return True
 
 
 def build_once(entry: Path, build: Callable[[Path], None], source: str, version: int = 1) -> Path:
@@ -85,7 +130,12 @@ def build_once(entry: Path, build: Callable[[Path], None], source: str, version:
         with _lock(cache, entry.name, blocking=True):
             if not is_current(entry, version):  # nobody finished it while we waited
                 if entry.exists():
-                    log.info("model_cache_entry_stale", entry=str(entry), version=version)
+                    intact = entry_intact(entry)
+                    log.info(
+                        "model_cache_entry_stale" if intact else "model_cache_entry_damaged",
+                        entry=str(entry),
+                        version=version,
+                    )
                     _discard(entry)
                 _build(entry, build, source, version)
     _record_use(entry, source)
@@ -109,7 +159,8 @@ def _build(entry: Path, build: Callable[[Path], None], source: str, version: int
     try:
         log.info("model_conversion_started", source=source, target=str(entry))
         build(tmp)
-        _write_record(tmp, {"sources": [source], "created": time.time(), "version": version})
+        record = {"sources": [source], "created": time.time(), "version": version}
+        _write_record(tmp, {**record, "files": _file_manifest(tmp)})
         # mkdtemp creates the directory private; the cache is as shared as its parent.
         umask = os.umask(0)
         os.umask(umask)

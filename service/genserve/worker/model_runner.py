@@ -86,6 +86,9 @@ log = structlog.get_logger("genserve.worker")
 
 # On CUDA, part of the budget stays free for activations and allocator fragmentation.
 _CUDA_ACTIVATION_RESERVE = 0.1
+# The CPU warm-up's prompt: two of them make an 8-row prefill step (the batched kernels'
+# path) and the decode step 2 rows, each one pass over the weights (see warmup()).
+_CPU_WARMUP_PROMPT = 4
 
 
 class ModelRunner:
@@ -315,11 +318,20 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Run a prefill step, a decode step and the sampling paths once, so the first real
-        request does not pay one-time costs; then zero the cache and forget the requests."""
+        request does not pay one-time costs; then zero the cache and forget the requests.
+
+        What it guards: on a GPU, the Triton kernels' JIT compiles and CUDA graph capture
+        (a prompt of two KV blocks, so block-crossing paths compile too); on CPU, the first
+        call of each path (the C++ ops' dispatch, torch's and oneDNN's lazily made
+        primitives, the sampler's ops) and the first touch of every weight page.  On CPU
+        none of that depends on the prompt's length, while the step's cost grows with it
+        (two 32-token prompts were ~1 minute of an 8B K-quant start on a busy 2-core host):
+        there a prompt of :data:`_CPU_WARMUP_PROMPT` tokens, one pass over the weights."""
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before warmup()")
         bs = self.block_size
-        n = min(2 * bs, max(1, self.num_blocks * bs // 2 - 1))  # prompt length
+        longest = 2 * bs if self.device.type != "cpu" else _CPU_WARMUP_PROMPT
+        n = min(longest, max(1, self.num_blocks * bs // 2 - 1))  # prompt length
         blocks_each = -(-(n + 1) // bs)  # room for the prompt and one decoded token
         num_seqs = min(2, self.num_blocks // blocks_each)
         prompt = tuple(range(1, n + 1))
