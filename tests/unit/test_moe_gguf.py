@@ -82,6 +82,27 @@ def test_integer_paths_agree_with_each_other_and_near_the_float_path(
 
 
 @needs_kernels
+@pytest.mark.skipif(not int_dot.available_isas(), reason="no integer kernel path (no AVX2)")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_integer_rows_do_not_depend_on_the_step(qtype: str) -> None:
+    """A row's result is the same computed alone or in a step where its experts have other
+    rows (the Q8_0/Q4_0 rows run four weight rows at a time, an expert's activation rows one
+    after the other over them): equal, not close, on every instruction set; and the input
+    quantized once per token gives what quantizing it per chosen expert gave (the two top-k
+    slots of a token see the same int8 row)."""
+    experts = _experts((qtype,) * 3, hidden=256, width=96)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(7))
+    ids, weights = _routing(9)
+    ids[1] = ids[0]  # two tokens on the same two experts: an expert with two rows
+    for isa in int_dot.available_isas():
+        serving = experts.serving(int(isa))
+        together = serving.forward(x, ids, weights)
+        for t in range(9):
+            alone = serving.forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
+            assert torch.equal(together[t : t + 1], alone), (isa, t)
+
+
+@needs_kernels
 def test_bad_inputs_are_refused() -> None:
     experts = _experts(("Q8_0",) * 3)
     x = torch.randn(2, 256)

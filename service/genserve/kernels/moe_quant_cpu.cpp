@@ -239,6 +239,17 @@ Acts activations(const at::Tensor& x, const Format& f, bool integer) {
   return a;
 }
 
+// Per-token activations `a` [T, ...] as per-slot ones: row s is token `slot_token[s]`'s.
+Acts by_slot(const Acts& a, const at::Tensor& slot_token) {
+  Acts out;
+  out.per_scale = a.per_scale;
+  out.f = a.f.index_select(0, slot_token);
+  if (a.q.defined()) out.q = a.q.index_select(0, slot_token);
+  if (a.d.defined()) out.d = a.d.index_select(0, slot_token);
+  if (a.sums.defined()) out.sums = a.sums.index_select(0, slot_token);
+  return out;
+}
+
 RunRows runner_for(const Format& f, int64_t isa) {
   if (isa == genserve_ops::kIntDotNone) return f.k_quant ? genserve_kquant::float_runner() : &q_float_rows;
   return f.k_quant ? genserve_kquant::int_runner(isa) : q_int_path(isa);
@@ -262,8 +273,10 @@ struct Task {
 
 void add_tasks(std::vector<Task>& tasks, int proj, const Projection& p,
                const std::vector<int64_t>& counts) {
-  // Each task streams ~64 KiB of one expert's blocks.
-  const int64_t band = std::max<int64_t>(4, (int64_t{1} << 16) / std::max<int64_t>(1, p.row_bytes));
+  // Each task streams ~64 KiB of one expert's blocks, in a whole number of the integer
+  // path's groups of four weight rows (moe_quant_row.inc).
+  const int64_t rows = (int64_t{1} << 16) / std::max<int64_t>(1, p.row_bytes);
+  const int64_t band = std::max<int64_t>(4, rows / 4 * 4);
   for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
     if (counts[e] == 0) continue;
     for (int64_t n = 0; n < p.N; n += band) tasks.push_back({proj, e, n, std::min(p.N, n + band)});
@@ -355,20 +368,18 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
   const std::vector<int64_t>& token_of = groups.token_of;
   const int64_t slots = T * K;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor xs = at::empty({slots, H}, f32);
   at::Tensor gu = at::empty({slots, 2 * L}, f32);
   at::Tensor act = at::empty({slots, L}, f32);
   at::Tensor ys = at::empty({slots, H}, f32);
-  const float* xp = xf.data_ptr<float>();
-  float* xsp = xs.data_ptr<float>();
-  at::parallel_for(0, slots, 64, [&](int64_t b, int64_t e) {
-    for (int64_t s = b; s < e; ++s)
-      std::memcpy(xsp + s * H, xp + token_of[s] * H, H * sizeof(float));
-  });
 
-  // gate | up: gu [slots, 2L]; gate and up share their activations when their formats agree.
-  const Acts a_g = activations(xs, fg, integer);
-  const Acts a_u = fu.k_quant == fg.k_quant ? a_g : activations(xs, fu, integer);
+  // gate | up: gu [slots, 2L].  Each token's input is quantized once (not once per expert it
+  // chose: at one decode row that is 8 times the same row) and its rows then copied to the
+  // token's slots; gate and up share them when their formats agree.
+  const at::Tensor slot_token =
+      at::from_blob(const_cast<int64_t*>(token_of.data()), {slots}, at::kLong);
+  const Acts a_g = by_slot(activations(xf, fg, integer), slot_token);
+  const Acts a_u =
+      fu.k_quant == fg.k_quant ? a_g : by_slot(activations(xf, fu, integer), slot_token);
   const Projection gate_up[2] = {
       {gate.data_ptr<uint8_t>(), fg, types[0], L, H, gate.size(2), &a_g, gu.data_ptr<float>(),
        2 * L, run_g},
