@@ -7,10 +7,9 @@ import math
 
 import pytest
 
+from genserve.bench.accuracy_texts import PASSAGE, PROMPTS
 from genserve.bench.cli import main as bench_main
 from genserve.bench.quant_accuracy import (
-    PASSAGE,
-    PROMPTS,
     ConfigResult,
     abs_deltas,
     agreement,

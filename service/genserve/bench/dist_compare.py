@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shlex
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,3 +217,52 @@ def run_llama_server(
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+class DistRun:
+    """The ``--llama-cpp`` side of a run: each genserve configuration's distributions over
+    the passage's first ids (read while its server runs), then llama-server's."""
+
+    def __init__(
+        self, model: Path, dist_tokens: int, timeout: float, llama_cpp_bin: Path, port: int,
+        threads: int,
+    ) -> None:  # fmt: skip
+        from genserve.model.gguf_index import GGUFIndex
+
+        self.model, self.dist_tokens, self.timeout = model, dist_tokens, timeout
+        self.llama_cpp_bin, self.port, self.threads = llama_cpp_bin, port, threads
+        embedding = next(t for t in GGUFIndex(model).tensors if t.name == "token_embd.weight")
+        self.vocab = int(embedding.shape[1])  # GGUF dimensions: innermost first
+        self.ids: list[int] = []
+        self.sides: dict[str, Distributions] = {}
+
+    def collector(self, name: str) -> Callable[[str, list[int]], None]:
+        def collect(address: str, passage_ids: list[int]) -> None:
+            self.ids = list(passage_ids[: self.dist_tokens])
+            self.sides[name] = asyncio.run(
+                genserve_distributions(address, name, self.ids, self.vocab, self.timeout)
+            )
+
+        return collect
+
+    def run_llama_cpp(self, log_dir: Path) -> None:
+        command = llama_server_command(
+            self.llama_cpp_bin, self.model, self.port, self.threads, 4096
+        )
+        print(f"llama.cpp: {shlex.join(command)}", flush=True)
+        self.sides["llama.cpp"] = run_llama_server(
+            command,
+            self.port,
+            log_dir / "llama-server.log",
+            self.ids,
+            self.vocab,
+            self.timeout,
+        )
+
+    def rows(self, baseline: str) -> list[dict[str, float | str]]:
+        ref = self.sides[baseline]
+        return [
+            {"side": name, **compare(ref, side, self.ids)}
+            for name, side in self.sides.items()
+            if name != baseline
+        ]

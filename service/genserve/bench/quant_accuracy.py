@@ -8,22 +8,22 @@ launched per configuration, one after the other (never two at once), with a smal
 runs first.  Requests go one at a time, so batch composition never enters the comparison.
 Three measures per configuration:
 
-1. Greedy agreement: the fixed prompts below (:data:`PROMPTS`, varied: prose, code, lists,
-   arithmetic, chat-formatted questions) decoded greedily for ``--max-new-tokens``.  Reported:
-   the fraction of prompts whose generated token ids equal the baseline's exactly, and the
-   mean over prompts of the agreeing prefix (tokens identical before the first divergence,
-   over the longer of the two outputs).
+1. Greedy agreement: the fixed prompts (:data:`~genserve.bench.accuracy_texts.PROMPTS`, varied:
+   prose, code, lists, arithmetic, chat-formatted questions) decoded greedily for
+   ``--max-new-tokens``.  Reported: the fraction of prompts whose generated token ids equal the
+   baseline's exactly, and the mean over prompts of the agreeing prefix (tokens identical before
+   the first divergence, over the longer of the two outputs).
 2. Teacher-forced logprob deltas: each prompt followed by the *baseline's* greedy
    continuation, sent as token ids (``input_ids``) with ``decoder_input_details`` and
    ``max_new_tokens=1``; the prompt logprobs at the continuation positions are compared with
    the baseline's own teacher-forced logprobs of the same ids: mean and max ``|Δ logprob|``
    over all those positions.  Every configuration sees the same tokens, so one early
    divergence does not make the rest of a greedy output incomparable.
-3. Perplexity of a fixed text (:data:`PASSAGE`, the opening of *Pride and Prejudice*, public
-   domain; ``--text-file`` to use another), tokenized once by the baseline server and sent as
-   the same ids everywhere: ``exp(-mean logprob)`` over every token after the first.  A famous
-   text is partly memorized, which lowers the perplexity itself; the ratio to the baseline is
-   what compares.
+3. Perplexity of a fixed text (:data:`~genserve.bench.accuracy_texts.PASSAGE`, the opening of
+   *Pride and Prejudice*, public domain; ``--text-file`` to use another), tokenized once by the
+   baseline server and sent as the same ids everywhere: ``exp(-mean logprob)`` over every token
+   after the first.  A famous text is partly memorized, which lowers the perplexity itself; the
+   ratio to the baseline is what compares.
 
 The default model is the embedded SmolLM2-135M-Instruct, a Q4_1 GGUF: ``float32`` serves its
 dequantized weights, so ``gguf`` (keeping Q4_1) should match float32 up to compute order, and
@@ -62,6 +62,7 @@ from pathlib import Path
 import grpc
 
 from genserve.bench import dist_compare
+from genserve.bench.accuracy_texts import PASSAGE, PROMPTS
 from genserve.bench.launch import LaunchedServer, split_server_args
 from genserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -80,87 +81,6 @@ BUILTIN_CONFIGS: dict[str, tuple[str, ...]] = {
     "gguf-int-dot": ("--dtype", "float32", "--quantize", "gguf", "--cpu-int-dot", "on"),
 }
 DEFAULT_CONFIGS = ("float32", "int8", "int4", "gguf")
-
-_CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-
-# Fixed prompts: raw continuations and chat-formatted questions on varied subjects.
-PROMPTS: tuple[str, ...] = (
-    "The capital of France is",
-    "Once upon a time, in a small village at the edge of a great forest,",
-    "def fibonacci(n):\n    ",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "import numpy as np\n\n# Compute the mean of each row of a matrix\n",
-    "The history of the Roman Empire begins",
-    "Photosynthesis is the process by which plants",
-    "1, 2, 3, 5, 8, 13, 21,",
-    "Dear Sir or Madam,\n\nI am writing to",
-    _CHAT.format("What is 17 times 23?"),
-    _CHAT.format("Write a haiku about the sea."),
-    _CHAT.format("Give me three tips for learning a new language."),
-    _CHAT.format("Explain what a hash table is in two sentences."),
-    _CHAT.format("Translate 'good morning' into Spanish and German."),
-    _CHAT.format("List the planets of the solar system in order from the sun."),
-)
-
-# Jane Austen, Pride and Prejudice (1813), the opening of chapter 1; public domain.
-PASSAGE = """\
-It is a truth universally acknowledged, that a single man in possession of a good fortune, \
-must be in want of a wife.
-
-However little known the feelings or views of such a man may be on his first entering a \
-neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he \
-is considered the rightful property of some one or other of their daughters.
-
-"My dear Mr. Bennet," said his lady to him one day, "have you heard that Netherfield Park is \
-let at last?"
-
-Mr. Bennet replied that he had not.
-
-"But it is," returned she; "for Mrs. Long has just been here, and she told me all about it."
-
-Mr. Bennet made no answer.
-
-"Do you not want to know who has taken it?" cried his wife impatiently.
-
-"You want to tell me, and I have no objection to hearing it."
-
-This was invitation enough.
-
-"Why, my dear, you must know, Mrs. Long says that Netherfield is taken by a young man of \
-large fortune from the north of England; that he came down on Monday in a chaise and four to \
-see the place, and was so much delighted with it, that he agreed with Mr. Morris immediately; \
-that he is to take possession before Michaelmas, and some of his servants are to be in the \
-house by the end of next week."
-
-"What is his name?"
-
-"Bingley."
-
-"Is he married or single?"
-
-"Oh! Single, my dear, to be sure! A single man of large fortune; four or five thousand a year. \
-What a fine thing for our girls!"
-
-"How so? How can it affect them?"
-
-"My dear Mr. Bennet," replied his wife, "how can you be so tiresome! You must know that I am \
-thinking of his marrying one of them."
-
-"Is that his design in settling here?"
-
-"Design! Nonsense, how can you talk so! But it is very likely that he may fall in love with \
-one of them, and therefore you must visit him as soon as he comes."
-
-"I see no occasion for that. You and the girls may go, or you may send them by themselves, \
-which perhaps will be still better, for as you are as handsome as any of them, Mr. Bingley \
-may like you the best of the party."
-
-"My dear, you flatter me. I certainly have had my share of beauty, but I do not pretend to \
-be anything extraordinary now. When a woman has five grown-up daughters, she ought to give \
-over thinking of her own beauty."
-"""
-
 
 # ---------------------------------------------------------------------------------------------
 # Pure measures (unit-tested without a server)
@@ -377,53 +297,6 @@ def run_config(
         server.stop()
 
 
-class _DistRun:
-    """The ``--llama-cpp`` side of a run: each genserve configuration's distributions over
-    the passage's first ids (read while its server runs), then llama-server's."""
-
-    def __init__(self, model: Path, args: argparse.Namespace) -> None:
-        from genserve.model.gguf_index import GGUFIndex
-
-        self.model, self.args = model, args
-        embedding = next(t for t in GGUFIndex(model).tensors if t.name == "token_embd.weight")
-        self.vocab = int(embedding.shape[1])  # GGUF dimensions: innermost first
-        self.ids: list[int] = []
-        self.sides: dict[str, dist_compare.Distributions] = {}
-
-    def collector(self, name: str) -> Callable[[str, list[int]], None]:
-        def collect(address: str, passage_ids: list[int]) -> None:
-            self.ids = list(passage_ids[: self.args.dist_tokens])
-            self.sides[name] = asyncio.run(
-                dist_compare.genserve_distributions(
-                    address, name, self.ids, self.vocab, self.args.timeout
-                )
-            )
-
-        return collect
-
-    def run_llama_cpp(self, log_dir: Path) -> None:
-        command = dist_compare.llama_server_command(
-            self.args.llama_cpp_bin, self.model, self.args.port, self.args.threads, 4096
-        )
-        print(f"llama.cpp: {shlex.join(command)}", flush=True)
-        self.sides["llama.cpp"] = dist_compare.run_llama_server(
-            command,
-            self.args.port,
-            log_dir / "llama-server.log",
-            self.ids,
-            self.vocab,
-            self.args.timeout,
-        )
-
-    def rows(self, baseline: str) -> list[dict[str, float | str]]:
-        ref = self.sides[baseline]
-        return [
-            {"side": name, **dist_compare.compare(ref, side, self.ids)}
-            for name, side in self.sides.items()
-            if name != baseline
-        ]
-
-
 def _parse_config(text: str) -> tuple[str, tuple[str, ...]]:
     name, sep, flags = text.partition("=")
     if not sep or not name.strip():
@@ -495,7 +368,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model_id:
         shared = ["--model-id", args.model_id, *shared]
     passage: str | list[int] = args.text_file.read_text() if args.text_file else PASSAGE
-    dists = _DistRun(Path(args.model_id), args) if args.llama_cpp else None
+    dists = (
+        dist_compare.DistRun(
+            Path(args.model_id), args.dist_tokens, args.timeout, args.llama_cpp_bin, args.port,
+            args.threads,
+        )
+        if args.llama_cpp
+        else None
+    )  # fmt: skip
     if dists is not None:
         shared += ["--max-top-n-tokens", str(dists.vocab)]
 
