@@ -135,8 +135,11 @@ def test_choice_off_where_deterministic(monkeypatch: pytest.MonkeyPatch) -> None
 def test_choice_follows_the_cpu_and_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
     native = bool(torch.ops.genserve.bf16_gemm_native())
     assert prefill_gemm.bf16_min_rows() == (prefill_gemm.BF16_MIN_ROWS if native else 0)
+    assert prefill_gemm.bf16_min_rows(blocks=True) == prefill_gemm.BLOCK_BF16_MIN_ROWS
     monkeypatch.setenv(prefill_gemm.ENV_MIN_ROWS, "5")
+    monkeypatch.setenv(prefill_gemm.ENV_BLOCK_MIN_ROWS, "7")
     assert prefill_gemm.bf16_min_rows() == (5 if native else 0)
+    assert prefill_gemm.bf16_min_rows(blocks=True) == (7 if native else 0)
 
 
 # ------------------------------------------------- the block formats (Q8_0, Q4_0, Q4_1)

@@ -143,7 +143,7 @@ class _Packable(nn.Module):
         if self.quant is not None:
             if IntDotPanels.supports(self.quant) and int_dot.active():
                 self.qpanels = dataclasses.replace(
-                    IntDotPanels.pack(self.quant), bf16_rows=prefill_gemm.bf16_min_rows()
+                    IntDotPanels.pack(self.quant), bf16_rows=prefill_gemm.bf16_min_rows(blocks=True)
                 )
                 if release:
                     self.quant = None
