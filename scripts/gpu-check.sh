@@ -9,7 +9,10 @@
 # STAGE: setup tests make profile bench-1b compile-1b bench-8b compile-8b table (default: all,
 # in that order; run a few per call where one call is limited to 10 minutes); also runner-8b
 # (runner_bench alone, batch 1 and 64, graphs, profiled) and serve-8b (the server over gRPC
-# at $LEVELS streams, overlapped scheduling on and off, no baseline).  Results:
+# at $LEVELS streams, overlapped scheduling on and off, no baseline); mixed-attn and serve-mixed
+# (issue #29's A/B of --gpu-prefill-attention triton | sdpa | sdpa-pinned: one layer's attention
+# of a mixed step timed per path, ~10 s; the 8B server at 64 streams for $MIXED_DURATION (15) s
+# per value, ~3 minutes with the starts; docs/gpu-step.md).  Results:
 # OUT_DIR/gpu-table.md and .json (the README/issue table), OUT_DIR/bench-*/results.json,
 # OUT_DIR/profile-*.txt (torch-profiler tables), OUT_DIR/pytest-cuda.txt, OUT_DIR/*.log.
 #
@@ -119,6 +122,25 @@ for stage in "${stages[@]}"; do
           --dtype bfloat16 --max-concurrent-requests 512 --max-batch-size 64 "${flag[@]}" \
           >"$out/serve-8b-$overlap.log" 2>&1 || { note "serve-8b $overlap FAILED"; status=1; }
         tail -n 25 "$out/serve-8b-$overlap.log"
+      done ;;
+    mixed-attn)  # one layer's attention of a realistic mixed step, per prefill path
+      note "mixed-step attention, per --gpu-prefill-attention path"
+      timeout 120 "$py" -m genserve.bench.mixed_attention --device cuda \
+        >"$out/mixed-attn.txt" 2>&1 || { note "mixed-attn FAILED"; status=1; }
+      cat "$out/mixed-attn.txt" ;;
+    serve-mixed)  # the 8B server, 64 streams, overlap on, each --gpu-prefill-attention value
+      for value in ${MIXED_VALUES:-triton sdpa sdpa-pinned}; do
+        note "serve 8B, 64 streams, --gpu-prefill-attention $value"
+        timeout "${SERVE_TIMEOUT:-240}" "$py" -m genserve.bench.cli --launch --no-progress \
+          --out "$out/serve-mixed-$value" --concurrency 64 --num-prompts 1024 \
+          --max-new-tokens "$new_tokens" --max-duration "${MIXED_DURATION:-15}" \
+          --model-id "$models/llama-3.1-8b-shape" -- --model-id "$models/llama-3.1-8b-shape" \
+          --dtype bfloat16 --max-concurrent-requests 512 --max-batch-size 64 \
+          --overlap-scheduling --gpu-prefill-attention "$value" \
+          >"$out/serve-mixed-$value.log" 2>&1 || { note "serve-mixed $value FAILED"; status=1; }
+        # The backend the server resolved (e.g. torch-sdpa+triton-decode+triton-prefill).
+        grep -o "attention_backend=[^ ]*" "$out/serve-mixed-$value/server.log" | tail -n 1
+        tail -n 8 "$out/serve-mixed-$value.log"
       done ;;
     bench-1b) bench 1b "$models/llama-3.2-1b-shape" "$levels" eager "$hf_batches" ;;
     bench-8b) bench 8b "$models/llama-3.1-8b-shape" "$levels" eager "$hf_batches" ;;

@@ -182,6 +182,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             deterministic=config.deterministic,
             cpu_int_dot=config.cpu_int_dot,
             expert_parallel=config.expert_parallel,
+            gpu_prefill_attention=config.gpu_prefill_attention,
         )
         runner = launch_sharded_runner(resolved, settings, num_shard, dtype_name, on_shard_failure)
     else:
@@ -190,6 +191,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             dtype=getattr(torch, dtype_name),
             device=device,
             parallel=ParallelContext.single(),
+            prefill_attention=config.gpu_prefill_attention,
         )
     try:
         return _size_and_warm_up(

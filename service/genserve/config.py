@@ -25,6 +25,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 CpuIntDot = Literal["auto", "on", "off"]
 PrefillBatching = Literal["auto", "on", "off"]
+GpuPrefillAttention = Literal["auto", "triton", "sdpa", "sdpa-pinned"]
 AdapterSource = Literal["local", "hub"]
 
 DEFAULT_PORT = 50051
@@ -72,6 +73,8 @@ class Config:
     disable_grammar_support: bool = False
     overlap_scheduling: bool = False  # issue #29: schedule step n + 1 while step n runs
     prefill_batching: PrefillBatching = "auto"  # issue #29: TGI's admission rule, chunked too
+    # issue #29: how CUDA steps with prompt rows attend (model/attention_backend.py)
+    gpu_prefill_attention: GpuPrefillAttention = "auto"
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
@@ -365,6 +368,15 @@ FLAGS: tuple[_Flag, ...] = (
         "chunk runs eagerly and costs several graph steps); off: every arrival joins the "
         "next step.",
         choices=("auto", "on", "off"),
+    ),
+    _flag(
+        "gpu_prefill_attention",
+        "On CUDA, how a step with prompt rows attends: triton (one Triton paged-attention "
+        "launch per layer for every row of the step), sdpa (torch's SDPA per prompt batch "
+        "and per continuing chunk), sdpa-pinned (SDPA with flash / memory-efficient "
+        "attention pinned and K/V expanded for GQA). auto: triton where the kernel runs "
+        "(Triton >= 3.0, a power-of-two block size >= 16), else sdpa. Ignored on CPU.",
+        choices=("auto", "triton", "sdpa", "sdpa-pinned"),
     ),
     _flag("disable_prefix_caching", "Do not reuse KV blocks across requests.", _SWITCH),
     _flag(

@@ -118,3 +118,22 @@ def test_static_cache_baseline_gives_eager_tokens(loaded: tuple[Any, Any]) -> No
         r.num_generated_tokens for r in eager.records
     ]
     assert static.wall_s > 0
+
+
+def test_hf_only_writes_each_batch_as_it_finishes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``python -m genserve.bench.hf_only``: the baselines without a server, one JSON line
+    per (batch size, mode), each with the requests it was asked for."""
+    import json
+
+    from genserve.bench import hf_only
+
+    out = tmp_path / "out"
+    argv = ["--model-id", str(tiny_model_dir), "--device", "cpu", "--modes", "eager,static"]
+    argv += ["--batch-sizes", "1,2", "--max-new-tokens", "3", "--out", str(out)]
+    assert hf_only.main(argv) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["system"], r["concurrency"]) for r in rows] == [
+        ("hf_generate", 1), ("hf_static", 1), ("hf_generate", 2), ("hf_static", 2)
+    ]  # fmt: skip
+    assert all(r["num_failed"] == 0 and r["num_requests"] == r["concurrency"] for r in rows)
+    assert hf_only.main([*argv[:4], "--modes", "nope", "--out", str(out)]) == 2

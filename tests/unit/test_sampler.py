@@ -15,14 +15,18 @@ from transformers.generation.logits_process import (
 )
 
 from genserve.step import SamplingParams
-from genserve.worker.sampler import (
-    Sampler,
-    SamplingRow,
-    _top_k,
-    _top_p,
-    _top_p_sorted,
-    _typical_p,
-    row_seed,
+from genserve.worker.sampler import Sampler, SamplingRow, row_seed
+from genserve.worker.sampling_filters import (
+    top_k_filter as _top_k,
+)
+from genserve.worker.sampling_filters import (
+    top_p_filter as _top_p,
+)
+from genserve.worker.sampling_filters import (
+    top_p_sorted as _top_p_sorted,
+)
+from genserve.worker.sampling_filters import (
+    typical_p_filter as _typical_p,
 )
 
 VOCAB = 1000

@@ -33,18 +33,27 @@ and the torch backend; :mod:`genserve.model.attention_backend` chooses one for a
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from genserve.kernels.triton_rotary_kv import HEADS_FIRST
-from genserve.model.prompt_batch import PromptBatch, attend_prompts, prompt_batch
+from genserve.kernels.triton_varlen_attention import VarlenBatch
+from genserve.model import sdpa_pinned
+from genserve.model.prompt_batch import PromptBatch, attend_prompts, from_index, prompt_index
+from genserve.model.step_upload import HostPack, Upload, default_upload
 
 # Below this many decodes in a half-precision step, SDPA beats the two-matmul path.
 _MIN_DECODES_FOR_MATMUL = 4
+
+# How a step with prompt rows attends (``--gpu-prefill-attention``, resolved): SDPA as torch
+# picks its backend, SDPA with flash/efficient pinned, or one Triton launch for every row.
+PrefillAttention = Literal["sdpa", "sdpa-pinned", "triton"]
+_NO_PIN = contextlib.nullcontext()
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +196,10 @@ class TorchAttentionMetadata:
     dtype: torch.dtype | None = None
     # Whole prompts attended in one padded SDPA call (TorchPagedAttention: on CUDA).
     fresh: PromptBatch | None = None
+    # Steps with prompt rows: "triton" attends every row in one launch through ``varlen``
+    # (set then, for steps with prefills); "sdpa-pinned" fixes SDPA's backends.
+    prefill_mode: PrefillAttention = "sdpa"
+    varlen: VarlenBatch | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -308,16 +321,23 @@ class TorchAttentionMetadata:
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[1]
-        group = num_heads // num_kv_heads
         d = self.num_decodes
         if not self.prefills:  # decode-only step: no output buffer to assemble
             return self._attend_decodes(q, kv_cache, scale, window, softcap, sinks)
+        if self.varlen is not None:  # every row of the step in one launch, K/V in the cache
+            from genserve.kernels import triton_varlen_attention
+
+            o_all = triton_varlen_attention.paged_varlen_attention(
+                q, kv_cache, self.varlen, scale, window, softcap, sinks
+            )
+            return o_all.view(num_tokens, num_heads * head_dim)
+        pinned = self.prefill_mode == "sdpa-pinned"
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if d:
             out[:d] = self._attend_decodes(q, kv_cache, scale, window, softcap, sinks)
         fresh = self.fresh if softcap is None and sinks is None and window is None else None
         if fresh is not None:
-            attend_prompts(fresh, q, k, v, scale, out)
+            attend_prompts(fresh, q, k, v, scale, out, pinned)
         for p in self.prefills:
             if fresh is not None and p.token_start in fresh.token_starts:
                 continue
@@ -329,17 +349,25 @@ class TorchAttentionMetadata:
             elif prefill_mask is None:  # whole prompt from position 0: attend to the fresh K/V
                 k_p = k[s : s + n].transpose(0, 1)[None]
                 v_p = v[s : s + n].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(
-                    q_p, k_p, v_p, is_causal=True, scale=scale, enable_gqa=group > 1
-                )
+                if pinned:
+                    k_p, v_p = (sdpa_pinned.expand_kv(x, num_heads) for x in (k_p, v_p))
+                with sdpa_pinned.pinned(q.device, masked=False) if pinned else _NO_PIN:
+                    o = F.scaled_dot_product_attention(
+                        q_p, k_p, v_p, is_causal=True, scale=scale,
+                        enable_gqa=k_p.shape[1] != num_heads,
+                    )  # fmt: skip
             else:  # earlier positions are in the cache: read the context through the blocks
                 ctx_len = p.start_pos + n
                 ctx = kv_cache.index_select(2, p.block_ids)
                 ctx = ctx.view(2, num_kv_heads, -1, head_dim)[:, :, :ctx_len]
-                o = F.scaled_dot_product_attention(
-                    q_p, ctx[0][None], ctx[1][None], attn_mask=prefill_mask, scale=scale,
-                    enable_gqa=group > 1,
-                )  # fmt: skip
+                k_c, v_c = ctx[0][None], ctx[1][None]
+                if pinned:
+                    k_c, v_c = (sdpa_pinned.expand_kv(x, num_heads) for x in (k_c, v_c))
+                with sdpa_pinned.pinned(q.device, masked=True) if pinned else _NO_PIN:
+                    o = F.scaled_dot_product_attention(
+                        q_p, k_c, v_c, attn_mask=prefill_mask, scale=scale,
+                        enable_gqa=k_c.shape[1] != num_heads,
+                    )  # fmt: skip
             out[s : s + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
         return out
 
@@ -425,7 +453,13 @@ class TorchPagedAttention:
         use_triton_decode: bool = False,
         per_token: bool = False,
         batch_prompts: bool | None = None,
+        prefill: PrefillAttention = "sdpa",
+        upload: Upload | None = None,
     ) -> None:
+        """``prefill``: how steps with prompt rows attend (``"triton"`` needs
+        ``genserve.kernels.triton_varlen_attention`` to run for the cache's tensors: the
+        caller checks).  ``upload``: how the step's metadata reaches the device (default:
+        pinned + ``non_blocking`` on CUDA; the runner passes its ``DeviceIO``'s)."""
         self.device = device
         # Whole prompts of a step in one SDPA call (model/prompt_batch.py): on CUDA, where
         # the per-call host cost is what a step with many prompts pays; on CPU each prompt's
@@ -433,6 +467,8 @@ class TorchPagedAttention:
         self.batch_prompts = device.type == "cuda" if batch_prompts is None else batch_prompts
         self.use_cpu_kernel = use_cpu_kernel
         self.use_triton_decode = use_triton_decode
+        self.prefill: PrefillAttention = prefill
+        self.upload = upload if upload is not None else default_upload(device)
         # --deterministic (with the CPU kernel): every token of a prefill chunk is attended
         # as a decode of its own (its position, its context), so a token's attention is the
         # same sums whether it came alone, in a chunk of any size, or after a prefix-cache hit.
@@ -444,19 +480,28 @@ class TorchPagedAttention:
             self.name += "+cpu-decode-kernel"
         elif use_triton_decode:
             self.name += "+triton-decode"
+        if prefill == "triton":
+            self.name += "+triton-prefill"
+        elif prefill == "sdpa-pinned":
+            self.name += "+pinned-prefill"
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
-    def _prompt_batch(self, prefills: list[_Prefill]) -> PromptBatch | None:
-        if not self.batch_prompts:
-            return None
-        whole = [(p.token_start, p.num_tokens) for p in prefills if p.start_pos == 0]
-        return prompt_batch(whole, self.device)
+    def _whole_prompts(self, seqs: list[SeqSpec], num_decodes: int) -> list[tuple[int, int]]:
+        """``(first flat row, tokens)`` of the step's prompts that start at position 0."""
+        whole, row = [], num_decodes
+        for seq in seqs[num_decodes:]:
+            if seq.start_pos == 0:
+                whole.append((row, seq.num_tokens))
+            row += seq.num_tokens
+        return whole
 
     def build(self, seqs: list[SeqSpec], num_decodes: int, block_size: int) -> AttentionMetadata:
+        """Every array of the step's metadata is gathered on the host and sent in one
+        asynchronous copy (``model/step_upload.py``): no blocking upload, no value read."""
         dev = self.device
         if self.per_token and num_decodes < len(seqs):
             # The flat batch is unchanged: decodes, then each chunk's tokens in order.
@@ -469,28 +514,59 @@ class TorchPagedAttention:
                 ),
             ]
             num_decodes = len(seqs)
+        has_prefills = num_decodes < len(seqs)
         table, max_blocks = block_table(seqs[:num_decodes], block_size)
         decode_positions = np.fromiter(
             (s.start_pos for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes
         )
+        pack = HostPack()
+        pack.add("slots", slot_mapping(seqs, num_decodes, block_size))
+        pack.add("decode_blocks", table.reshape(-1))
+        pack.add("decode_positions", decode_positions)
+        pack.add("decode_context_lens", decode_positions + 1)  # once per step, not per layer
+        for i, seq in enumerate(seqs[num_decodes:]):
+            needed = -(-seq.context_len // block_size)
+            pack.add(f"prefill{i}", np.asarray(seq.block_ids[:needed], dtype=np.int64))
+        varlen = self.prefill == "triton" and has_prefills
+        # The padded SDPA prompt batch, unless the Triton kernel attends every row.
+        batched = self.batch_prompts and not varlen
+        whole = self._whole_prompts(seqs, num_decodes) if batched else []
+        index = prompt_index(whole) if whole else None
+        if index is not None:
+            pack.add("prompt_index", index)
+        if varlen:
+            query_lens = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
+            pack.add("query_start", np.concatenate([[0], np.cumsum(query_lens)]))
+            pack.add("seq_lens", np.fromiter((s.context_len for s in seqs), np.int64, len(seqs)))
+            pack.add("block_table", block_table(seqs, block_size)[0])
+        on_device = pack.upload(self.upload)
+
         prefills = []
         token_start = num_decodes
-        for seq in seqs[num_decodes:]:
-            needed = -(-seq.context_len // block_size)
-            blocks = torch.tensor(seq.block_ids[:needed], dtype=torch.int64, device=dev)
+        for i, seq in enumerate(seqs[num_decodes:]):
+            blocks = on_device[f"prefill{i}"]
             prefills.append(_Prefill(token_start, seq.num_tokens, seq.start_pos, blocks))
             token_start += seq.num_tokens
         return TorchAttentionMetadata(
-            slots=torch.from_numpy(slot_mapping(seqs, num_decodes, block_size)).to(dev),
+            slots=on_device["slots"],
             num_decodes=num_decodes,
-            decode_blocks=torch.from_numpy(table.reshape(-1)).to(dev),
+            decode_blocks=on_device["decode_blocks"],
             decode_max_blocks=max_blocks,
-            decode_positions=torch.from_numpy(decode_positions).to(dev),
-            # Once per step, not once per layer.
-            decode_context_lens=torch.from_numpy(decode_positions + 1).to(dev),
+            decode_positions=on_device["decode_positions"],
+            decode_context_lens=on_device["decode_context_lens"],
             prefills=prefills,
             device=dev,
             use_cpu_kernel=self.use_cpu_kernel,
             use_triton_decode=self.use_triton_decode,
-            fresh=self._prompt_batch(prefills),
+            fresh=None if index is None else from_index(whole, on_device["prompt_index"]),
+            prefill_mode=self.prefill,
+            varlen=VarlenBatch(
+                on_device["query_start"],
+                on_device["seq_lens"],
+                on_device["block_table"],
+                token_start,
+                len(seqs),
+            )
+            if varlen
+            else None,
         )

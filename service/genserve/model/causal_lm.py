@@ -233,8 +233,9 @@ class DecoderForCausalLM(nn.Module):
             # model/mla.py itself, so latent-attention models stay on the eager ops.
             log.info("fused_gpu_layers_unused", reason="multi-head latent attention")
             return
-        for layer in self._layers:
-            layer.use_fused_gpu_ops()
+        torch_loop = {reason for layer in self._layers if (reason := layer.use_fused_gpu_ops())}
+        if torch_loop:
+            log.info("triton_moe_unused", reasons=sorted(torch_loop))
         self.norm.gpu_fused = isinstance(self.norm, RMSNorm)
         with torch.inference_mode():
             self._gpu_tables = [r.half_table(max_positions, self.dtype) for r in self._rotaries]

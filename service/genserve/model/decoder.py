@@ -276,6 +276,12 @@ class MLP(nn.Module):
         self.down_proj.load(weights, f"{prefix}.{n.down}")
 
 
+def _use_gpu_activation(mlp: MLP) -> None:
+    """The fused GPU gated activation for ``mlp`` where it has one of its activations."""
+    if mlp.gated and mlp.activation in (Activation.SILU, Activation.GELU_TANH):
+        mlp.gpu_activation = "silu" if mlp.activation is Activation.SILU else "gelu_tanh"
+
+
 def _make_mlp(
     config: ModelConfig, layer_idx: int, ctx: ParallelContext, dtype: torch.dtype,
     device: torch.device,
@@ -407,15 +413,21 @@ class DecoderLayer(nn.Module):
             m = self.post_mlp_norm.forward(m)
         return (m if scale == 1.0 else m * scale), x
 
-    def use_fused_gpu_ops(self) -> None:
+    def use_fused_gpu_ops(self) -> str | None:
         """Route this layer's RMSNorms, gated activation and rotary + K/V store through the
-        fused GPU ops (``kernels/fused_gpu_ops.py``); called by the model on CUDA."""
+        fused GPU ops (``kernels/fused_gpu_ops.py``), and a mixture of experts' routed
+        experts through its Triton kernels (``kernels/triton_moe.py``); called by the model
+        on CUDA.  Returns why the routed experts stay on the torch loop, or None."""
         for norm in [*self.norms(), *self.self_attn.norms()]:  # q/k norms: full or per head
             if isinstance(norm, RMSNorm):
                 norm.gpu_fused = True
         mlp = self.mlp
-        if mlp.gated and mlp.activation in (Activation.SILU, Activation.GELU_TANH):
-            mlp.gpu_activation = "silu" if mlp.activation is Activation.SILU else "gelu_tanh"
+        if isinstance(mlp, MLP):
+            _use_gpu_activation(mlp)
+            return None
+        if isinstance(mlp.shared, MLP):
+            _use_gpu_activation(mlp.shared)
+        return mlp.use_fused_gpu_ops()
 
     def decode_forward(
         self,

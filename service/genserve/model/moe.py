@@ -8,7 +8,9 @@ clamped SwiGLU with biases, :class:`~genserve.model.spec.ClampedSwiGLU`) run and
 outputs are summed with the routing weights, plus the shared expert where the family has
 one.  On CPU with genserve's kernels the routed part is one op
 per layer (``kernels/moe_cpu.cpp``: rows grouped by expert, only the chosen experts' weights
-read); elsewhere a loop over the chosen experts in torch, as transformers computes it.
+read); on CUDA with Triton (``use_fused_gpu_ops``) two grouped-GEMM launches over the pairs
+sorted by expert (``kernels/triton_moe.py``); elsewhere a loop over the chosen experts in
+torch, as transformers computes it (the reference both are tested against).
 
 Tensor parallelism splits every expert's width (its gate/up rows and down columns) between
 the shards, as the dense MLP is split: each shard computes a partial sum for every token and
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genserve.kernels import fused_gpu_ops, triton_moe
 from genserve.model.layers import _Packable
 from genserve.model.moe_gguf import QuantizedExperts, experts_gguf_torch
 from genserve.model.spec import ClampedSwiGLU, ModelConfig, MoeSpec, RouterSpec, Scoring
@@ -179,6 +182,8 @@ class SparseMoeBlock(nn.Module):
             else None
         )
         self._fused = False
+        # Set by use_fused_gpu_ops: the routed experts through kernels/triton_moe.py.
+        self.gpu_fused = False
         # Set from a GGUF file's blocks (``set_quantized_experts``): replaces w13/w2.
         self.quantized_experts: QuantizedExperts | None = None
 
@@ -201,15 +206,28 @@ class SparseMoeBlock(nn.Module):
             isa = FLOAT_PATH if choice is None or choice.isa is None else int(choice.isa)
             self.quantized_experts = self.quantized_experts.serving(isa)
 
+    def use_fused_gpu_ops(self) -> str | None:
+        """Run the routed experts through the Triton kernels (``kernels/triton_moe.py``)
+        where Triton runs for the step's device.  Returns why they stay on the torch loop
+        instead (GGUF blocks: dequantized per step; a dtype the kernels do not take), or
+        None.  The shared expert is the decoder's dense MLP: the decoder sets it."""
+        if self.quantized_experts is not None:
+            return "expert blocks from a GGUF file (dequantized per step)"
+        reason = triton_moe.supports(self.w13[:0, 0], self.w13, self.w2)
+        self.gpu_fused = reason is None
+        return reason
+
     def set_quantized_experts(self, experts: QuantizedExperts) -> None:
-        """Serve the routed experts from ``experts`` (a GGUF file's blocks) and drop the
+        """Serve the routed experts from ``experts`` (a GGUF file's blocks, or the Q8_0 /
+        Q4_0 blocks ``--quantize int8|int4`` makes: ``model/moe_quant.py``) and drop the
         float ``w13``/``w2`` (never written: they cost no memory until then).  Plain
         SiLU-gated experts only (the op has no expert biases or clamped activation)."""
         if self.b13 is not None or self.spec.activation is not None:
             raise ValueError("quantized experts run plain SiLU-gated experts without biases")
-        if self.ctx.expert_parallel:
-            raise ValueError("quantized experts hold every expert: not with expert parallelism")
-        num_experts, hidden = self.spec.router.num_experts, self.router.shape[1]
+        # This shard's experts: every expert, or its range under expert parallelism (a GGUF
+        # file's stacks hold every expert, so those are not set under expert parallelism).
+        num_experts = self.expert_range[1] - self.expert_range[0]
+        hidden = self.router.shape[1]
         width = self.width_range[1] - self.width_range[0]
         expected = ((num_experts, width), (num_experts, width), (num_experts, hidden))
         got = tuple(tuple(t.shape[:2]) for t in (experts.gate, experts.up, experts.down))
@@ -221,8 +239,8 @@ class SparseMoeBlock(nn.Module):
 
     def linears(self) -> tuple[_Packable, ...]:
         """The projections the dense paths (panels, --quantize) handle: the shared
-        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype, or in a
-        GGUF file's blocks (``quantized_experts``)."""
+        expert's.  The routed experts stay in ``w13``/``w2`` in the model dtype, or in GGUF
+        blocks (``quantized_experts``: a GGUF file's, or ``--quantize int8|int4``'s)."""
         return self.shared.linears() if self.shared is not None else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,6 +275,11 @@ class SparseMoeBlock(nn.Module):
                 0.0 if clamped is None else clamped.limit,
             )  # fmt: skip
             return out
+        if self.gpu_fused and fused_gpu_ops.triton_runs(x.device):
+            clamp = None if clamped is None else (clamped.alpha, clamped.limit)
+            return triton_moe.fused_experts(
+                x, ids, weights, self.w13, self.w2, self.b13, self.b2, clamp
+            )
         return experts_torch(x, ids, weights, self.w13, self.w2, self.b13, self.b2, clamped)
 
     def _own_experts(

@@ -11,11 +11,15 @@ keep their own call: their keys come from the cache through the block table."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from genserve.model import sdpa_pinned
+from genserve.model.sdpa_pinned import expand_kv
 
 # Batch only while padding adds at most this share again of the prompts' own tokens.
 MAX_PADDING = 1.0
@@ -33,22 +37,35 @@ class PromptBatch:
     token_starts: frozenset[int]  # the first flat row of each prompt it covers
 
 
-def prompt_batch(prompts: list[tuple[int, int]], device: torch.device) -> PromptBatch | None:
-    """The batch of whole prompts ``(first flat row, tokens)`` (each from position 0), or
-    None where there are fewer than two or padding them to one length would cost too much.
-    The index tensors go to ``device`` in one copy, once per step."""
+def prompt_index(prompts: list[tuple[int, int]]) -> np.ndarray | None:
+    """``[3, n]`` int64 (flat rows, prompt of each row, position in its prompt) of the batch
+    of whole prompts ``(first flat row, tokens)`` (each from position 0), or None where
+    there are fewer than two or padding them to one length would cost too much."""
     if len(prompts) < 2:
         return None
     lengths = [n for _, n in prompts]
-    max_len = max(lengths)
-    if len(prompts) * max_len > (1 + MAX_PADDING) * sum(lengths):
+    if len(prompts) * max(lengths) > (1 + MAX_PADDING) * sum(lengths):
         return None
     rows = np.concatenate([np.arange(s, s + n) for s, n in prompts])
     batch = np.repeat(np.arange(len(prompts)), lengths)
     pos = np.concatenate([np.arange(n) for n in lengths])
-    index = torch.from_numpy(np.stack([rows, batch, pos]).astype(np.int64)).to(device)
+    return np.stack([rows, batch, pos]).astype(np.int64)
+
+
+def from_index(prompts: list[tuple[int, int]], index: torch.Tensor) -> PromptBatch:
+    """The :class:`PromptBatch` of ``prompts`` whose :func:`prompt_index` is on the device
+    as ``index``."""
     starts = frozenset(s for s, _ in prompts)
-    return PromptBatch(index[0], index[1], index[2], len(prompts), max_len, starts)
+    count, max_len = len(prompts), max(n for _, n in prompts)
+    return PromptBatch(index[0], index[1], index[2], count, max_len, starts)
+
+
+def prompt_batch(prompts: list[tuple[int, int]], device: torch.device) -> PromptBatch | None:
+    """:func:`prompt_index` as a :class:`PromptBatch` on ``device`` (one copy)."""
+    index = prompt_index(prompts)
+    if index is None:
+        return None
+    return from_index(prompts, torch.from_numpy(index).to(device))
 
 
 def attend_prompts(
@@ -58,19 +75,25 @@ def attend_prompts(
     v: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    pinned: bool = False,
 ) -> None:
     """``q`` ``[tokens, heads, hd]``, ``k``/``v`` ``[tokens, kv_heads, hd]`` (this step's
     new keys and values): the prompts of ``b`` attended causally, into their rows of ``out``
-    ``[tokens, heads * hd]``."""
+    ``[tokens, heads * hd]``.  ``pinned``: SDPA's backend fixed and K/V expanded to the
+    query heads (``model/sdpa_pinned.py``)."""
     _, num_heads, head_dim = q.shape
     padded = []
     for x in (q, k, v):
-        buf = x.new_zeros(b.count, b.max_len, x.shape[1], head_dim)
-        buf[b.batch, b.pos] = x.index_select(0, b.rows)
+        rows = x.index_select(0, b.rows)
+        if pinned:  # expanded after the gather: only the prompts' rows are copied
+            rows = expand_kv(rows, num_heads, -2)
+        buf = x.new_zeros(b.count, b.max_len, rows.shape[1], head_dim)
+        buf[b.batch, b.pos] = rows
         padded.append(buf.transpose(1, 2))  # [count, heads, max_len, hd]
     q_b, k_b, v_b = padded
-    o = F.scaled_dot_product_attention(
-        q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=num_heads != k.shape[1]
-    )
-    rows = o.transpose(1, 2)[b.batch, b.pos]  # [n, heads, hd]
-    out.index_copy_(0, b.rows, rows.reshape(-1, num_heads * head_dim))
+    with sdpa_pinned.pinned(q.device, masked=False) if pinned else contextlib.nullcontext():
+        o = F.scaled_dot_product_attention(
+            q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=num_heads != k_b.shape[1]
+        )
+    result = o.transpose(1, 2)[b.batch, b.pos]  # [n, heads, hd]
+    out.index_copy_(0, b.rows, result.reshape(-1, num_heads * head_dim))

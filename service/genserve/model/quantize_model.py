@@ -1,11 +1,12 @@
 """``--quantize``: replaces a loaded model's matrices by quantized ones (model/quantization.py).
 
 * ``int8`` / ``int4``: quantize this rank's float weights after loading (so every checkpoint
-  format and every tensor-parallel shard works the same way).  The layers' projections take
-  the method; the embedding and the vocabulary projection (one shared matrix when tied) take
-  int8 per-channel in both modes: it is the largest matrix of small models and the one whose
-  errors reach every logit directly, which is why llama.cpp's own 4-bit presets keep their
-  output matrix at 6-8 bits too.
+  format and every tensor-parallel shard works the same way).  A mixture of experts' routed
+  experts become GGUF Q8_0 / Q4_0 blocks for the CPU expert op (``model/moe_quant.py``).
+  The layers' projections take the method; the embedding and the vocabulary projection (one
+  shared matrix when tied) take int8 per-channel in both modes: it is the largest matrix of
+  small models and the one whose errors reach every logit directly, which is why llama.cpp's
+  own 4-bit presets keep their output matrix at 6-8 bits too.
 * ``gguf``: keep the quantization of the GGUF file the model was converted from.  Matrices
   stored as Q8_0, Q4_0 or Q4_1 are served in that format, bit for bit (the float weights
   transformers dequantized from them are exactly what the reference computes with), K-quants
@@ -34,6 +35,7 @@ from genserve.model.layers import (
 )
 from genserve.model.moe import SparseMoeBlock
 from genserve.model.moe_gguf import ExpertBlockSource, read_quantized_experts
+from genserve.model.moe_quant import quantize_experts, why_float
 from genserve.model.quantization import QuantizationError, quantize, quantize_int8
 
 log = structlog.get_logger("genserve.model")
@@ -103,8 +105,8 @@ def _from_float(model: DecoderForCausalLM, method: str, summary: QuantizeSummary
         for linear in model._linears(layer):
             linear.set_quantized(quantize(linear.weight, method))
             summary.quantized += 1
-        if not isinstance(layer.mlp, MLP):  # routed experts: no quantized expert op yet
-            summary.kept.append(f"model.layers.{i} experts")
+        if isinstance(layer.mlp, SparseMoeBlock):
+            _quantize_routed_experts(layer.mlp, method, f"model.layers.{i}", summary)
         if not isinstance(layer.self_attn, Attention):  # decodes read it per head (mla.py)
             summary.kept.append(f"model.layers.{i} kv_b_proj")
     embed = quantize_int8(model.embed_tokens.weight)
@@ -114,6 +116,24 @@ def _from_float(model: DecoderForCausalLM, method: str, summary: QuantizeSummary
     else:
         model.lm_head.set_quantized(quantize_int8(model.lm_head.weight))
     summary.quantized += 2
+
+
+def _quantize_routed_experts(
+    moe: SparseMoeBlock, method: str, prefix: str, summary: QuantizeSummary
+) -> None:
+    """A MoE layer's routed experts as Q8_0 / Q4_0 blocks (``model/moe_quant.py``) for the
+    CPU expert op; those the op cannot run stay in the model dtype, named with the reason."""
+    width, hidden = moe.w2.shape[2], moe.w2.shape[1]
+    # Under expert parallelism w13/w2 hold this shard's experts only: those are quantized.
+    reason = why_float(hidden, width, moe.b13 is not None, moe.spec.activation is not None)
+    if reason is None and moe.w13.device.type != "cpu":
+        reason = "the quantized expert op is CPU-only (CUDA runs float experts in Triton)"
+    if reason is not None:
+        log.info("model_quantized_kept_float", matrices=[f"{prefix} experts"], reason=reason)
+        summary.kept.append(f"{prefix} experts")
+        return
+    moe.set_quantized_experts(quantize_experts(moe.w13, moe.w2, method))
+    summary.quantized += 3
 
 
 def _from_gguf(

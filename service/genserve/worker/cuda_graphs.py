@@ -23,11 +23,16 @@ How (the same shape as TGI's ``cuda_graph_warmup``, vLLM's CUDAGraphRunner and S
   *greedy tail*, takes each row's argmax and its log-probability (the sampler's greedy ops,
   so the same values) into a static ``[largest bucket, 2]`` block: a step whose rows are all
   plain greedy replays both and reads that block back, nothing else running after the
-  replay but the one copy.  Other steps sample eagerly from the static logits (penalties,
-  temperature and filters, grammar masks, top-n), so the sampler stays independent of the
-  graph.  Pure-decode steps replay (speculative chunks too: each draft token is a decode
-  row); steps with a prefill chunk, with LoRA rows (the adapter hooks index per-step row
-  tensors that the graph would freeze), or with a context longer than the table run eagerly.
+  replay but the one copy.  A third graph per bucket, the *sampled tail*
+  (worker/sampled_tail.py), samples every kind of row the eager sampler does except the
+  watermark (penalties, logit bias, bans, grammar masks, temperature, top-k/p, min-p,
+  typical-p, seeds, top-n) from per-slot parameter tensors that persist across steps; the
+  rows' slots and grammar flags travel in three more rows of the step's one input copy, a
+  constrained step's bitmask in one more copy.  Steps it cannot serve
+  sample eagerly from the static logits.  Pure-decode steps replay (speculative chunks too:
+  each draft token is a decode row); steps with a prefill chunk, with LoRA rows (the
+  adapter hooks index per-step row tensors that the graph would freeze), or with a context
+  longer than the table run eagerly.
 
 The pure functions (bucket lists, padding) run anywhere and are unit-tested on CPU;
 :class:`DecodeGraphs` with ``capture=False`` runs the same static-buffer forward eagerly, which
@@ -48,12 +53,18 @@ import torch
 from genserve.config import parse_batch_sizes as parse_batch_sizes  # the flag's parser
 from genserve.model.attention import TorchAttentionMetadata
 from genserve.worker.device_io import host_buffer
+from genserve.worker.request_state import PenaltyCounts
+from genserve.worker.sampled_tail import TailSources, grammar_words, packed_width, sample_tail
+from genserve.worker.sampling_table import SamplingTable
 
 log = structlog.get_logger("genserve.worker")
 
 # Default buckets: every power of two up to 8, then steps of 8 (what TGI and vLLM default to);
 # a step pads to the next bucket, so at most 7 wasted rows above 8.
 _DEFAULT_MAX_BATCH = 256
+# Token ids, positions, KV slots, context lengths; sampling slots, penalty slots, grammar
+# flags (the sampled tail's).
+_INPUT_ROWS = 7
 
 
 def default_batch_sizes(max_batch: int | None) -> tuple[int, ...]:
@@ -162,10 +173,19 @@ class DecodeGraphs:
         self.device = device
         self.use_triton_decode = use_triton_decode
         largest = self.sizes[-1]
-        # Device inputs: rows 0-3 of one [4, largest] buffer (token ids, positions, slots,
-        # context lengths), so a step moves them with one contiguous copy.
-        self._inputs = torch.zeros((4, largest), dtype=torch.int64, device=device)
-        self.token_ids, self.positions, self.slots, self.context_lens = self._inputs.unbind(0)
+        # Device inputs: rows of one [7, largest] buffer (token ids, positions, KV slots,
+        # context lengths, and for the sampled tail each row's sampling-table and penalty
+        # slots and its grammar flag), so a step moves them with one contiguous copy.
+        self._inputs = torch.zeros((_INPUT_ROWS, largest), dtype=torch.int64, device=device)
+        (
+            self.token_ids,
+            self.positions,
+            self.slots,
+            self.context_lens,
+            self.sample_slots,
+            self.penalty_slots,
+            self.grammar_flags,
+        ) = self._inputs.unbind(0)
         self.block_table = torch.zeros((largest, width), dtype=torch.int64, device=device)
         # Host staging, allocated once (pinned on CUDA, so the copies are truly asynchronous),
         # two sets used in turn: the copies of step n may still be queued when step n + 1
@@ -173,7 +193,7 @@ class DecodeGraphs:
         # n + 2 reuses the first.
         self._staging = [
             (
-                host_buffer((4, largest), torch.int64, device),
+                host_buffer((_INPUT_ROWS, largest), torch.int64, device),
                 host_buffer((largest, width), torch.int64, device),
             )
             for _ in range(2)
@@ -184,8 +204,19 @@ class DecodeGraphs:
         vocab = int(model.config.vocab_size)
         self.logits_buffer = torch.zeros((largest, vocab), dtype=torch.float32, device=device)
         self.greedy_buffer = torch.zeros((largest, 2), dtype=torch.float32, device=device)
+        # The sampled tail's packed rows (worker/sampled_tail.py) and what it reads.
+        self.sample_buffer = torch.zeros(
+            (largest, packed_width(vocab)), dtype=torch.float32, device=device
+        )
+        self._sources: TailSources | None = None
+        # Constrained steps' packed bitmask rows (read where a row's grammar flag is set),
+        # staged in a pinned buffer allocated once.
+        words = grammar_words(vocab)
+        self.grammar_words = torch.zeros((largest, words), dtype=torch.int32, device=device)
+        self._grammar_staging = host_buffer((largest, words), torch.int32, device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._sampled_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._bucket: int | None = None  # the bucket the last run replayed
         self.capture_seconds = 0.0
@@ -199,6 +230,22 @@ class DecodeGraphs:
         self.slots.fill_(self.scratch_block * self.block_size)
         self.block_table.fill_(self.scratch_block)
         self.context_lens.fill_(1)
+        pad, zero = self._padding_slots()
+        self.sample_slots.fill_(pad)
+        self.penalty_slots.fill_(zero)
+        self.grammar_flags.zero_()
+
+    def _padding_slots(self) -> tuple[int, int]:
+        """The sampling-table and penalty slots padding rows read (neutral, zero)."""
+        if self._sources is None:
+            return 0, 0
+        return self._sources.padding_slot, self._sources.zero_slot
+
+    def bind_sampling(self, table: SamplingTable, penalties: PenaltyCounts) -> None:
+        """Sample in the graphs from ``table`` and ``penalties`` (before :meth:`capture`,
+        which then captures a sampled tail per bucket over their tensors)."""
+        self._sources = TailSources.of(table, penalties)
+        self._reset_to_padding()
 
     def _meta(self, size: int) -> TorchAttentionMetadata:
         return TorchAttentionMetadata(
@@ -232,6 +279,19 @@ class DecodeGraphs:
             torch.cat((token_ids.to(torch.float32)[:, None], chosen), 1)
         )
 
+    def _sampled_tail(self, size: int) -> None:
+        """A bucket's sampled tail: :func:`~genserve.worker.sampled_tail.sample_tail` over
+        the logits buffer into the sample buffer."""
+        assert self._sources is not None
+        sample_tail(
+            self.logits_buffer[:size],
+            self.sample_slots[:size],
+            self.penalty_slots[:size],
+            self._sources,
+            self.sample_buffer[:size],
+            (self.grammar_words[:size], self.grammar_flags[:size]),
+        )
+
     @property
     def captured_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self._graphs))
@@ -248,6 +308,8 @@ class DecodeGraphs:
                 self._reset_to_padding()
                 self._forward(size)  # lazy inits (Triton compile, cuBLAS handles) stay outside
                 self._greedy_tail(size)
+                if self._sources is not None:  # padding rows only: no count changes
+                    self._sampled_tail(size)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -257,6 +319,11 @@ class DecodeGraphs:
                 with torch.cuda.graph(tail, pool=pool, stream=stream):
                     self._greedy_tail(size)
                 self._greedy_graphs[size] = tail
+                if self._sources is not None:
+                    sampled = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(sampled, pool=pool, stream=stream):
+                        self._sampled_tail(size)
+                    self._sampled_graphs[size] = sampled
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
@@ -266,14 +333,24 @@ class DecodeGraphs:
         KV cache the graphs reference can be freed."""
         self._graphs.clear()
         self._greedy_graphs.clear()
+        self._sampled_graphs.clear()
         self._outputs.clear()
+        self._sources = None
         self.kv_caches = []
         self.model = None
 
-    def run(self, padded: PaddedDecode) -> torch.Tensor:
+    def run(
+        self,
+        padded: PaddedDecode,
+        sample_slots: Sequence[int] = (),
+        penalty_slots: Sequence[int] = (),
+        constrained_rows: Sequence[int] = (),
+    ) -> torch.Tensor:
         """Hidden states ``[num_rows, hidden]`` of a padded decode step (valid until the next
-        call: they live in the graph's output buffer); :meth:`logits` and :meth:`greedy`
-        then read the same step."""
+        call: they live in the graph's output buffer); :meth:`logits`, :meth:`greedy` and
+        :meth:`sampled` then read the same step.  ``sample_slots`` / ``penalty_slots``: each
+        row's slots for the sampled tail (empty: the step will not replay it);
+        ``constrained_rows``: the rows whose grammar mask :meth:`stage_grammar` will give."""
         b = padded.bucket
         self._bucket = b
         inputs, table = self._staging[self._next_staging]
@@ -283,6 +360,14 @@ class DecodeGraphs:
         host[1, :b] = padded.positions
         host[2, :b] = padded.slots
         host[3, :b] = padded.context_lens
+        pad, zero = self._padding_slots()
+        n = len(sample_slots)
+        host[4, :n] = sample_slots
+        host[4, n:b] = pad
+        host[5, :n] = penalty_slots
+        host[5, n:b] = zero
+        host[6, :b] = 0
+        host[6, list(constrained_rows)] = 1
         columns = padded.block_table.shape[1]
         table.numpy()[:b, :columns] = padded.block_table
         # Whole rows: one contiguous copy (a [b, columns] slice of the [b, width] buffer
@@ -314,6 +399,49 @@ class DecodeGraphs:
         else:
             tail.replay()
         return self.greedy_buffer[:num_rows]
+
+    def can_sample(self, table: SamplingTable, penalties: PenaltyCounts, penalised: bool) -> bool:
+        """Whether :meth:`sampled` can serve a step of ``table`` / ``penalties`` (see
+        ``TailSources.current``) from the last :meth:`run`'s bucket."""
+        sources = self._sources
+        if sources is None or not sources.current(table, penalties, penalised):
+            return False
+        # Captured without a tail (bound after capture): sample eagerly.
+        return not self._graphs or self._bucket in self._sampled_graphs
+
+    def stage_grammar(self, bitmask: torch.Tensor, rows: Sequence[int]) -> bool:
+        """Copy a constrained step's packed bitmask (a host tensor, ``bitmask[i]`` for row
+        ``rows[i]``; the rows :meth:`run` was told) to the device for the sampled tail: one
+        ``non_blocking`` copy of whole rows.  False (sample eagerly) for a mask on the
+        device or wider than the logits."""
+        b = self._bucket
+        words = self.grammar_words.shape[1]
+        if b is None or bitmask.device.type != "cpu" or bitmask.shape[1] > words:
+            return False
+        staging = self._grammar_staging.numpy()
+        staging[list(rows), : bitmask.shape[1]] = bitmask.numpy()
+        staging[list(rows), bitmask.shape[1] :] = 0  # past the mask: not allowed
+        self.grammar_words[:b].copy_(self._grammar_staging[:b], non_blocking=True)
+        return True
+
+    def sampled(
+        self, num_rows: int, table: SamplingTable, penalties: PenaltyCounts, penalised: bool
+    ) -> torch.Tensor | None:
+        """float32 ``[num_rows, packed_width]``: the last :meth:`run`'s first rows sampled
+        by the sampled tail (replayed; the slots' output and penalty counts advanced), or
+        None when the tail does not read ``table`` / ``penalties`` (none bound, or they were
+        reallocated since capture: see ``TailSources.current``)."""
+        b = self._bucket
+        if b is None:
+            raise RuntimeError("sampled() reads the step run() replayed: run() first")
+        if not self.can_sample(table, penalties, penalised):
+            return None
+        tail = self._sampled_graphs.get(b)
+        if tail is None:  # not captured (CPU tests): the same ops, eagerly
+            self._sampled_tail(b)
+        else:
+            tail.replay()
+        return self.sample_buffer[:num_rows]
 
 
 def measure_capture_bytes(build: Any, device: torch.device) -> int:

@@ -26,8 +26,11 @@ from genserve.worker.cuda_graphs import (
     pad_decode_batch,
     pick_bucket,
 )
-from genserve.worker.device_io import Readback
-from genserve.worker.sampler import SamplerOutput, SamplingRow
+from genserve.worker.device_io import DeviceIO, Readback
+from genserve.worker.request_state import PenaltyCounts
+from genserve.worker.sampled_tail import graphable, packed_width
+from genserve.worker.sampler import SamplerOutput, SamplingRow, unpack
+from genserve.worker.sampling_table import SamplingTable
 
 if TYPE_CHECKING:
     from genserve.step import ScheduledChunk
@@ -37,6 +40,24 @@ log = structlog.get_logger("genserve.worker")
 # Measured graph memory is reserved with this margin (allocator rounding between the trial
 # capture and the real one).
 _RESERVE_MARGIN = 1.25
+# Slots allocated up front where graphs sample (the graphs hold these tensors; past them the
+# tables grow and those steps sample eagerly): sampling parameters are ~200 bytes a slot,
+# penalty counts 8 bytes a vocabulary entry a slot (64 MiB for Llama-3's vocabulary).
+GRAPH_TABLE_SLOTS = 1024
+GRAPH_PENALTY_SLOTS = 64
+
+
+def sampling_state(
+    vocab_size: int, device: torch.device, io: DeviceIO, graphs: bool
+) -> tuple[SamplingTable, PenaltyCounts]:
+    """A runner's fresh per-slot sampling state: slots allocated up front when ``graphs``
+    will read it (a captured sampled tail holds its tensors), grown on demand otherwise."""
+    if not graphs:
+        return SamplingTable(device, io), PenaltyCounts(vocab_size, device, io)
+    return (
+        SamplingTable(device, io, capacity=GRAPH_TABLE_SLOTS),
+        PenaltyCounts(vocab_size, device, io, capacity=GRAPH_PENALTY_SLOTS),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +86,15 @@ class GraphPlan:
         kv_caches: list[torch.Tensor],
         device: torch.device,
         lora_attached: bool,
+        sampling: tuple[SamplingTable, PenaltyCounts] | None = None,
     ) -> DecodeGraphs | None:
-        """Capture over the runner's (freshly zeroed) cache; None, with a warning, on failure."""
+        """Capture over the runner's (freshly zeroed) cache; None, with a warning, on failure.
+        ``sampling``: the runner's per-slot sampling state, read by the sampled tails."""
         if lora_attached:
             log.warning("cuda_graphs_disabled", reason="LoRA hooks attached before capture")
             return None
         try:
-            graphs = _build(model, kv_caches, self, device)
+            graphs = _build(model, kv_caches, self, device, sampling)
             graphs.capture()
         except Exception as exc:  # any capture failure means "stay eager"
             log.warning("cuda_graphs_capture_failed", error=repr(exc), fallback="eager")
@@ -87,11 +110,19 @@ class GraphPlan:
 
 
 def _build(
-    model: Any, kv_caches: list[torch.Tensor], plan: GraphPlan, device: torch.device
+    model: Any,
+    kv_caches: list[torch.Tensor],
+    plan: GraphPlan,
+    device: torch.device,
+    sampling: tuple[SamplingTable, PenaltyCounts] | None = None,
 ) -> DecodeGraphs:
+    """The graphs over ``kv_caches``, sampling from ``sampling`` (None: a throw-away state
+    of the same size, for the trial capture)."""
     block_dim = 2  # TorchPagedAttention's cache: [2, kv_heads, num_blocks, block_size, hd]
     num_blocks = kv_caches[0].shape[block_dim]
-    return DecodeGraphs(
+    if sampling is None:
+        sampling = sampling_state(int(model.config.vocab_size), device, DeviceIO(device), True)
+    graphs = DecodeGraphs(
         model,
         kv_caches,
         plan.sizes,
@@ -101,6 +132,8 @@ def _build(
         device=device,
         use_triton_decode=True,
     )
+    graphs.bind_sampling(*sampling)
+    return graphs
 
 
 def plan_graphs(
@@ -155,10 +188,14 @@ def graph_forward(
     has_lora_rows: bool,
     chunks: Sequence[ScheduledChunk],
     seqs: Sequence[SeqSpec],
+    sampling: tuple[SamplingTable, PenaltyCounts] | None = None,
+    constrained: Sequence[str] = (),
 ) -> torch.Tensor | None:
     """Hidden states of a pure-decode step (``seqs``: one decode row per token of
     ``chunks``) from a graph, or None when it must run eagerly (LoRA rows, no bucket, a
-    context wider than the table)."""
+    context wider than the table).  ``sampling``: the runner's per-slot state, whose slots
+    for each row are staged with the inputs (steps without draft tokens), with a flag on
+    the rows of the ``constrained`` requests (the step's grammar mask applies to them)."""
     if has_lora_rows:
         return None
     bucket = pick_bucket(len(seqs), graphs.sizes)
@@ -176,7 +213,16 @@ def graph_forward(
     )
     if padded is None:
         return None
-    return graphs.run(padded)
+    if sampling is None or any(c.num_draft_tokens for c in chunks):
+        return graphs.run(padded)
+    table, penalties = sampling
+    masked = set(constrained)
+    return graphs.run(
+        padded,
+        [table.slot(c.req_id) for c in chunks],
+        [penalties.slot_or_zero(c.req_id) for c in chunks],
+        [i for i, c in enumerate(chunks) if c.req_id in masked],
+    )
 
 
 def plain_greedy(row: SamplingRow) -> bool:
@@ -205,3 +251,33 @@ def graph_greedy(
         return None
     host = readback.fetch(graphs.greedy(len(rows))).tolist()
     return SamplerOutput([int(r[0]) for r in host], [r[1] for r in host], [()] * len(host))
+
+
+def graph_sample(
+    graphs: DecodeGraphs,
+    rows: Sequence[SamplingRow],
+    chunks: Sequence[ScheduledChunk],
+    sampling: tuple[SamplingTable, PenaltyCounts],
+    readback: Readback,
+    grammar: tuple[torch.Tensor, Sequence[int]] | None = None,
+) -> SamplerOutput | None:
+    """The tokens of a graph-replayed step (rows = its first ``len(rows)`` rows, one per
+    chunk) from the bucket's sampled tail and one readback: what the sync-free sampler
+    returns for them, with the slots' output and penalty counts already advanced on the
+    device.  ``grammar``: the step's bitmask and the row of each of its rows (the rows
+    :func:`graph_forward` flagged).  None when the step needs the eager sampler (draft
+    tokens, a row the tail does not sample, state reallocated since capture, a bitmask it
+    cannot stage)."""
+    if not rows or any(c.num_draft_tokens for c in chunks) or not all(map(graphable, rows)):
+        return None
+    table, penalties = sampling
+    penalised = any(c.req_id in penalties for c in chunks)
+    if not graphs.can_sample(table, penalties, penalised):
+        return None
+    if grammar is not None and not graphs.stage_grammar(*grammar):
+        return None
+    packed = graphs.sampled(len(rows), table, penalties, penalised)
+    assert packed is not None
+    host = readback.fetch(packed).tolist()
+    width = (packed_width(graphs.logits_buffer.shape[-1]) - 2) // 2
+    return unpack(host, [r.params for r in rows], width)

@@ -30,7 +30,11 @@ import torch
 from genserve.kernels import fused_gpu_ops
 from genserve.model import rope_scaling
 from genserve.model.attention import AttentionBackend, TorchPagedAttention
-from genserve.model.attention_backend import select_backend
+from genserve.model.attention_backend import (
+    PrefillAttentionFlag,
+    resolve_prefill_attention,
+    select_backend,
+)
 from genserve.model.config import UnsupportedModelError, load_model_config
 from genserve.model.loader import ResolvedModel
 from genserve.model.mla import latent_cache_shape
@@ -56,9 +60,11 @@ from genserve.worker.graph_plan import (
     GraphTarget,
     graph_forward,
     graph_greedy,
+    graph_sample,
     plan_graphs,
+    sampling_state,
 )
-from genserve.worker.request_state import PenaltyCounts, RequestState
+from genserve.worker.request_state import RequestState
 from genserve.worker.runner_setup import (
     available_ram_bytes,
     keep_freed_memory,
@@ -66,7 +72,7 @@ from genserve.worker.runner_setup import (
     zeros,
 )
 from genserve.worker.sampler import Sampler, SamplingRow
-from genserve.worker.sampling_table import SamplingTable, TableRows, uses_output_count
+from genserve.worker.sampling_table import TableRows, uses_output_count
 from genserve.worker.step_inputs import StepLayout, flat_inputs, layout
 from genserve.worker.step_outputs import (
     accept,
@@ -98,11 +104,15 @@ class ModelRunner:
         parallel: ParallelContext | None = None,
         trust_remote_code: bool = False,
         explicit_transfers: bool = False,
+        prefill_attention: PrefillAttentionFlag = "auto",
     ) -> None:
         """``explicit_transfers``: on a CPU device, make every host↔device transfer an
         explicit copy and sample without value-dependent branches — the CUDA path, run on
-        the CPU (the proof test of issue #29); no effect on CUDA."""
+        the CPU (the proof test of issue #29); no effect on CUDA.  ``prefill_attention``:
+        ``--gpu-prefill-attention`` (``model/attention_backend.py``), resolved when the KV
+        cache's block size is known."""
         self.resolved = model
+        self.prefill_attention: PrefillAttentionFlag = prefill_attention
         self.dtype = dtype
         self.device = device
         if device.type == "cpu":
@@ -185,18 +195,18 @@ class ModelRunner:
         """Sampler, request and LoRA state (either model path), then the load log line."""
         self.sampler = Sampler(self.device, self.io)
         self._requests: dict[str, RequestState] = {}
-        self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
-        # Sampling parameters on the device, one slot per request, kept across steps.
-        self._table = SamplingTable(self.device, self.io)
+        self._graph_plan: GraphPlan | None = None  # CUDA graphs for decode steps (#12)
+        # Sampling parameters and penalty counts on the device, one slot per request, kept
+        # across steps.
+        self._fresh_sampling_state()
         # LoRA: hooks attached on the first adapter request; what each slot holds.
         self._adapters = AdapterSlots(self.model.enable_lora, self.config, self.dtype, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.num_blocks = 0
         self.backend: AttentionBackend | None = None
-        self._graph_plan: GraphPlan | None = None  # CUDA graphs for decode steps (#12)
         self._graphs: DecodeGraphs | None = None
-        self._graph_readback = Readback(self.io)  # all-greedy graph steps' one copy back
+        self._graph_readback = Readback(self.io)  # the graph tails' one copy back
         # The last sampling step's token ids on the device and each request's row in them:
         # a placeholder chunk of the next step reads its input token there (issue #29).
         self._last_ids: torch.Tensor | None = None
@@ -251,10 +261,23 @@ class ModelRunner:
 
         Zero-filled: attention masks out unused slots, but 0 * NaN garbage would still
         poison a softmax-weighted sum."""
-        self.backend = select_backend(
-            self.device, block_size, self.dtype, head_dim=self.config.head_dim
-        )
         mla = self.config.mla
+        prefill = resolve_prefill_attention(
+            self.prefill_attention,
+            self.device,
+            block_size,
+            self.dtype,
+            self.config.head_dim,
+            model_supported=self.serving.is_native and mla is None,
+        )
+        self.backend = select_backend(
+            self.device,
+            block_size,
+            self.dtype,
+            head_dim=self.config.head_dim,
+            prefill=prefill,
+            upload=self.io.upload_tensor,
+        )
         sinks = self.serving.is_native and self.config.attention.sinks
         torch_metadata = not self.serving.is_native or sinks or mla is not None
         if torch_metadata and not isinstance(self.backend, TorchPagedAttention):
@@ -264,7 +287,10 @@ class ModelRunner:
             # the fallback its cache layout); flash-attn's paged kernel has no attention
             # sinks (gpt-oss).
             self.backend = TorchPagedAttention(
-                self.device, use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype)
+                self.device,
+                use_cpu_kernel=cpu_kernels.usable(self.device, self.dtype),
+                prefill=prefill,
+                upload=self.io.upload_tensor,
             )
         # One scratch block past the scheduler's, for padding CUDA graph steps.
         allocated = num_blocks + (1 if self._graph_plan is not None else 0)
@@ -320,8 +346,7 @@ class ModelRunner:
         self._requests.clear()
         if self.serving.per_request_state:
             self.model.end_requests()  # type: ignore[operator]
-        self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
-        self._table = SamplingTable(self.device, self.io)
+        self._fresh_sampling_state()
         self._last_ids, self._last_rows = None, {}
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
@@ -330,8 +355,18 @@ class ModelRunner:
         self.initialize_kv_cache(self.num_blocks, self.block_size)
         if self._graph_plan is not None:
             self._graphs = self._graph_plan.capture(
-                self.model, self.kv_caches, self.device, self._adapters.attached
+                self.model,
+                self.kv_caches,
+                self.device,
+                self._adapters.attached,
+                (self._table, self._penalties),
             )
+
+    def _fresh_sampling_state(self) -> None:
+        """Empty per-slot sampling state (slots allocated up front where graphs read it)."""
+        self._table, self._penalties = sampling_state(
+            self.config.vocab_size, self.device, self.io, self._graph_plan is not None
+        )
 
     def enable_cuda_graphs(self, sizes: tuple[int, ...], max_seq_len: int, block_size: int) -> None:
         """Capture decode steps of ``sizes`` rows as CUDA graphs in :meth:`warmup`; call
@@ -400,7 +435,14 @@ class ModelRunner:
             # The graph's inputs are staged on the host: placeholders take the host's copy
             # of the last tokens (the step before has been read back by now).
             chunks = self._with_host_tokens(plan.chunks) if placeholders else plan.chunks
-            hidden = graph_forward(self._graphs, self._lora_rows(plan.chunks), chunks, plan.seqs)
+            hidden = graph_forward(
+                self._graphs,
+                self._lora_rows(plan.chunks),
+                chunks,
+                plan.seqs,
+                (self._table, self._penalties),
+                step.grammar_req_ids if step.grammar_bitmask is not None else (),
+            )
         replayed = self._graphs if hidden is not None else None  # logits computed there too
         if hidden is None:
             meta = self.backend.build(plan.seqs, plan.num_decodes, self.block_size)
@@ -521,20 +563,30 @@ class ModelRunner:
         worker/step_outputs.py says which tokens each chunk keeps.  Penalty counts are then
         advanced from the device's token ids in one scatter.  ``graphs``: the step was
         replayed from them (``logits`` their rows), whose greedy tail serves all-greedy
-        steps."""
+        steps and whose sampled tail the others it can (it advances the slots' counts
+        itself)."""
         if not chunks:
             return ()
         states = [self._state(c.req_id) for c in chunks]
         rows = sampling_rows(chunks, states, self._penalties)
         speculative = any(c.num_draft_tokens for c in chunks)
+        bitmask, constrained = grammar_rows(chunks, step)
+        out = None
+        if graphs is not None:
+            if bitmask is None:
+                out = graph_greedy(graphs, rows, self._graph_readback)
+            sampling = (self._table, self._penalties)
+            grammar = (bitmask, constrained) if bitmask is not None else None
+            if out is None:
+                out = graph_sample(graphs, rows, chunks, sampling, self._graph_readback, grammar)
+                if out is not None:  # the sampled tail advanced the slots' counts itself
+                    accepted = accept(out, chunks, states, self._penalties)
+                    self._last_ids, self._last_rows = None, accepted.last_rows
+                    return accepted.sampled
         table = self._table.rows(
             [c.req_id for c in chunks for _ in range(c.num_draft_tokens + 1)],
             [j for c in chunks for j in range(c.num_draft_tokens + 1)] if speculative else None,
         )
-        bitmask, constrained = grammar_rows(chunks, step)
-        out = None
-        if graphs is not None and bitmask is None:
-            out = graph_greedy(graphs, rows, self._graph_readback)
         if out is None:
             out = self.sampler(logits, rows, bitmask, constrained, table=table)
         accepted = accept(out, chunks, states, self._penalties)
@@ -572,8 +624,7 @@ class ModelRunner:
         self._requests.clear()
         if self.serving.per_request_state:
             self.model.end_requests()  # type: ignore[operator]
-        self._penalties = PenaltyCounts(self.config.vocab_size, self.device, self.io)
-        self._table = SamplingTable(self.device, self.io)
+        self._fresh_sampling_state()
         self._last_ids, self._last_rows = None, {}
         self.backend = None
         if self.device.type == "cuda":

@@ -7,7 +7,11 @@
   (row) each in a single device tensor ``[2, slots, vocab]`` float32: plane 0 counts prompt +
   output tokens (repetition and frequency penalties), plane 1 the output only (presence).
   A step's sampled tokens are added with one ``scatter_add_`` straight from the device's token
-  ids, with no round trip through the host and no kernel per row (issue #29).
+  ids, with no round trip through the host and no kernel per row (issue #29).  The table's
+  last row is never handed out and stays zero: rows without penalties read it in a
+  captured sampled step (worker/sampled_tail.py), whose graph holds the table, so a runner
+  with graphs allocates its slots up front (``capacity``); growing past them reallocates
+  the table (:attr:`PenaltyCounts.generation`) and penalised steps then sample eagerly.
 """
 
 from __future__ import annotations
@@ -49,13 +53,25 @@ class RequestState:
 class PenaltyCounts:
     """Occurrence counts of penalised requests, one slot each, grown by doubling."""
 
-    def __init__(self, vocab_size: int, device: torch.device, io: DeviceIO) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device, io: DeviceIO, capacity: int = 0
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.io = io
-        self.table = torch.zeros((2, 0, vocab_size), dtype=torch.float32, device=device)
+        shape = (2, capacity + 1, vocab_size)  # + the zero row
+        self.table = torch.zeros(shape, dtype=torch.float32, device=device)
         self._slots: dict[str, int] = {}
-        self._free: list[int] = []
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self.generation = 0  # bumped when the table is reallocated (graphs compare it)
+
+    @property
+    def zero_slot(self) -> int:
+        """The always-zero row: what a row without penalties reads."""
+        return int(self.table.shape[1]) - 1
+
+    def slot_or_zero(self, req_id: str) -> int:
+        return self._slots.get(req_id, self.zero_slot)
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._slots
@@ -102,9 +118,11 @@ class PenaltyCounts:
         self.table.view(-1).scatter_add_(0, index, ones)
 
     def _grow(self) -> None:
-        old = self.table.shape[1]
+        old = self.zero_slot
         size = max(4, 2 * old)
-        table = torch.zeros((2, size, self.vocab_size), dtype=torch.float32, device=self.device)
-        table[:, :old] = self.table
+        shape = (2, size + 1, self.vocab_size)
+        table = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        table[:, :old] = self.table[:, :old]
         self.table = table
+        self.generation += 1
         self._free.extend(range(size - 1, old - 1, -1))

@@ -40,6 +40,13 @@ from genserve.kernels import cpu as cpu_kernels
 from genserve.step import SamplingParams, TokenLogprob
 from genserve.worker.device_io import DeviceIO, Readback
 from genserve.worker.logits_processors import apply_logit_controls, min_p_filter
+from genserve.worker.sampling_filters import (
+    draw,
+    top_k_filter,
+    top_p_filter,
+    top_p_sync_free,
+    typical_p_filter,
+)
 from genserve.worker.watermark import watermark_rows
 
 if TYPE_CHECKING:
@@ -93,6 +100,37 @@ class SamplerOutput:
 
 # Token ids travel in the packed float32 readback: exact below 2**24.
 _MAX_PACKED_ID = 1 << 24
+# Top alternatives the sync-free path ranks whenever a row asks for at most this many: the
+# sampled tail captured in a CUDA graph ranks this many every step (a fixed shape), and the
+# eager path ranks as many so that tied logprobs come out in the same order either way.
+TOP_WIDTH = 20
+
+
+def top_width(max_top: int, sync_free: bool, vocab: int) -> int:
+    """How many alternatives are ranked for a step whose widest row asks ``max_top``."""
+    if sync_free and 0 < max_top <= TOP_WIDTH:
+        return min(TOP_WIDTH, vocab)
+    return max_top
+
+
+def unpack(
+    host: list[list[float]],
+    params: Sequence[SamplingParams],
+    width: int,
+    device_token_ids: torch.Tensor | None = None,
+) -> SamplerOutput:
+    """A :class:`SamplerOutput` from the packed rows ``[id, logprob, width top ids, width
+    top logprobs]`` read back from the device (row ``i`` keeps ``params[i]``'s top-n)."""
+    ids = [int(row[0]) for row in host]
+    top_tokens: list[tuple[TokenLogprob, ...]] = [()] * len(host)
+    for i, (p, row) in enumerate(zip(params, host, strict=True)):
+        n = p.num_top_tokens
+        if n:
+            top_tokens[i] = tuple(
+                TokenLogprob(int(t), lp)
+                for t, lp in zip(row[2 : 2 + n], row[2 + width : 2 + width + n], strict=True)
+            )
+    return SamplerOutput(ids, [row[1] for row in host], top_tokens, device_token_ids)
 
 
 def _uses_penalty(p: SamplingParams) -> bool:
@@ -204,26 +242,16 @@ class Sampler:
         """Everything the host needs, in one float32 block ``[rows, 2 + 2 * max_top]`` (ids,
         their logprobs, top ids, top logprobs) and one copy."""
         parts = [token_ids.to(torch.float32)[:, None], chosen[:, None]]
+        width = 0
         if max_top:
             assert logprobs is not None
-            top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [num_rows, max_top]
+            width = top_width(max_top, self.sync_free, logprobs.shape[-1])
+            top_values, top_ids = logprobs.topk(width, dim=-1)  # [num_rows, width]
             parts += [top_ids.to(torch.float32), top_values]
         if logprobs is not None and logprobs.shape[-1] > _MAX_PACKED_ID:
             raise ValueError(f"vocabulary of {logprobs.shape[-1]} ids: too wide to pack")
         packed = self._readback.fetch(torch.cat(parts, dim=1))
-        host = packed.tolist()
-        ids = [int(row[0]) for row in host]
-        top_tokens: list[tuple[TokenLogprob, ...]] = [()] * len(host)
-        if max_top:
-            for i, (p, row) in enumerate(zip(params, host, strict=True)):
-                n = p.num_top_tokens
-                top_tokens[i] = tuple(
-                    TokenLogprob(int(t), lp)
-                    for t, lp in zip(
-                        row[2 : 2 + n], row[2 + max_top : 2 + max_top + n], strict=True
-                    )
-                )
-        return SamplerOutput(ids, [row[1] for row in host], top_tokens, token_ids)
+        return unpack(packed.tolist(), params, width, token_ids)
 
     def _apply_penalties(
         self, scores: torch.Tensor, rows: Sequence[SamplingRow], table: TableRows | None = None
@@ -272,34 +300,17 @@ class Sampler:
         scores = scores / temperature[:, None]  # [n, vocab]
         if any(p.top_k > 0 for p in params):
             k = table.top_k() if table is not None else None
-            scores = _top_k(scores, [p.top_k for p in params], self.io, k)
+            scores = top_k_filter(scores, [p.top_k for p in params], self.io, k)
         if any(p.top_p < 1.0 for p in params):
             if self.sync_free:
-                scores = _top_p_sync_free(scores, values.column("top_p"))
+                scores = top_p_sync_free(scores, values.column("top_p"))
             else:
-                scores = _top_p(scores, [p.top_p for p in params])
+                scores = top_p_filter(scores, [p.top_p for p in params])
         if any(p.min_p > 0.0 for p in params):  # transformers' order: after top-p
             scores = min_p_filter(scores, values.column("min_p"))
         if any(p.typical_p < 1.0 for p in params):
-            scores = _typical_p(scores, values.column("typical_p"))
-        probs = torch.softmax(scores, dim=-1)  # [n, vocab]
-        cumulative = probs.cumsum(dim=-1)
-        uniform = values.uniform().to(cumulative.dtype)
-        # Scaled by the row's own total, so rounding in the float32 sum biases nothing.
-        target = (uniform * cumulative[:, -1])[:, None]
-        vocab = probs.shape[-1]
-        picked = torch.searchsorted(cumulative, target, right=True).clamp_(max=vocab - 1)
-        # Filtered tokens add nothing to the sum, so the search never stops on one, except
-        # when rounding puts the target at the very end: then take the last allowed token.
-        stray = probs.gather(1, picked)[:, 0] == 0
-        if self.sync_free:  # the same choice for every row, decided on the device
-            ids = torch.arange(vocab, device=probs.device)
-            last_allowed = torch.where(probs > 0, ids, -1).amax(dim=-1)  # [n]
-            return torch.where(stray, last_allowed, picked[:, 0])
-        if bool(stray.any()):
-            for i in stray.nonzero()[:, 0].tolist():
-                picked[i, 0] = int((probs[i] > 0).nonzero()[-1, 0])
-        return picked[:, 0]
+            scores = typical_p_filter(scores, values.column("typical_p"))
+        return draw(scores, values.uniform(), self.sync_free)
 
 
 _ARGMAX_CHUNK = 1024
@@ -377,121 +388,3 @@ def _output_counts(row: SamplingRow) -> torch.Tensor:
     if row.output_counts is None:
         raise ValueError("a row with an output penalty needs output_counts")
     return row.output_counts
-
-
-def _top_k(
-    scores: torch.Tensor,
-    top_k: list[int],
-    io: DeviceIO | None = None,
-    device_k: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Keep scores >= the k-th largest of their row (ties kept); ``k == 0`` keeps all.
-    ``device_k``: the same ``top_k`` already on the device (int64), read instead of
-    uploading (the host list still gives the widest ``k``)."""
-    io = io if io is not None else DeviceIO(scores.device)
-    vocab = scores.shape[-1]
-    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
-    kth = scores.topk(max(ks), dim=-1).values  # [n, max_k], descending
-    if device_k is not None:
-        index = (torch.where(device_k > 0, device_k.clamp(max=vocab), vocab) - 1)[:, None]
-        disabled = (device_k == 0)[:, None]
-    else:
-        index = io.upload([k - 1 for k in ks], torch.int64)[:, None]
-        # Rows with k == 0 (or k >= vocab) would otherwise cut at the max_k-th value.
-        disabled = io.upload([k == 0 for k in top_k], torch.bool)[:, None]
-    threshold = kth.gather(1, index)
-    threshold = threshold.masked_fill(disabled, float("-inf"))
-    return scores.masked_fill(scores < threshold, float("-inf"))
-
-
-# Candidate counts tried before sorting the whole vocabulary for top-p.
-_TOP_P_CANDIDATES = (64, 1024)
-
-
-def _top_p(scores: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Nucleus: drop the least likely tokens whose cumulative mass is <= 1 - top_p (HF).
-
-    Equivalently, keep a token while the mass of the tokens more likely than it is below
-    ``top_p``.  When the few most likely tokens already hold ``top_p`` of every row's mass
-    (the usual case, and always after a small top-k), only those are ranked: sorting the
-    whole vocabulary costs ~65 ms at 32 x 49152 on CPU, ``topk(64)`` ~1.5 ms."""
-    vocab = scores.shape[-1]
-    p = torch.tensor(top_p, dtype=torch.float32, device=scores.device)
-    probs = scores.softmax(dim=-1)
-    for k in _TOP_P_CANDIDATES:
-        if k >= vocab:
-            break
-        enough, filtered = _top_p_candidates(scores, probs, p, k)
-        if not bool(enough):
-            continue
-        return filtered
-    return _top_p_sorted(scores, p)
-
-
-def _top_p_sync_free(scores: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """:func:`_top_p` without reading anything back: every candidate count and the full
-    sort are computed, and the same one :func:`_top_p` would take is selected on the device
-    (so the two agree bit for bit).  On a GPU the sort is cheap next to a sync."""
-    vocab = scores.shape[-1]
-    probs = scores.softmax(dim=-1)
-    result = _top_p_sorted(scores, p)
-    for k in reversed(_TOP_P_CANDIDATES):
-        if k >= vocab:
-            continue
-        enough, filtered = _top_p_candidates(scores, probs, p, k)
-        result = torch.where(enough, filtered, result)
-    return result
-
-
-def _top_p_candidates(
-    scores: torch.Tensor, probs: torch.Tensor, p: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p among each row's ``k`` most likely tokens: ``(enough, filtered)``, ``enough``
-    a 0-dim device bool saying whether those hold ``p`` of every row's mass (only then is
-    ``filtered`` the nucleus)."""
-    top_probs, top_ids = probs.topk(k, dim=-1)  # descending
-    enough = ((top_probs.sum(dim=-1) >= p) | (p >= 1.0)).all()
-    before = top_probs.cumsum(dim=-1) - top_probs  # mass of the more likely tokens
-    keep = before < p[:, None]
-    keep[:, 0] = True
-    remove = torch.ones_like(scores, dtype=torch.bool).scatter_(1, top_ids, ~keep)
-    remove.masked_fill_((p >= 1.0)[:, None], False)
-    return enough, scores.masked_fill(remove, float("-inf"))
-
-
-def _top_p_sorted(scores: torch.Tensor, top_p: torch.Tensor | Sequence[float]) -> torch.Tensor:
-    """:func:`_top_p` over the whole sorted vocabulary (HF's algorithm); ``top_p``:
-    float32 ``[n]`` on the scores' device.  No value-dependent branch (the sync-free path)."""
-    top_p = _row_values(top_p, scores.device)
-    sorted_scores, order = scores.sort(dim=-1)  # ascending
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    cut = 1.0 - top_p[:, None]
-    remove = cumulative <= cut
-    remove[:, -1] = False  # always keep the most likely token
-    remove.masked_fill_(cut <= 0, False)  # rows with top_p == 1
-    return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-
-
-def _typical_p(scores: torch.Tensor, mass: torch.Tensor | Sequence[float]) -> torch.Tensor:
-    """Locally typical sampling (Meister et al.), as HF's TypicalLogitsWarper; ``mass``:
-    float32 ``[n]`` on the scores' device."""
-    mass = _row_values(mass, scores.device)
-    log_probs = scores.log_softmax(dim=-1)
-    probs = log_probs.exp()
-    entropy = -(log_probs * probs).nansum(dim=-1, keepdim=True)
-    shifted = (-log_probs - entropy).abs()
-    sorted_shifted, order = shifted.sort(dim=-1)
-    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
-    mass_t = mass[:, None]  # [n, 1] float32
-    last = (cumulative < mass_t).sum(dim=1).clamp(max=scores.shape[-1] - 1)
-    remove = sorted_shifted > sorted_shifted.gather(1, last[:, None])
-    remove[:, 0] = False  # always keep the most typical token
-    remove.masked_fill_(mass_t >= 1.0, False)
-    return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-
-
-def _row_values(values: torch.Tensor | Sequence[float], device: torch.device) -> torch.Tensor:
-    """Per-row float32 parameters as a tensor (callers on the sync-free path upload them)."""
-    if isinstance(values, torch.Tensor):
-        return values
-    return torch.tensor(list(values), dtype=torch.float32, device=device)

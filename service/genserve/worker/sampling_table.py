@@ -15,8 +15,16 @@ on the device by one per sampled row that reads them (:func:`uses_output_count`:
 all-greedy step launches nothing for it); a speculative chunk (several tokens, or fewer
 than drafted, kept) writes its slot's count from the host.
 
-Logit bias, ``min_new_tokens`` bans and the watermark are not here: rows that use them still
-upload their ids per step (worker/logits_processors.py), as they are sparse and rare.
+A slot also holds its request's logit bias (up to :data:`BIAS_WIDTH` ids and values) and
+its ``min_new_tokens`` banned ids (up to :data:`BAN_WIDTH`), padded with id -1, so the
+sampled tail captured in a CUDA graph (worker/sampled_tail.py) reads them with fixed shapes.
+The eager sampler still uploads them per step (worker/logits_processors.py); the watermark
+is never here.
+
+The table's tensors are what a captured graph reads: they must not be reallocated while a
+graph holds them.  ``capacity`` sets the slots allocated up front (a runner with graphs asks
+for many; the tensors are small); past it the table grows by doubling and the graphs see
+that their sources changed (:attr:`SamplingTable.generation`) and sample eagerly.
 """
 
 from __future__ import annotations
@@ -40,8 +48,16 @@ FLOAT_COLUMNS = (
     "presence_penalty",
     "output_frequency_penalty",
 )
-# int64 columns: top_k, the seed (as two's-complement int64), prompt length, output count.
-_TOP_K, _SEED, _NUM_PROMPT, _NUM_OUTPUT = range(4)
+# int64 columns: top_k, the seed (as two's-complement int64), prompt length, output count,
+# min_new_tokens.
+_TOP_K, _SEED, _NUM_PROMPT, _NUM_OUTPUT, _MIN_NEW = range(5)
+_NUM_INTS = 5
+# Per-slot logit-bias entries and min_new_tokens banned ids kept on the device; a request
+# with more runs its steps through the eager sampler (worker/sampled_tail.graphable).
+BIAS_WIDTH = 32
+BAN_WIDTH = 16
+# The neutral slot (default parameters) padding rows of a captured step read.
+PADDING_REQ = "\x00padding"
 
 _MASK64 = (1 << 64) - 1
 
@@ -108,9 +124,10 @@ class TableRows:
 
 
 def uses_output_count(params: SamplingParams) -> bool:
-    """Whether a row's slot output count is read: for its seeded draw, or for TGI's
-    frequency penalty (normalised by the sequence length).  Other rows' counts may lag."""
-    return not params.greedy or params.frequency_penalty != 0.0
+    """Whether a row's slot output count is read: for its seeded draw, for TGI's
+    frequency penalty (normalised by the sequence length), or for its ``min_new_tokens``
+    ban (read by the sampled tail).  Other rows' counts may lag."""
+    return not params.greedy or params.frequency_penalty != 0.0 or params.min_new_tokens > 0
 
 
 class SamplingTable:
@@ -120,10 +137,24 @@ class SamplingTable:
         self.device = device
         self.io = io
         self.floats = torch.zeros((len(FLOAT_COLUMNS), capacity), device=device)
-        self.ints = torch.zeros((4, capacity), dtype=torch.int64, device=device)
+        self.ints = torch.zeros((_NUM_INTS, capacity), dtype=torch.int64, device=device)
+        # [slots, BIAS_WIDTH] ids (-1: unused) and values; [slots, BAN_WIDTH] banned ids.
+        self.bias_ids = torch.full((capacity, BIAS_WIDTH), -1, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros((capacity, BIAS_WIDTH), device=device)
+        self.ban_ids = torch.full((capacity, BAN_WIDTH), -1, dtype=torch.int64, device=device)
         self._slots: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self.num_slot_writes = 0  # uploads of slot values (the counting test reads it)
+        self.generation = 0  # bumped when the tensors are reallocated (graphs compare it)
+
+    def slot(self, req_id: str) -> int:
+        return self._slots[req_id]
+
+    def padding_slot(self) -> int:
+        """A slot of default parameters (greedy, no filter) for padding rows, made once."""
+        if PADDING_REQ not in self._slots:
+            self.add(PADDING_REQ, SamplingParams(), 0, 0)
+        return self._slots[PADDING_REQ]
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._slots
@@ -136,10 +167,24 @@ class SamplingTable:
             if not self._free:
                 self._grow()
             slot = self._slots[req_id] = self._free.pop()
+        # Ids past the widths are not stored: such a request never samples in a graph.
+        bias = list(params.logit_bias[:BIAS_WIDTH])
+        bias += [(-1, 0.0)] * (BIAS_WIDTH - len(bias))
+        bans = list(params.min_tokens_banned_ids[:BAN_WIDTH])
+        bans += [-1] * (BAN_WIDTH - len(bans))
         floats = [float(getattr(params, name)) for name in FLOAT_COLUMNS]
+        floats += [value for _, value in bias]
         ints = [params.top_k, _signed64(params.seed), num_prompt, num_output]
-        self.floats[:, slot].copy_(self.io.upload(floats, torch.float32))
-        self.ints[:, slot].copy_(self.io.upload(ints, torch.int64))
+        ints += [params.min_new_tokens] + [i for i, _ in bias] + bans
+        # One upload of each kind, then device copies into the slot's places.
+        f = self.io.upload(floats, torch.float32)
+        n = len(FLOAT_COLUMNS)
+        self.floats[:, slot].copy_(f[:n])
+        self.bias_values[slot].copy_(f[n:])
+        i = self.io.upload(ints, torch.int64)
+        self.ints[:, slot].copy_(i[:_NUM_INTS])
+        self.bias_ids[slot].copy_(i[_NUM_INTS : _NUM_INTS + BIAS_WIDTH])
+        self.ban_ids[slot].copy_(i[_NUM_INTS + BIAS_WIDTH :])
         self.num_slot_writes += 1
 
     def remove(self, req_id: str) -> None:
@@ -173,8 +218,16 @@ class SamplingTable:
         old = self.floats.shape[1]
         size = 2 * old
         floats = torch.zeros((len(FLOAT_COLUMNS), size), device=self.device)
-        ints = torch.zeros((4, size), dtype=torch.int64, device=self.device)
+        ints = torch.zeros((_NUM_INTS, size), dtype=torch.int64, device=self.device)
+        bias_ids = torch.full((size, BIAS_WIDTH), -1, dtype=torch.int64, device=self.device)
+        bias_values = torch.zeros((size, BIAS_WIDTH), device=self.device)
+        ban_ids = torch.full((size, BAN_WIDTH), -1, dtype=torch.int64, device=self.device)
         floats[:, :old] = self.floats
         ints[:, :old] = self.ints
+        bias_ids[:old] = self.bias_ids
+        bias_values[:old] = self.bias_values
+        ban_ids[:old] = self.ban_ids
         self.floats, self.ints = floats, ints
+        self.bias_ids, self.bias_values, self.ban_ids = bias_ids, bias_values, ban_ids
+        self.generation += 1
         self._free.extend(range(size - 1, old - 1, -1))

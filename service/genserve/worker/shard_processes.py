@@ -49,6 +49,7 @@ class WorkerSpec:
     cpu_int_dot: str = "off"  # issue #28 --cpu-int-dot (auto | on | off)
     deterministic: bool = False  # --deterministic: batch-invariant kernels
     expert_parallel: bool = False  # --expert-parallel: whole routed experts per rank
+    prefill_attention: str = "auto"  # issue #29 --gpu-prefill-attention
     rope_scaling: str | None = None  # issue #15 --rope-scaling / --rope-factor
     rope_factor: float | None = None
     quantize: str | None = None  # issue #14 --quantize (its canonical name)
@@ -93,6 +94,7 @@ class WorkerSpec:
             args.append("--deterministic")
         if self.expert_parallel:
             args.append("--expert-parallel")
+        args.append(f"--gpu-prefill-attention={self.prefill_attention}")
         return args
 
 

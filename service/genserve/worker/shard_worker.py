@@ -43,6 +43,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-int-dot", choices=("auto", "on", "off"), default="off")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--expert-parallel", action="store_true")
+    p.add_argument(
+        "--gpu-prefill-attention", choices=("auto", "triton", "sdpa", "sdpa-pinned"), default="auto"
+    )
     p.add_argument("--rope-scaling", choices=("linear", "dynamic"), default=None)
     p.add_argument("--rope-factor", type=float, default=None)
     p.add_argument("--quantize", choices=("int8", "int4", "gguf"), default=None)
@@ -135,6 +138,7 @@ def run(args: argparse.Namespace) -> None:
         device=device,
         parallel=group.parallel,
         trust_remote_code=args.trust_remote_code,
+        prefill_attention=args.gpu_prefill_attention,
     )
     agree_kv_budget(runner, args.memory_fraction, group)
     channel = ShardChannel(group)

@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from genserve.model.attention_backend import PrefillAttentionFlag
 from genserve.model.loader import ResolvedModel
 from genserve.step import RunnerOutput, SchedulerOutput
 from genserve.worker.model_runner import ModelRunner
@@ -71,8 +72,16 @@ class ShardedModelRunner(ModelRunner):
         processes: ShardProcesses,
         memory_fraction: float,
         trust_remote_code: bool = False,
+        prefill_attention: PrefillAttentionFlag = "auto",
     ) -> None:
-        super().__init__(model, dtype, device, group.parallel, trust_remote_code)
+        super().__init__(
+            model,
+            dtype,
+            device,
+            group.parallel,
+            trust_remote_code,
+            prefill_attention=prefill_attention,
+        )
         self.group = group
         self.processes = processes
         self._channel = ShardChannel(group)
@@ -188,6 +197,8 @@ class ShardSettings:
     deterministic: bool = False  # --deterministic: batch-invariant kernels on every rank
     cpu_int_dot: str = "off"  # --cpu-int-dot: every rank multiplies as rank 0 does
     expert_parallel: bool = False  # --expert-parallel: whole routed experts per rank
+    # --gpu-prefill-attention: every rank attends a step's prompt rows the same way
+    gpu_prefill_attention: PrefillAttentionFlag = "auto"
 
 
 def launch_sharded_runner(
@@ -223,6 +234,7 @@ def launch_sharded_runner(
         deterministic=settings.deterministic,
         cpu_int_dot=settings.cpu_int_dot,
         expert_parallel=settings.expert_parallel,
+        prefill_attention=settings.gpu_prefill_attention,
         rope_scaling=model.rope_scaling,
         rope_factor=model.rope_factor,
         quantize=model.quantize,
@@ -247,6 +259,7 @@ def launch_sharded_runner(
             processes,
             spec.memory_fraction,
             settings.trust_remote_code,
+            prefill_attention=settings.gpu_prefill_attention,
         )
     except BaseException:
         processes.stop(timeout_s=0.0)

@@ -25,7 +25,8 @@ What it records, as a GPU would see it:
   and per decoder layer when a layer module is given.  A custom op (the Triton kernels'
   ``genserve_gpu::*`` ops, a stubbed kernel) is one op here, as it is one launch on a GPU.
   With ``graphs`` (a ``DecodeGraphs``), the kernels of what its CUDA graphs hold (the
-  forward + LM head, the greedy tail) are counted apart too: the rest is what runs eagerly.
+  forward + LM head, the greedy and sampled tails) are counted apart too: the rest is what
+  runs eagerly.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class SyncAudit(TorchDispatchMode):
     ``forward``, or ``forward_carry`` where the model's fused GPU path calls that)."""
 
     _LAYER_METHODS = ("forward", "forward_carry")
-    _GRAPH_METHODS = ("_forward", "_greedy_tail")  # DecodeGraphs: what a bucket captures
+    # DecodeGraphs: what a bucket captures
+    _GRAPH_METHODS = ("_forward", "_greedy_tail", "_sampled_tail")
 
     def __init__(
         self,
