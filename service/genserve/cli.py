@@ -484,15 +484,16 @@ class Service:
         engine.adapters = await start_adapters(adapter_settings, loaded.runner.config, loaded.info)
         if self.metrics is not None:
             self.metrics.registry.register(AdapterCollector(engine.adapters))
+        engine.start()
         if self.metrics is not None:
-            self.metrics.scheduler.bind(engine.scheduler.stats, asyncio.get_running_loop())
+            # The scheduler belongs to the engine thread: scrapes read it there.
+            self.metrics.scheduler.bind(engine.scheduler.stats, engine.engine_loop)
             self.metrics.set_info(
                 model_id=loaded.info.model_id,
                 dtype=loaded.info.model_dtype,
                 device=loaded.info.model_device_type,
                 version=VERSION,
             )
-        engine.start()
         self.servicer.attach(
             Serving(
                 engine=engine,

@@ -300,7 +300,7 @@ def test_min_new_tokens_and_stop_ids_on_draft_rows(
     index 8 must see A allowed again (each draft row has its own output index)."""
     stub, server, speculate = spec_server
     a, b = 100, 200
-    before = server.call(server.engine.scheduler.stats).spec_accepted_tokens
+    before = server.in_engine(server.engine.scheduler.stats).spec_accepted_tokens
     out = generate(
         stub,
         max_new_tokens=20,
@@ -312,7 +312,7 @@ def test_min_new_tokens_and_stop_ids_on_draft_rows(
     assert out.details.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
     assert out.details.stop_token_id == a
     if speculate:
-        assert server.call(server.engine.scheduler.stats).spec_accepted_tokens > before
+        assert server.in_engine(server.engine.scheduler.stats).spec_accepted_tokens > before
 
 
 def test_two_shards_honour_the_fields(tiny_llama: Path) -> None:

@@ -189,13 +189,13 @@ def _send_all(server: InProcessServer) -> Run:
     chunks: list[tuple[int, bool]] = []
     drafts: list[int] = []
 
-    def record(observation: StepObservation) -> None:  # runs on the engine's loop thread
+    def record(observation: StepObservation) -> None:  # runs on the server's gRPC loop
         chunks.extend((len(c.token_ids), c.sample) for c in observation.step.chunks)
         drafts.extend(c.num_draft_tokens for c in observation.step.chunks)
 
-    # Registered and read on the engine's loop, which also runs the observers: no locking.
+    # Registered and read on the gRPC loop, which runs the observers: no locking.
     server.call(lambda: server.engine.step_observers.append(record))
-    preemptions_before = server.call(server.engine.scheduler.stats).num_preemptions
+    preemptions_before = server.in_engine(server.engine.scheduler.stats).num_preemptions
     # top_n_tokens only feeds the failure message (how close the reference's tie was).
     params = pb.GenerateParameters(max_new_tokens=MAX_NEW_TOKENS, details=True, top_n_tokens=2)
     with grpc.insecure_channel(server.address) as channel:
@@ -209,16 +209,20 @@ def _send_all(server: InProcessServer) -> Run:
         with ThreadPoolExecutor(len(BATCH)) as pool:
             batch = list(pool.map(call, BATCH))
 
-    def settle() -> tuple[int, list[tuple[int, bool]]]:
+    def settle() -> int:  # on the engine thread, where the scheduler lives
         # A request's blocks are freed before its last token is handed to its stream, so
         # once every call has returned nothing may hold a block or wait for a step.
         server.engine.scheduler.check_invariants()
         stats = server.engine.scheduler.stats()
         assert (stats.num_running, stats.num_waiting) == (0, 0), stats
-        server.engine.step_observers.remove(record)
-        return stats.num_preemptions, list(chunks)
+        return stats.num_preemptions
 
-    preemptions_after, seen = server.call(settle)
+    def stop_recording() -> list[tuple[int, bool]]:
+        server.engine.step_observers.remove(record)
+        return list(chunks)
+
+    preemptions_after = server.in_engine(settle)
+    seen = server.call(stop_recording)
     assert server.num_free_blocks() == server.num_total_blocks(), (
         f"{server.num_total_blocks() - server.num_free_blocks()} KV blocks leaked"
     )

@@ -1,10 +1,10 @@
 """AsyncEngine with ``overlap``: step n + 1 is scheduled before step n's tokens are known
 (the fake runner fills its placeholder tokens from its own last step), and step n is
-streamed (detokenised, stop strings checked, observers told) while step n + 1 runs.
-Against a fake runner that sleeps a fixed "device" time D per step and an observer that
-spends a fixed host time H, a step takes about max(H, D) instead of H + D; and outputs
-are the same with overlap on and off (greedy, stop strings, stop token ids, max tokens,
-cancellation, preemption)."""
+applied and detokenised (stop strings checked) while step n + 1 runs.  Against a fake
+runner that sleeps a fixed "device" time D per step and a scheduler that spends a fixed
+host time H on the engine thread applying each result, a step takes about max(H, D)
+instead of H + D; and outputs are the same with overlap on and off (greedy, stop strings,
+stop token ids, max tokens, cancellation, preemption)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ class SleepingRunner(PagedFakeRunner):  # type: ignore[misc]
         return out
 
 
+class BusyScheduler(Scheduler):
+    """The scheduler, spending ``host_s`` of the engine thread's time applying each step's
+    result (the host's work on the engine loop: stop checks, detokenising)."""
+
+    def __init__(self, config: SchedulerConfig, host_s: float) -> None:
+        super().__init__(config)
+        self.host_s = host_s
+
+    def update_from_output(self, step: SchedulerOutput, result: RunnerOutput) -> Any:
+        time.sleep(self.host_s)
+        return super().update_from_output(step, result)
+
+
 @dataclass
 class Result:
     token_ids: list[int]
@@ -64,8 +77,7 @@ async def _serve(
 ) -> tuple[dict[str, Result], float, int]:
     config = SchedulerConfig(num_blocks=num_blocks, block_size=4)
     runner = SleepingRunner(num_blocks, 4, device_s)
-    engine = AsyncEngine(Scheduler(config), runner, tokenizer, overlap=overlap)
-    engine.step_observers.append(lambda _obs: time.sleep(host_s))  # the host's work
+    engine = AsyncEngine(BusyScheduler(config, host_s), runner, tokenizer, overlap=overlap)
     steps: list[StepObservation] = []
     engine.step_observers.append(steps.append)
     engine.start()

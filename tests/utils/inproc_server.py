@@ -45,19 +45,24 @@ class InProcessServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the server's event loop thread (where engine state lives)."""
+        """Run ``fn`` on the server's event loop thread (the gRPC side: request streams,
+        step observers)."""
 
         async def wrapper() -> T:
             return fn()
 
         return self.run(wrapper())  # type: ignore[no-any-return]
 
+    def in_engine(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread (where the scheduler lives)."""
+        return self.engine.call_in_engine(fn).result(120)
+
     def num_free_blocks(self) -> int:
-        stats = self.call(self.engine.scheduler.stats)
+        stats = self.in_engine(self.engine.scheduler.stats)
         return stats.num_total_blocks - stats.num_used_blocks
 
     def num_total_blocks(self) -> int:
-        return self.call(lambda: self.engine.scheduler.stats().num_total_blocks)
+        return self.in_engine(lambda: self.engine.scheduler.stats().num_total_blocks)
 
     def wait_all_blocks_free(self, timeout: float = 10.0) -> None:
         """Wait until no KV block is in use (ended requests have returned theirs)."""

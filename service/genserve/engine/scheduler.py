@@ -254,6 +254,17 @@ class Scheduler:
         prompt, ``max_new_tokens < 1``, or a request larger than the KV capacity."""
         if req.req_id in self._requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.check_request(req)
+        self._requests[req.req_id] = req
+        self._arrival_seq[req.req_id] = self._next_arrival_seq
+        self._next_arrival_seq += 1
+        self._next_prompt_logprob_pos[req.req_id] = 1  # position 0 never has a logprob
+        self._waiting.append(req)
+
+    def check_request(self, req: Request) -> None:
+        """The checks of :meth:`add_request` that need no scheduler state (only the fixed KV
+        capacity): safe from any thread, so a front end on another thread can refuse a bad
+        request to its caller before queueing it.  Raises ``ValueError``."""
         if not req.prompt_token_ids:
             raise ValueError(f"request {req.req_id!r} has an empty prompt")
         if req.stopping.max_new_tokens < 1:
@@ -272,11 +283,6 @@ class Scheduler:
             or req.output_token_ids
         ):
             raise ValueError(f"request {req.req_id!r} is not fresh")
-        self._requests[req.req_id] = req
-        self._arrival_seq[req.req_id] = self._next_arrival_seq
-        self._next_arrival_seq += 1
-        self._next_prompt_logprob_pos[req.req_id] = 1  # position 0 never has a logprob
-        self._waiting.append(req)
 
     def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
         """End requests now (stop string, cancellation, deadline, shutdown, runner error),

@@ -62,6 +62,7 @@ _HEADERS += [
         "int_dot_ymm_vnni.inc",
         "kquant_decode.inc",
         "kquant_int_row.inc",
+        "kquant_zmm_row.inc",
         "kquant_rows.h",
         "moe_grouping.h",
         "moe_quant_row.inc",

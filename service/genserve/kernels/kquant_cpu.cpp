@@ -194,42 +194,13 @@ void float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
 using genserve_kquant::KRowJob;
 using genserve_kquant::RunRows;
 
-// ---- AVX512-VNNI: 512-bit VPDPBUSD, 4 chunks of 64 weights per block ----------------------
+// ---- AVX512-VNNI: 512-bit VPDPBUSD + VPDPWSSD, quants unpacked in registers ------------
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 namespace kquant_avx512vnni {
 namespace {
 #include "kquant_decode.inc"
-using I = __m512i;
-using F = __m512;
-constexpr int kW = 64;
-inline I loadq(const void* p) { return _mm512_loadu_si512(p); }
-// The decoded quants were just stored by 256-bit stores: two loads forward from them, where
-// one 512-bit load across both would stall.
-inline I loadw(const uint8_t* p) {
-  const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-inline I zero() { return _mm512_setzero_si512(); }
-inline I add(I a, I b) { return _mm512_add_epi32(a, b); }
-inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
-inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-inline F set1f(float v) { return _mm512_set1_ps(v); }
-inline float hsum(F v) { return _mm512_reduce_add_ps(v); }
-// Chunk c holds groups 4c .. 4c + 3; int32 lane l sums weights 4l .. 4l + 3 (group l / 4).
-inline void scale_vectors(const KBlock& b, I* out) {
-  const I all = _mm512_cvtepi16_epi32(b.sc);
-  for (int c = 0; c < 4; ++c) {
-    const I index = _mm512_add_epi32(_mm512_set1_epi32(4 * c),
-                                     _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-    out[c] = _mm512_permutexvar_epi32(index, all);
-  }
-}
-inline I scaled_dot(I w, I x, I s) {
-  return _mm512_mullo_epi32(_mm512_dpbusd_epi32(zero(), w, x), s);
-}
-#include "kquant_int_row.inc"
+#include "kquant_zmm_row.inc"
 }  // namespace
 RunRows run() { return &run_rows; }
 }  // namespace kquant_avx512vnni
@@ -383,6 +354,29 @@ struct Q8K {
   at::Tensor q, d, sums;
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline bool quantize_block_avx512(const float* src, int8_t* dst, float* d, int16_t* sums) {
+  __m512 v[16];
+  __m512 amax = _mm512_setzero_ps();
+  for (int g = 0; g < 16; ++g) {
+    v[g] = _mm512_loadu_ps(src + 16 * g);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[g]));
+  }
+  const float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  for (int g = 0; g < 16; ++g) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[g], vinv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * g), _mm512_cvtepi32_epi8(qi));
+    sums[g] = static_cast<int16_t>(_mm512_reduce_add_epi32(qi));
+  }
+  *d = scale;
+  return true;
+}
+#endif
+
 Q8K quantize_q8k(const at::Tensor& x32) {
   const int64_t M = x32.size(0), K = x32.size(1), nb = K / 256;
   Q8K r{at::empty({M, K}, x32.options().dtype(at::kChar)), at::empty({M, nb}, x32.options()),
@@ -395,6 +389,12 @@ Q8K quantize_q8k(const at::Tensor& x32) {
     for (int64_t t = begin; t < end; ++t) {
       const float* src = x + t * 256;  // row t / nb, block t % nb: contiguous
       int8_t* dst = q + t * 256;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      // The same values by 512-bit vectors (a one-row step quantizes 14 K inputs per layer,
+      // which the scalar loop took ~1.5% of a 1B step for): max|x| is exact in any order,
+      // x · inv the same float product, VRNDSCALEPS to nearest the same ties-to-even rounding.
+      if (quantize_block_avx512(src, dst, d + t, sums + t * 16)) continue;
+#endif
       float amax = 0.0f;
       for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(src[i]));
       const float scale = amax / 127.0f;

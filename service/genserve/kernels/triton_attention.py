@@ -198,8 +198,9 @@ def _define_kernel() -> Any:
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        k_base = cache_ptr + kv_head * c_stride_head
-        v_base = k_base + c_stride_kv
+        # 64-bit: a layer's cache past 2**31 elements (a large GPU's KV pool) would wrap.
+        k_base = cache_ptr + kv_head.to(tl.int64) * c_stride_head
+        v_base = k_base + c_stride_kv.to(tl.int64)
         for b in range(first // BLOCK_SIZE, tl.cdiv(context_len, BLOCK_SIZE)):
             block_id = tl.load(table_ptr + seq * t_stride_seq + b).to(tl.int64)
             k_pos = b * BLOCK_SIZE + slots

@@ -29,6 +29,11 @@ Two backends:
 This module holds the contracts every backend implements (:class:`SeqSpec`,
 :class:`AttentionMetadata`, :class:`AttentionBackend`, the slot mapping and block tables)
 and the torch backend; :mod:`genserve.model.attention_backend` chooses one for a device.
+
+Past the house's ~500 lines (about 570): :class:`TorchAttentionMetadata` holds the ways a
+step's rows attend (decode kernels, SDPA per prompt or batched, pinned SDPA, the Triton varlen
+launch), and they share its per-step state; split apart, one dataclass's methods would live in
+several modules.  The numpy helpers and the contracts are the candidates to move first.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
     python -m genserve.worker.runner_bench [--model-id ID] [--dtype bfloat16]
         [--batch 1 32] [--prompt-len 40] [--new-tokens 128] [--hf] [--profile]
-        [--model-impl transformers]
+        [--model-impl transformers] [--cpu-int-dot on]
 
 For each batch size: one prefill step of ``batch`` prompts, then ``new-tokens - 1`` decode
 steps of the whole batch; prints decode tokens/s and ms/step.  ``--hf`` runs padded
@@ -149,7 +149,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="batch-invariant kernels (A/B their cost)"
     )
+    parser.add_argument(
+        "--cpu-int-dot", choices=["off", "auto", "on"], default="off", help="as the server's"
+    )
     args = parser.parse_args(argv)
+    from genserve.kernels import int_dot
+
+    int_dot.configure(args.cpu_int_dot)
     if args.disable_cpu_kernels or args.deterministic:
         from genserve.kernels import cpu as cpu_kernels
 
