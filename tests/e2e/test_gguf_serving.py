@@ -69,14 +69,39 @@ def _agreeing_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _bf16_native() -> bool:
+    import torch
+
+    return cpu_kernels.load() and bool(torch.ops.genserve.bf16_gemm_native())
+
+
 @pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
 @pytest.mark.skipif(not int_dot.available_isas(), reason="no integer kernel path (no AVX2)")
-def test_k_quants_on_the_integer_path_agree_with_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "prompt_path",
+    [
+        "integer",
+        pytest.param(
+            "bf16",
+            marks=pytest.mark.skipif(
+                not _bf16_native(), reason="no native bfloat16 GEMM (AVX512-BF16 / AMX-BF16)"
+            ),
+        ),
+    ],
+)
+def test_k_quants_on_the_integer_path_agree_with_transformers(
+    tmp_path: Path, prompt_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Q4_K_M with ``--cpu-int-dot on``: K-quant and Q8_0 matrices multiplied by int8
     activations.  Stated agreement (docs/cpu/integer-kernels.md): at least half of all greedy
     tokens come before a prompt's first divergence from transformers' float32 tokens (measured
     on this file: prefixes [12, 12, 12, 1, 12, 10] of 12, 82%; a random tiny model's logits
-    are flat, so a near-tie can flip the very first token of a prompt)."""
+    are flat, so a near-tie can flip the very first token of a prompt).  ``bf16``: every
+    prompt step of 2 rows or more takes the many-row path (K-quants decoded to bfloat16,
+    kernels/prefill_gemm.py) as long prompts do; the same bound holds."""
+    from genserve.kernels import prefill_gemm
+
+    monkeypatch.setenv(prefill_gemm.ENV_MIN_ROWS, "2" if prompt_path == "bf16" else "0")
     model = make_tiny_gguf(tmp_path / "tiny-Q4_K_M.gguf", "Q4_K_M", seed=7)
     cache = fresh_cache(tmp_path)
     prompts = varied_prompts(6, seed=5)

@@ -47,6 +47,8 @@ _SOURCES.append(Path(__file__).with_name("decode_layer_cpu.cpp"))  # one op per 
 _SOURCES.append(Path(__file__).with_name("int_dot_cpu.cpp"))
 # GGUF K-quant super-blocks, float and integer paths (model/kquants.py)
 _SOURCES.append(Path(__file__).with_name("kquant_cpu.cpp"))
+# K-quant prompt chunks: blocks decoded to bfloat16 panels for oneDNN's GEMM (model/kquants.py)
+_SOURCES.append(Path(__file__).with_name("prefill_gemm_cpu.cpp"))
 # the routed experts of a mixture-of-experts layer, one op per layer (model/moe.py)
 _SOURCES.append(Path(__file__).with_name("moe_cpu.cpp"))
 # the same with the experts in a GGUF file's quantized blocks (model/moe_gguf.py)
@@ -80,6 +82,7 @@ _OPS = (
     "greedy_stats",
     "int_dot_linear",
     "kquant_linear",
+    "kquant_linear_bf16",
     "set_batch_invariant",
     "moe_experts",
     "moe_experts_gguf",

@@ -59,6 +59,9 @@ class IntDotPanels:
     bits: int
     in_features: int
     out_features: int
+    # From this many activation rows on, :meth:`linear` decodes the panels to bfloat16 and runs
+    # torch's bfloat16 GEMM (``kernels/prefill_gemm.py``; 0: never).
+    bf16_rows: int = 0
 
     @staticmethod
     def supports(quant: QuantizedWeight) -> bool:
@@ -109,6 +112,11 @@ class IntDotPanels:
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None, isa: Isa = Isa.AUTO
     ) -> torch.Tensor:
+        if 0 < self.bf16_rows <= x.shape[0]:
+            many: torch.Tensor = torch.ops.genserve.int_dot_linear_bf16(
+                x, self.data, self.scales, self.mins, self.bits, self.out_features, bias, 0
+            )
+            return many
         out: torch.Tensor = torch.ops.genserve.int_dot_linear(
             x, self.data, self.scales, self.mins, self.bits, self.out_features, bias, int(isa)
         )

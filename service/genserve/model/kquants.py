@@ -40,6 +40,9 @@ SUPER_BLOCK = 256  # weights per K-quant super-block
 K_TYPES: dict[str, tuple[int, int]] = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
 # The kernel's float path (isa argument): dequantize each super-block to float32 and FMA.
 FLOAT_PATH = -1
+# Weight rows decoded to bfloat16 per panel of the many-row path (0: the kernel's default,
+# about 4 MiB of bfloat16).
+BF16_PANEL_ROWS = 0
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
@@ -59,6 +62,9 @@ class KQuantWeight:
     row_counts: tuple[int, ...]
     in_features: int
     isa: int = FLOAT_PATH
+    # From this many activation rows on, :meth:`linear` decodes W to bfloat16 and runs torch's
+    # bfloat16 GEMM (``kernels/prefill_gemm.py``; 0: never).  Set by :meth:`serving`.
+    bf16_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.in_features <= 0 or self.in_features % SUPER_BLOCK:
@@ -213,13 +219,20 @@ class KQuantWeight:
         return self.rows(ids.cpu()).dequantize(dtype)
 
     # ------------------------------------------------------------------ kernel
-    def serving(self, isa: int) -> KQuantWeight:
-        """This matrix as the kernel serves it on path ``isa`` (same bytes)."""
-        return dataclasses.replace(self, isa=isa)
+    def serving(self, isa: int, bf16_rows: int = 0) -> KQuantWeight:
+        """This matrix as the kernel serves it on path ``isa`` (same bytes), steps of at least
+        ``bf16_rows`` rows (0: none) by the bfloat16 GEMM."""
+        return dataclasses.replace(self, isa=isa, bf16_rows=bf16_rows)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x Wᵀ + b`` by ``genserve::kquant_linear`` (``x`` float32 / half ``[M, K]``)."""
+        """``x Wᵀ + b`` by ``genserve::kquant_linear`` (``x`` float32 / half ``[M, K]``), or
+        for ``bf16_rows`` rows and more by ``genserve::kquant_linear_bf16``."""
         codes = [K_TYPES[t][0] for t in self.types]
+        if 0 < self.bf16_rows <= x.shape[0]:
+            many: torch.Tensor = torch.ops.genserve.kquant_linear_bf16(
+                x, self.data, codes, list(self.row_counts), bias, BF16_PANEL_ROWS
+            )
+            return many
         out: torch.Tensor = torch.ops.genserve.kquant_linear(
             x, self.data, codes, list(self.row_counts), bias, self.isa
         )

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genserve.kernels import int_dot
+from genserve.kernels import int_dot, prefill_gemm
 from genserve.model.huge_pages import HugePageRegion
 from genserve.model.int_dot_panels import IntDotPanels
 from genserve.model.kquants import FLOAT_PATH, AnyQuantized, KQuantWeight
@@ -135,13 +135,16 @@ class _Packable(nn.Module):
         if isinstance(self.quant, KQuantWeight):  # the kernel reads the file's blocks as they are
             choice = int_dot.choose() if int_dot.active() else None
             isa = FLOAT_PATH if choice is None or choice.isa is None else int(choice.isa)
-            self.qpanels = self.quant.serving(isa)
+            many_rows = prefill_gemm.bf16_min_rows() if isa != FLOAT_PATH else 0
+            self.qpanels = self.quant.serving(isa, many_rows)
             if release:
                 self.quant = None
             return
         if self.quant is not None:
             if IntDotPanels.supports(self.quant) and int_dot.active():
-                self.qpanels = IntDotPanels.pack(self.quant)
+                self.qpanels = dataclasses.replace(
+                    IntDotPanels.pack(self.quant), bf16_rows=prefill_gemm.bf16_min_rows(blocks=True)
+                )
                 if release:
                     self.quant = None
             elif QuantizedPanels.supports(self.quant):
