@@ -72,6 +72,9 @@ class StepObservation:
     num_finished: int
     # Tokens each request of a speculative chunk received (one per other sampling chunk).
     num_spec_tokens: Mapping[str, int] = field(default_factory=dict)
+    # time.monotonic() when the step's result reached the engine thread: observers run later,
+    # on the gRPC loop, so their own clock would stretch the step into the next one's span.
+    ended_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,7 @@ class _Finished:
     result: RunnerOutput
     outputs: list[EngineCoreOutput]
     duration_s: float
+    ended_s: float  # time.monotonic() when the result arrived
 
 
 class EngineLoop:
@@ -219,7 +223,10 @@ class EngineLoop:
                 running = ahead
                 continue
             self.num_steps += 1
-            done = _Finished(running.step, result, outputs, time.perf_counter() - running.started)
+            done = _Finished(
+                running.step, result, outputs, time.perf_counter() - running.started,
+                time.monotonic(),
+            )  # fmt: skip
             if self.overlap and ahead is None and self.scheduler.has_unfinished_requests():
                 ahead = self._submit(loop, self.scheduler.schedule())
             self._emit_step(done)  # the host's work, while the step ahead runs
@@ -260,6 +267,7 @@ class EngineLoop:
             num_spec_tokens=Counter(t.req_id for t in done.result.sampled if t.req_id in spec_ids)
             if spec_ids
             else {},
+            ended_s=done.ended_s,
         )
         self._flush(observation)
 

@@ -227,7 +227,7 @@ class RequestObserver:
     # ------------------------------------------------------------------ engine hook
     def on_step(self, obs: StepObservation) -> None:
         """Engine step observer: admissions, prefill chunks, decode steps, token times."""
-        end = time.monotonic()
+        end = time.monotonic() if obs.ended_s is None else obs.ended_s
         start = end - obs.duration_s
         step = obs.step
         batch = len(step.chunks)
