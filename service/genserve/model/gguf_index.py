@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-_MAGIC = b"GGUF"
-_VERSIONS = (2, 3)
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 # GGUF metadata value types (gguf.GGUFValueType) -> struct code of a fixed-size scalar.
-_SCALARS = {
+GGUF_SCALAR_CODES = {
     0: "B",
     1: "b",
     2: "H",
@@ -41,7 +41,7 @@ _SCALARS = {
     11: "q",
     12: "d",
 }
-_STRING, _ARRAY = 8, 9
+GGUF_STRING, GGUF_ARRAY = 8, 9
 # Tensor types whose ``data`` view is typed elements rather than bytes (as gguf-py's reader).
 _ELEMENT_DTYPES = {
     "F16": np.float16,
@@ -79,12 +79,12 @@ class GGUFIndex:
         self.data: np.memmap[Any, np.dtype[np.uint8]] = np.memmap(path, mode="r")
         self._view = memoryview(self.data)  # type: ignore[arg-type]
         self._path = str(path)
-        if bytes(self._view[:4]) != _MAGIC:
+        if bytes(self._view[:4]) != GGUF_MAGIC:
             raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
         (version,) = self._unpack("<I", 4)
-        if version not in _VERSIONS:
+        if version not in GGUF_VERSIONS:
             swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
-            hint = " (a big-endian file)" if swapped in _VERSIONS else ""
+            hint = " (a big-endian file)" if swapped in GGUF_VERSIONS else ""
             raise ValueError(f"{path}: GGUF version {version} is not supported{hint}")
         n_tensors, n_kv = self._unpack("<QQ", 8)
         offset = 24
@@ -143,22 +143,22 @@ class GGUFIndex:
     def _value(self, value_type: int, offset: int) -> tuple[int | float | bool | str | None, int]:
         """A metadata value at ``offset`` and the offset after it; None for an array (its
         elements are skipped, not read)."""
-        if value_type in _SCALARS:
-            code = "<" + _SCALARS[value_type]
+        if value_type in GGUF_SCALAR_CODES:
+            code = "<" + GGUF_SCALAR_CODES[value_type]
             (value,) = self._unpack(code, offset)
             return value, offset + struct.calcsize(code)
-        if value_type == _STRING:
+        if value_type == GGUF_STRING:
             return self._string(offset)
-        if value_type == _ARRAY:
+        if value_type == GGUF_ARRAY:
             item_type, count = self._unpack("<IQ", offset)
             return None, self._skip_items(item_type, count, offset + 12)
         raise ValueError(f"{self._path}: unknown GGUF metadata type {value_type}")
 
     def _skip_items(self, item_type: int, count: int, offset: int) -> int:
-        if item_type in _SCALARS:
-            return offset + count * struct.calcsize("<" + _SCALARS[item_type])
+        if item_type in GGUF_SCALAR_CODES:
+            return offset + count * struct.calcsize("<" + GGUF_SCALAR_CODES[item_type])
         skip: Callable[[int], int]
-        if item_type == _STRING:
+        if item_type == GGUF_STRING:
             lengths = struct.Struct("<Q")
 
             def skip(at: int) -> int:

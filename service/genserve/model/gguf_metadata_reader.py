@@ -34,23 +34,14 @@ from typing import Any
 
 import numpy as np
 
-_MAGIC = b"GGUF"
-_VERSIONS = (2, 3)
-# GGUF value types (gguf.GGUFValueType) of fixed size -> struct code.
-_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-_STRING, _ARRAY = 8, 9
+from genserve.model.gguf_index import (
+    GGUF_ARRAY,
+    GGUF_MAGIC,
+    GGUF_SCALAR_CODES,
+    GGUF_STRING,
+    GGUF_VERSIONS,
+)
+
 _LEN = struct.Struct("<Q")
 
 
@@ -72,7 +63,7 @@ class MetadataField:
         """The value as Python (a list for an array), as ``ReaderField.contents()``."""
         item = self.types[-1]
         values = [_decode(self.parts[i], item) for i in self.data]
-        return values if self.types[0] == _ARRAY else values[0]
+        return values if self.types[0] == GGUF_ARRAY else values[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +74,7 @@ class TensorName:
 
 
 def _decode(part: Any, value_type: int) -> Any:
-    return part.decode("utf-8") if value_type == _STRING else part[0]
+    return part.decode("utf-8") if value_type == GGUF_STRING else part[0]
 
 
 class GGUFMetadataReader:
@@ -97,10 +88,10 @@ class GGUFMetadataReader:
         self._path = str(path)
         with open(path, "rb") as f:
             head = f.read(24)
-            if len(head) < 24 or head[:4] != _MAGIC:
+            if len(head) < 24 or head[:4] != GGUF_MAGIC:
                 raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
             version, n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
-            if version not in _VERSIONS:
+            if version not in GGUF_VERSIONS:
                 raise UnsupportedGGUF(f"{path}: GGUF version {version}")
         # The header is at most a few tens of MB (a vocabulary): map the file once and read
         # the header through a memoryview, never the tensor data.
@@ -152,12 +143,12 @@ class GGUFMetadataReader:
 
     def _field(self, name: str, parts: list[Any], value_type: int, offset: int) -> MetadataField:
         """The field at ``offset`` (its value's type ``value_type``); sets ``self._end``."""
-        if value_type in _SCALARS:
-            code = "<" + _SCALARS[value_type]
+        if value_type in GGUF_SCALAR_CODES:
+            code = "<" + GGUF_SCALAR_CODES[value_type]
             parts.append(self._unpack_fmt(code, offset))
             self._end = offset + struct.calcsize(code)
             return MetadataField(name, parts, [3], [value_type])
-        if value_type == _STRING:
+        if value_type == GGUF_STRING:
             length = self._unpack(_LEN, offset)
             parts += [
                 np.array([length], dtype=np.uint64),
@@ -165,21 +156,21 @@ class GGUFMetadataReader:
             ]
             self._end = offset + 8 + length
             return MetadataField(name, parts, [4], [value_type])
-        if value_type != _ARRAY:
+        if value_type != GGUF_ARRAY:
             raise UnsupportedGGUF(f"{self._path}: metadata type {value_type} of {name}")
         item_type, count = self._unpack_fmt("<IQ", offset)
         offset += 12
         parts += [np.array([item_type], dtype=np.uint32), np.array([count], dtype=np.uint64)]
         first = len(parts)
-        if item_type in _SCALARS:
-            code = _SCALARS[item_type]
+        if item_type in GGUF_SCALAR_CODES:
+            code = GGUF_SCALAR_CODES[item_type]
             size = struct.calcsize("<" + code) * count
             if offset + size > len(self._buf):
                 raise ValueError(f"{self._path}: GGUF header truncated in {name}")
             values = struct.unpack_from(f"<{count}{code}", self._buf, offset)
             parts += [(v,) for v in values]
             offset += size
-        elif item_type == _STRING:
+        elif item_type == GGUF_STRING:
             buf, unpack = self._buf, _LEN.unpack_from
             try:
                 for _ in range(count):
@@ -191,7 +182,9 @@ class GGUFMetadataReader:
         else:
             raise UnsupportedGGUF(f"{self._path}: array of type {item_type} in {name}")
         self._end = offset
-        return MetadataField(name, parts, list(range(first, first + count)), [_ARRAY, item_type])
+        return MetadataField(
+            name, parts, list(range(first, first + count)), [GGUF_ARRAY, item_type]
+        )
 
 
 def open_reader(path: str | PathLike[str], mode: str = "r") -> Any:
