@@ -36,8 +36,9 @@ BLOCK_BF16_MIN_ROWS = 0
 ENV_MIN_ROWS = "GENSERVE_KQUANT_BF16_ROWS"
 ENV_BLOCK_MIN_ROWS = "GENSERVE_BLOCK_BF16_ROWS"
 # K-quants on CPUs without a native bfloat16 product: rows from which the integer GEMM runs
-# instead of the one-row-at-a-time integer kernel (measured on Zen 4 with AVX2 only enabled,
-# docs/benchmarks/cpu-avx2.md).  GENSERVE_KQUANT_INT_GEMM_ROWS overrides it (0: never).
+# instead of the one-row-at-a-time integer kernel.  Emulated AVX2-only on Zen 4, 1 thread,
+# Llama-3.2-1B shapes (docs/benchmarks/cpu-avx2.md): 0.98-1.13x the one-row kernel at 8 rows,
+# 1.18-1.24x at 16, 1.47-2.07x at 256.  GENSERVE_KQUANT_INT_GEMM_ROWS overrides it (0: never).
 INT_GEMM_MIN_ROWS = 16
 ENV_INT_GEMM_MIN_ROWS = "GENSERVE_KQUANT_INT_GEMM_ROWS"
 
