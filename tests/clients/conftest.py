@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from genserve.testing.tiny_model import make_tiny_model
 from tests.clients.gateway_process import Gateway, build_gateway, run_gateway
+from tests.conftest import TinyModelFactory
 from tests.utils.live_server import LiveServer, free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +29,9 @@ SERVER_ARGS = (
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-clients"), arch="llama", seed=1)
+def tiny_model(tiny_model_factory: TinyModelFactory) -> Path:
+    """The tiny Llama (seed 1) the e2e tests serve too: built once per session."""
+    return tiny_model_factory("llama", seed=1)
 
 
 @pytest.fixture(scope="session")
