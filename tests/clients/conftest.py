@@ -85,3 +85,21 @@ def dialects(tiny_model: Path, gateway_bin: Path) -> Iterator[DialectGateway]:
         run_gateway(gateway_bin, srv.address, "--cors-allow-origin", ALLOWED_ORIGIN) as gw,
     ):
         yield DialectGateway(srv, gw, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+@pytest.fixture(scope="session")
+def float32_gateway(tiny_model: Path, gateway_bin: Path) -> Iterator[Gateway]:
+    """A float32 genserve (transformers' reference dtype) named ``tiny`` behind a gateway,
+    for lm-eval and the OpenAI divergence tests; the client batch limit stays 3, so a batch
+    of 8 prompts (lm-eval's) must be fanned out."""
+    from genserve.client import Client
+
+    with (
+        start_server(
+            tiny_model, *SERVER_ARGS, "--dtype", "float32", "--served-model-name", "tiny"
+        ) as srv,
+        run_gateway(gateway_bin, srv.address) as gw,
+    ):
+        with Client(srv.address, timeout=60) as c:
+            assert c.info().max_client_batch_size == MAX_CLIENT_BATCH_SIZE
+        yield gw
