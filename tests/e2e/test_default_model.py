@@ -6,7 +6,6 @@ repetitive continuations make most drafts land, so several tokens come from one 
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -15,10 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genserve.model.loader import default_gguf_path, resolve_model, transformers_weights_kwargs
+from genserve.model.loader import resolve_model, transformers_weights_kwargs
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
-from tests.utils.live_server import LiveServer, free_port, start_server
+from tests.e2e.conftest import DefaultModelServer
+from tests.utils.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +44,13 @@ class Served:
 
 
 @pytest.fixture(scope="module", params=["plain", "speculate"])
-def default_server(request: pytest.FixtureRequest) -> Iterator[Served]:
+def default_server(request: pytest.FixtureRequest) -> Served:
+    """The session's default-model servers (tests/e2e/conftest.py), without and with
+    ``--speculate 4``: no request on the first drafts, so its draft counters stay 0."""
     speculate = request.param == "speculate"
-    port = free_port()
-    with start_server(
-        str(default_gguf_path()), "--dtype", "float32", "--prometheus-port", str(port),
-        "--max-batch-total-tokens", "16384", *(("--speculate", "4") if speculate else ()),
-    ) as server:  # fmt: skip
-        yield Served(server, port, speculate)
+    name = "default_model_speculate_server" if speculate else "default_model_server"
+    shared: DefaultModelServer = request.getfixturevalue(name)
+    return Served(shared.server, shared.metrics_port, speculate)
 
 
 def _counter(served: Served, name: str) -> float:
