@@ -62,7 +62,39 @@ def _counter(served: Served, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def test_default_model_matches_transformers(default_server: Served) -> None:
+@pytest.fixture(scope="module")
+def hf_reference() -> list[tuple[list[int], list[float], str]]:
+    """transformers' greedy new tokens, their logprobs and the decoded text for each of
+    ``PROMPTS`` (float32): the same for both servers, so computed once."""
+    model_dir = resolve_model(None).local_dir
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
+    )
+    reference = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            expected = out.sequences[0, ids.shape[1] :].tolist()
+            logprobs = [
+                torch.log_softmax(step[0].float(), -1)[t].item()
+                for step, t in zip(out.logits, expected, strict=True)
+            ]
+            reference.append((expected, logprobs, tok.decode(expected, skip_special_tokens=True)))
+    return reference
+
+
+def test_default_model_matches_transformers(
+    default_server: Served, hf_reference: list[tuple[list[int], list[float], str]]
+) -> None:
     with grpc.insecure_channel(default_server.address) as channel:
         stub = pb_grpc.TextGenerationServiceStub(channel)
         info = stub.Info(pb.InfoRequest())
@@ -78,30 +110,12 @@ def test_default_model_matches_transformers(default_server: Served) -> None:
                     PROMPTS,
                 )
             )
-    model_dir = resolve_model(None).local_dir
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
-    )
-    with torch.inference_mode():
-        for prompt, result in zip(PROMPTS, results, strict=True):
-            ids = tok(prompt, return_tensors="pt").input_ids
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            expected = out.sequences[0, ids.shape[1] :].tolist()
-            assert [t.id for t in result.details.tokens] == expected, prompt
-            logprobs = [
-                torch.log_softmax(step[0].float(), -1)[t].item()
-                for step, t in zip(out.logits, expected, strict=True)
-            ]
-            assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
-            assert result.generated_text == tok.decode(expected, skip_special_tokens=True)
+    for prompt, result, (expected, logprobs, text) in zip(
+        PROMPTS, results, hf_reference, strict=True
+    ):
+        assert [t.id for t in result.details.tokens] == expected, prompt
+        assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
+        assert result.generated_text == text
     drafted = _counter(default_server, "genserve_speculative_draft_tokens_total")
     accepted = _counter(default_server, "genserve_speculative_accepted_tokens_total")
     if default_server.speculate:
