@@ -7,7 +7,8 @@
 
 namespace genserve_ops {
 
-// Whether this CPU has AVX512-BF16 (with AVX512F/BW/VL): cpuid, read once.
+// Whether this CPU has AVX512-BF16 (with AVX512F/BW/VL) and none of them is hidden
+// (cpu_features.h).
 bool matvec_bf16dot_supported();
 
 // out [M, N] float32 = x [M, K] . w [N, K]^T, both bfloat16 and contiguous, float32 sums by

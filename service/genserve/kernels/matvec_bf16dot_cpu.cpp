@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "matvec_bf16dot.h"
 
 #if defined(__x86_64__)
@@ -141,12 +142,10 @@ namespace genserve_ops {
 
 bool matvec_bf16dot_supported() {
 #if defined(__x86_64__)
-  static const bool supported = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  }();
-  return supported;
+  // Asked on every call: GENSERVE_CPU_FEATURES_MASK may hide a feature after the first.
+  __builtin_cpu_init();
+  return GENSERVE_CPU_SUPPORTS("avx512f") && GENSERVE_CPU_SUPPORTS("avx512bw") &&
+         GENSERVE_CPU_SUPPORTS("avx512vl") && GENSERVE_CPU_SUPPORTS("avx512bf16");
 #else
   return false;
 #endif
