@@ -16,9 +16,12 @@ Per step kind it prints the median over ``--repeats`` steps of the whole ``execu
 (``step_ms``), the part inside the would-be graphs (``graph_ms``), the rest (``outside_ms``)
 and the ops dispatched (``ops``, from a profile of one step):
 
-* ``decode-1`` / ``decode-64``: a greedy decode step of 1 / 64 rows (on CUDA: replayed);
-* ``mixed-64``: 64 decode rows and two fresh 40-token prompts (on CUDA: eager, every op
-  launched from Python — the step kind ``--prefill-batching`` keeps rare).
+* ``decode-1`` / ``decode-64`` / ``decode-256``: a greedy decode step of that many rows (on
+  CUDA: replayed; ``outside_ms`` is the runner's per-row Python around the replay: laying
+  out and padding the rows, staging, unpacking the readback);
+* ``mixed-64`` / ``mixed-256``: that many decode rows and two fresh 40-token prompts (on
+  CUDA: eager, every op launched from Python — the step kind ``--prefill-batching`` keeps
+  rare).
 
 CPU time per op includes the op's (tiny) arithmetic, and a CUDA launch adds the driver's few
 microseconds (a Triton launch from Python more): read ``ops`` times a GPU host's per-launch cost
@@ -51,7 +54,7 @@ from genserve.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPT = 40  # the GPU bench's ~40-token prompts
 # Llama-3.1-8B's layer count and grouping (32 query heads over 8 KV heads) at tiny widths.
 SHAPE: dict[str, Any] = {
@@ -120,7 +123,7 @@ def build_runner(model_dir: Path, num_blocks: int) -> tuple[ModelRunner, _GraphC
         runner.model,
         runner.kv_caches,
         BUCKETS,
-        width=8,
+        width=16,
         block_size=BLOCK_SIZE,
         scratch_block=num_blocks,
         device=CPU,
@@ -140,7 +143,7 @@ def build_runner(model_dir: Path, num_blocks: int) -> tuple[ModelRunner, _GraphC
 
 
 class _Requests:
-    """Requests with 8-block tables, stepped by hand (decode rows and fresh prompts)."""
+    """Requests with 16-block tables, stepped by hand (decode rows and fresh prompts)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -150,7 +153,7 @@ class _Requests:
         self.blocks: dict[str, tuple[int, ...]] = {}
 
     def _blocks(self, index: int) -> tuple[int, ...]:
-        return tuple(range(8 * index, 8 * index + 8))
+        return tuple(range(16 * index, 16 * index + 16))
 
     def admit(self, indices: range, decodes: list[str]) -> SchedulerOutput:
         """A step of ``decodes``' next tokens and fresh prompts for ``indices``."""
@@ -192,11 +195,11 @@ def measure(repeats: int) -> list[dict[str, Any]]:
     results = []
     with tempfile.TemporaryDirectory() as tmp, cuda_path_on_cpu():
         model_dir = make_tiny_model(Path(tmp), "llama", 0, **SHAPE)
-        runner, clock = build_runner(model_dir, num_blocks=8 * (64 + 2 * repeats + 6))
+        runner, clock = build_runner(model_dir, num_blocks=16 * (256 + 4 * repeats + 12))
         reqs = _Requests(runner)
-        reqs.run(reqs.admit(range(64), []))
-        rows = [f"r{i}" for i in range(64)]
-        next_id = 64
+        reqs.run(reqs.admit(range(256), []))
+        rows = [f"r{i}" for i in range(256)]
+        next_id = 256
 
         def time_steps(kind: str, make: Callable[[], SchedulerOutput]) -> None:
             totals, inside = [], []
@@ -222,15 +225,16 @@ def measure(repeats: int) -> list[dict[str, Any]]:
                 }
             )
 
-        time_steps("decode-1", lambda: reqs.decode(rows[:1]))
-        time_steps("decode-64", lambda: reqs.decode(rows))
+        for n in (1, 64, 256):
+            time_steps(f"decode-{n}", lambda n=n: reqs.decode(rows[:n]))  # type: ignore[misc]
 
-        def mixed() -> SchedulerOutput:
+        def mixed(n: int) -> SchedulerOutput:
             nonlocal next_id
             next_id += 2
-            return reqs.admit(range(next_id - 2, next_id), rows)
+            return reqs.admit(range(next_id - 2, next_id), rows[:n])
 
-        time_steps("mixed-64", mixed)
+        for n in (64, 256):
+            time_steps(f"mixed-{n}", lambda n=n: mixed(n))  # type: ignore[misc]
     return results
 
 
