@@ -39,6 +39,8 @@ _SOURCES = [
     Path(__file__).with_name(n)
     for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "matvec_cpu.cpp")
 ]
+# bf16 x bf16 decode projections by VDPBF16PS where the CPU has AVX512-BF16 (matvec_cpu.cpp)
+_SOURCES.append(Path(__file__).with_name("matvec_bf16dot_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (model/lora.py)
 # float32 and --quantize weights in column panels (model/weight_panels.py)
 _SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
@@ -61,6 +63,7 @@ _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h",
 _HEADERS += [
     Path(__file__).with_name(n)
     for n in (
+        "matvec_bf16dot.h",
         "cpu_features.h",
         "int_dot.h",
         "int_dot_tile.inc",
@@ -81,6 +84,7 @@ _OPS = (
     "rotary",
     "rotary_write_kv",
     "matvec",
+    "matvec_fma",
     "panel_linear",
     "qpanel_linear",
     "decode_layer",
