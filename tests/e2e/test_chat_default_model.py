@@ -47,7 +47,8 @@ MAX_NEW_TOKENS = 40
 def served() -> Iterator[tuple[LiveServer, int]]:
     port = free_port()
     with start_server(
-        str(default_gguf_path()), "--dtype", "float32", "--prometheus-port", str(port),
+        str(default_gguf_path()), "--dtype", "float32", "--cpu-int-dot", "off",
+        "--prometheus-port", str(port),
         "--max-batch-total-tokens", "16384",
     ) as server:  # fmt: skip
         yield server, port

@@ -48,7 +48,8 @@ def default_server(request: pytest.FixtureRequest) -> Iterator[Served]:
     speculate = request.param == "speculate"
     port = free_port()
     with start_server(
-        str(default_gguf_path()), "--dtype", "float32", "--prometheus-port", str(port),
+        str(default_gguf_path()), "--dtype", "float32", "--cpu-int-dot", "off",
+        "--prometheus-port", str(port),
         "--max-batch-total-tokens", "16384", *(("--speculate", "4") if speculate else ()),
     ) as server:  # fmt: skip
         yield Served(server, port, speculate)

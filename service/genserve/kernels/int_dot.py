@@ -9,13 +9,15 @@ choice, not a detail (docs/cpu/integer-kernels.md has the measured cost and spee
 K-quant matrices (``kernels/kquant_cpu.cpp``) follow the same mode and instruction-set codes,
 with activations rounded per 256 inputs (llama.cpp's Q8_K).
 
-Modes: ``off`` (the default: the float path, whose greedy output equals transformers' on the
-dequantized weights); ``on`` (the integer path on the best instruction set the CPU has,
-AVX2 included; refused at start where it has none); ``auto`` (the integer path wherever
-the CPU has one: VNNI and the plain AVX2 path both measured faster than the float path at 1,
-8 and 32 rows; the float path elsewhere).  Set once per process by the launcher
-(:func:`configure`) before the model is built; the layers read :func:`active` when they pack
-their weights.
+Modes: ``auto`` (the server's default: the integer path wherever the CPU has one - VNNI or
+the plain AVX2 path, both measured faster than the float path at 1, 8 and 32 rows -, the float
+path elsewhere; what llama.cpp and vLLM's CPU backend always do with quantized weights);
+``on`` (the integer path on the best instruction set the CPU has, AVX2 included; refused at
+start where it has none); ``off`` (the float path, whose greedy output equals transformers' on
+the dequantized weights).  Set once per process by the launcher (:func:`configure`) before the
+model is built; the layers read :func:`active` when they pack their weights.  A process that
+builds a model without the launcher (tests, op benchmarks) keeps the float path until it
+configures a mode.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class IntDotUnavailableError(ValueError):
 
 @dataclass(slots=True)
 class _Settings:
+    # Not the server's default (config.py: auto): until the launcher (or a test) configures a
+    # mode, models built in this process keep the float path's numerics.
     mode: IntDotMode = "off"
 
 
@@ -79,6 +83,11 @@ class IntDotChoice:
     isa: Isa | None  # the path the kernel takes (None: the float path)
     reason: str  # one line for the log
 
+    @property
+    def path(self) -> str:
+        """``Info.quantized_matmul``: "integer" or "float"."""
+        return "integer" if self.enabled else "float"
+
 
 def choose(requested: IntDotMode | None = None) -> IntDotChoice:
     """Whether quantized weights use the integer kernels here, for ``requested`` (None: the
@@ -93,9 +102,16 @@ def choose(requested: IntDotMode | None = None) -> IntDotChoice:
                 "--cpu-int-dot on: the integer kernels need genserve's CPU kernels (not "
                 "disabled, built) and an x86-64 CPU with AVX2; use --cpu-int-dot auto or off"
             )
-        return IntDotChoice(False, None, "auto: no integer kernel path on this CPU")
+        return IntDotChoice(
+            False,
+            None,
+            "--cpu-int-dot auto: no integer kernel on this CPU (needs AVX2 and "
+            "genserve's CPU kernels): float dequantize path",
+        )
     best = isas[-1]
-    return IntDotChoice(True, best, f"--cpu-int-dot {requested}: {best.name}")
+    return IntDotChoice(
+        True, best, f"--cpu-int-dot {requested}: integer dot products on {best.name}"
+    )
 
 
 def active() -> bool:

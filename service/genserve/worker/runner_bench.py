@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--deterministic", action="store_true", help="batch-invariant kernels (A/B their cost)"
     )
     parser.add_argument(
-        "--cpu-int-dot", choices=["off", "auto", "on"], default="off", help="as the server's"
+        "--cpu-int-dot", choices=["off", "auto", "on"], default="auto", help="as the server's"
     )
     args = parser.parse_args(argv)
     from genserve.kernels import int_dot

@@ -40,7 +40,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--kernel-cache-dir", default=None)
     p.add_argument("--disable-cpu-kernels", action="store_true")
-    p.add_argument("--cpu-int-dot", choices=("auto", "on", "off"), default="off")
+    p.add_argument("--cpu-int-dot", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--expert-parallel", action="store_true")
     p.add_argument(
