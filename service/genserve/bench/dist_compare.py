@@ -186,6 +186,8 @@ async def llama_distributions(
                     f"{name}: llama-server evaluated {reply.get('tokens_evaluated')} prompt "
                     f"tokens for {t} ids"
                 )
+            if "completion_probabilities" not in reply:  # an error reply: say what it was
+                raise RuntimeError(f"{name} position {t}: llama-server answered {reply!r:.500}")
             (probs,) = reply["completion_probabilities"]
             entries = [(int(e["id"]), float(e["logprob"])) for e in probs["top_logprobs"]]
             rows.append(dense(entries, vocab, f"{name} position {t}"))
