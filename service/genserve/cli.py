@@ -145,7 +145,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     if not serving.is_native and quantize.method is not None:
         quantize = MethodChoice(None, "the transformers fallback serves the model's own weights")
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
-    int_dot.configure(config.cpu_int_dot)
+    int_dot.configure(config.cpu_int_dot, dtype_name)
     int_dot_choice: int_dot.IntDotChoice | None = None  # None: no quantized weight on CPU
     if quantize.method is not None and not on_cuda:
         int_dot_choice = int_dot.choose()  # --cpu-int-dot on where impossible: refused here

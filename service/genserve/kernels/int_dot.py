@@ -32,6 +32,9 @@ from genserve.kernels import cpu as cpu_kernels
 
 IntDotMode = Literal["auto", "on", "off"]
 INT_DOT_MODES: tuple[IntDotMode, ...] = ("auto", "on", "off")
+# Activation dtypes the integer kernels take (int_dot_cpu.cpp, kquant_cpu.cpp, the fused
+# decode layer and the MoE op check for these); float16 models keep the float path.
+INT_DOT_DTYPES = ("float32", "bfloat16")
 
 
 class Isa(enum.IntEnum):
@@ -54,16 +57,19 @@ class _Settings:
     # Not the server's default (config.py: auto): until the launcher (or a test) configures a
     # mode, models built in this process keep the float path's numerics.
     mode: IntDotMode = "off"
+    dtype_name: str = "float32"  # the activations' dtype (--dtype as resolved)
 
 
 _settings = _Settings()
 
 
-def configure(mode: IntDotMode) -> None:
-    """The ``--cpu-int-dot`` mode of this process (before the model is built)."""
+def configure(mode: IntDotMode, dtype_name: str = "float32") -> None:
+    """The ``--cpu-int-dot`` mode of this process and the dtype of its model's activations
+    (before the model is built)."""
     if mode not in INT_DOT_MODES:
         raise ValueError(f"--cpu-int-dot: {mode!r} is not one of {', '.join(INT_DOT_MODES)}")
     _settings.mode = mode
+    _settings.dtype_name = dtype_name
 
 
 def mode() -> IntDotMode:
@@ -95,6 +101,12 @@ def choose(requested: IntDotMode | None = None) -> IntDotChoice:
     requested = _settings.mode if requested is None else requested
     if requested == "off":
         return IntDotChoice(False, None, "--cpu-int-dot off: float dequantize path")
+    if _settings.dtype_name not in INT_DOT_DTYPES:
+        dtype = _settings.dtype_name
+        why = f"the integer kernels take float32 or bfloat16 activations, not {dtype}"
+        if requested == "on":
+            raise IntDotUnavailableError(f"--cpu-int-dot on: {why}; use --cpu-int-dot auto or off")
+        return IntDotChoice(False, None, f"--cpu-int-dot auto: {why}: float dequantize path")
     isas = available_isas()
     if not isas:
         if requested == "on":

@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from genserve.kernels import int_dot
 
-    int_dot.configure(args.cpu_int_dot)
+    int_dot.configure(args.cpu_int_dot, args.dtype)
     if args.disable_cpu_kernels or args.deterministic:
         from genserve.kernels import cpu as cpu_kernels
 
