@@ -2,14 +2,15 @@
 first use.
 
 The C++ source is built with torch's JIT extension builder (ninja + the system C++
-compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``) and
-loaded as ``torch.ops.genserve.*``; later processes load the cached library in
-milliseconds.  ``scripts/bootstrap.sh`` builds it once (``python -m genserve.kernels.cpu``)
-so that neither a server start nor a test pays the compile (82 s of CPU time measured on an
-AVX-512 machine, spread over the cores by ninja; a start that compiles says so in the log,
-and one pointed at another cache loads the bootstrap's build).  The launcher points the
-cache at ``--genserve-cache`` and turns the kernels off with ``--disable-cpu-kernels``
-through :func:`configure` (before the model is built).
+compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``; the
+launcher's ``--genserve-cache`` where given) and loaded as ``torch.ops.genserve.*``; later
+processes load the cached library in milliseconds.  ``scripts/bootstrap.sh`` builds it once
+(``python -m genserve.kernels.cpu``) so that neither a server start nor a test pays the
+compile (82 s of CPU time measured on an AVX-512 machine, spread over the cores by ninja; a
+start that compiles says so in the log, and one whose ``--genserve-cache`` points elsewhere
+loads the build in the environment's cache).  The launcher points the cache at
+``--genserve-cache`` and turns the kernels off with ``--disable-cpu-kernels`` through
+:func:`configure` (before the model is built).
 
 The build is tuned to the instruction set torch itself detected on this CPU (AVX-512,
 AVX2, or the baseline), and that level is part of the library's name, so a cache directory
@@ -27,11 +28,13 @@ import platform
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import torch
+
+from genserve.config import environment_cache
 
 log = structlog.get_logger(__name__)
 
@@ -103,7 +106,9 @@ _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
 @dataclass(slots=True)
 class _Settings:
-    cache_dir: Path = Path.home() / ".cache" / "genserve" / "kernels"
+    # $GENSERVE_CACHE/kernels as the launcher would take it, until it configures its own
+    # (--genserve-cache): a test or tool that loads the kernels builds where servers look.
+    cache_dir: Path = field(default_factory=lambda: environment_cache() / "kernels")
     enabled: bool = True
     # --deterministic: every op computes each row by one code path whatever the batch
     # (``genserve_ops.h``'s batch_invariant; the model and attention read it too).
@@ -247,8 +252,10 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-# Where ``python -m genserve.kernels.cpu`` (scripts/bootstrap.sh) builds by default: a server
-# whose --genserve-cache points elsewhere loads a build found here instead of compiling.
+# Where ``python -m genserve.kernels.cpu`` (scripts/bootstrap.sh, an image's build step) builds
+# by default, the environment's cache: a server whose --genserve-cache points elsewhere (a
+# Kubernetes pod's writable volume, a test's fresh cache) loads a build found here instead of
+# compiling.
 _DEFAULT_CACHE_DIR = _settings.cache_dir
 
 
@@ -330,8 +337,8 @@ def _build_and_load() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the kernels now (bootstrap); exit status 0 either way, the server falls back."""
     parser = argparse.ArgumentParser(description="Build genserve's CPU kernels into the cache.")
-    # scripts/bootstrap.sh passes $GENSERVE_CACHE/kernels: where a server started in the same
-    # environment looks (config.py is the one reader of the environment).
+    # Default $GENSERVE_CACHE/kernels (config.environment_cache): where a server started in the
+    # same environment looks.
     parser.add_argument("--cache-dir", type=Path, default=_settings.cache_dir)
     configure(parser.parse_args(argv).cache_dir)
     ok = load()
