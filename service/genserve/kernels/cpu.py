@@ -66,6 +66,7 @@ _HEADERS += [
         "kquant_rows.h",
         "moe_grouping.h",
         "moe_quant_row.inc",
+        "moe_q8_r16_row.inc",
     )
 ]
 _OPS = (
@@ -86,6 +87,7 @@ _OPS = (
     "set_batch_invariant",
     "moe_experts",
     "moe_experts_gguf",
+    "moe_pack_q8_0_r16",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
