@@ -100,6 +100,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
 
     from genserve.kernels import cpu as cpu_kernels
     from genserve.kernels import int_dot
+    from genserve.kernels.cpu_features import parse_mask
     from genserve.model.loader import resolve_model
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
@@ -125,11 +126,22 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     config = restrict_for_fallback(config, serving)
     # Before any weight is read: a directory without a tokenizer fails in a second.
     tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
+    try:
+        hidden_features = parse_mask(config.cpu_features_mask)
+    except ValueError as exc:
+        raise SystemExit(f"genserve: --cpu-features-mask: {exc}") from None
     cpu_kernels.configure(
         config.genserve_cache / "kernels",
         not config.disable_cpu_kernels,
         batch_invariant=config.deterministic,
+        hidden_features=hidden_features,
     )
+    if hidden_features:
+        log.warning(
+            "cpu_features_hidden",
+            features=",".join(hidden_features),
+            reason="--cpu-features-mask: an emulation for testing and benchmarking",
+        )
     if config.disable_cpu_kernels:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
     on_cuda = torch.cuda.is_available()

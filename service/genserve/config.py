@@ -79,6 +79,8 @@ class Config:
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
     cpu_int_dot: CpuIntDot = "off"  # issue #28: auto | on | off (kernels/int_dot.py)
+    # testing/benchmarking: CPU features the kernels treat as absent (kernels/cpu_features.py)
+    cpu_features_mask: str = ""
     deterministic: bool = False
     block_size: int = 16
     cuda_memory_fraction: float = 1.0
@@ -404,6 +406,14 @@ FLAGS: tuple[_Flag, ...] = (
         "(docs/cpu/integer-kernels.md). off: the float path; on: integer on any AVX2 CPU "
         "(refused where none); auto: integer wherever the CPU has a path.",
         choices=("auto", "on", "off"),
+    ),
+    _flag(
+        "cpu_features_mask",
+        "Testing and benchmarking only: CPU features genserve's kernels treat as absent, to "
+        "run the paths of another CPU on this one: avx2 (an AVX2-only CPU), avx512 (AVX-512 "
+        "without VNNI/bfloat16/AMX) or a comma list of GCC cpu names (avx512vnni, avx512bf16, "
+        "avxvnni, amx-bf16, ...). Only removes paths (docs/benchmarks/cpu-avx2.md).",
+        env=("GENSERVE_CPU_FEATURES_MASK",),
     ),
     _flag(
         "deterministic",

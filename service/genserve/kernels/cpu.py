@@ -53,10 +53,15 @@ _SOURCES.append(Path(__file__).with_name("prefill_gemm_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("moe_cpu.cpp"))
 # the same with the experts in a GGUF file's quantized blocks (model/moe_gguf.py)
 _SOURCES.append(Path(__file__).with_name("moe_quant_cpu.cpp"))
+# K-quant prompt chunks without hardware bfloat16: a register-tiled integer GEMM (model/kquants.py)
+_SOURCES.append(Path(__file__).with_name("prefill_int_gemm_cpu.cpp"))
+# GENSERVE_CPU_FEATURES_MASK: features the kernels' run-time choices treat as absent
+_SOURCES.append(Path(__file__).with_name("cpu_features_cpu.cpp"))
 _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h", "genserve_ops.h")]
 _HEADERS += [
     Path(__file__).with_name(n)
     for n in (
+        "cpu_features.h",
         "int_dot.h",
         "int_dot_tile.inc",
         "int_dot_ymm_vnni.inc",
@@ -88,6 +93,8 @@ _OPS = (
     "moe_experts",
     "moe_experts_gguf",
     "moe_pack_q8_0_r16",
+    "set_hidden_cpu_features",
+    "kquant_linear_int_gemm",
 )
 _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
@@ -99,6 +106,8 @@ class _Settings:
     # --deterministic: every op computes each row by one code path whatever the batch
     # (``genserve_ops.h``'s batch_invariant; the model and attention read it too).
     batch_invariant: bool = False
+    # GENSERVE_CPU_FEATURES_MASK (kernels/cpu_features.py): features treated as absent.
+    hidden_features: tuple[str, ...] = ()
     # The outcome of the one build-and-load attempt of this process (None: not tried yet).
     # A library registers the ``genserve`` op namespace, which a process can do only once:
     # a second library (another cache directory) would abort the process.
@@ -121,6 +130,7 @@ MATVEC_MAX_ROWS_AMX = 8
 def matvec_max_rows() -> int:
     """The row count up to which half-precision projections use the matvec on this CPU."""
     amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    amx = amx and "amx-tile" not in _settings.hidden_features
     return MATVEC_MAX_ROWS_AMX if amx else MATVEC_MAX_ROWS
 
 
@@ -146,23 +156,36 @@ def _isa_level() -> str:
         return "default"
     capability = str(torch.backends.cpu.get_cpu_capability()).upper()
     if "AVX512" in capability or "AMX" in capability:  # AMX parts report a richer level
-        return "AVX512"
+        # an emulated AVX2-only CPU: no compiler-vectorised AVX-512 either (cpu_features.py)
+        return "AVX2" if "avx512f" in _settings.hidden_features else "AVX512"
     return capability if capability in _ISA_FLAGS else "default"
 
 
 def configure(
-    cache_dir: Path | None = None, enabled: bool = True, batch_invariant: bool = False
+    cache_dir: Path | None = None,
+    enabled: bool = True,
+    batch_invariant: bool = False,
+    hidden_features: Sequence[str] = (),
 ) -> None:
-    """Where builds are cached (None: leave it), whether to use the kernels at all, and
-    whether they run batch-invariant (``--deterministic``); call before :func:`load` (the
-    launcher does, from its config) and before the model is built.  Once a process has
-    loaded the library, a new cache directory has no effect; the other two still do."""
+    """Where builds are cached (None: leave it), whether to use the kernels at all, whether
+    they run batch-invariant (``--deterministic``), and the CPU features they treat as absent
+    (``GENSERVE_CPU_FEATURES_MASK``, parsed by ``cpu_features.parse_mask``: testing and
+    benchmarking only); call before :func:`load` (the launcher does, from its config) and
+    before the model is built.  Once a process has loaded the library, a new cache directory
+    has no effect, nor does hiding ``avx512f`` on the build's level; the rest still does."""
     if cache_dir is not None:
         _settings.cache_dir = cache_dir
     _settings.enabled = enabled
     _settings.batch_invariant = batch_invariant
+    _settings.hidden_features = tuple(hidden_features)
     if _settings.loaded:
         torch.ops.genserve.set_batch_invariant(batch_invariant)
+        torch.ops.genserve.set_hidden_cpu_features(list(_settings.hidden_features))
+
+
+def hidden_features() -> tuple[str, ...]:
+    """The CPU features the kernels treat as absent (empty unless a mask is configured)."""
+    return _settings.hidden_features
 
 
 def batch_invariant() -> bool:
@@ -283,6 +306,7 @@ def _build_and_load() -> bool:
         for op in (*_OPS, *_LORA_OPS):
             getattr(torch.ops.genserve, op)  # raises if the library did not register it
         torch.ops.genserve.set_batch_invariant(_settings.batch_invariant)
+        torch.ops.genserve.set_hidden_cpu_features(list(_settings.hidden_features))
     except Exception as exc:  # any failure: keep the torch path, say why once
         log.warning(
             "cpu_kernels_unavailable",
@@ -293,6 +317,7 @@ def _build_and_load() -> bool:
     log.info(
         "cpu_kernels_loaded",
         isa=level,
+        hidden_features=",".join(_settings.hidden_features) or None,
         directory=str(directory),
         compiled=compiled,
         seconds=round(time.monotonic() - started, 2),

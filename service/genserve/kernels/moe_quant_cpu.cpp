@@ -36,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_features.h"
 #include "int_dot.h"
 #include "kquant_rows.h"
 #include "moe_grouping.h"
@@ -175,8 +176,8 @@ namespace {
 bool has_avx512vnni() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return GENSERVE_CPU_SUPPORTS("avx512f") && GENSERVE_CPU_SUPPORTS("avx512bw") &&
+         GENSERVE_CPU_SUPPORTS("avx512vl") && GENSERVE_CPU_SUPPORTS("avx512vnni");
 #else
   return false;
 #endif
@@ -185,8 +186,8 @@ bool has_avx512vnni() {
 bool has_avx2() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  return GENSERVE_CPU_SUPPORTS("avx2") && GENSERVE_CPU_SUPPORTS("fma") &&
+         GENSERVE_CPU_SUPPORTS("f16c");
 #else
   return false;
 #endif
