@@ -77,6 +77,7 @@ _HEADERS += [
         "kquant_rows.h",
         "moe_grouping.h",
         "moe_quant_row.inc",
+        "moe_q8_r16_row.inc",
     )
 ]
 _OPS = (
@@ -98,6 +99,7 @@ _OPS = (
     "set_batch_invariant",
     "moe_experts",
     "moe_experts_gguf",
+    "moe_pack_q8_0_r16",
     "set_hidden_cpu_features",
     "kquant_linear_int_gemm",
 )
