@@ -5,16 +5,21 @@ arguments) a model directory with ``genserve.testing.tiny_model.make_tiny_model`
 ``tiny_model_dir`` is parametrized over every architecture, so a test using it runs once per
 architecture.  The models use the embedded default model's tokenizer, which the first call
 converts and caches like the server does.
+
+``triton_interpreter`` is one Python process with Triton's interpreter on
+(``tests/utils/triton_interpreter.py``) that every interpreted Triton kernel check shares.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.utils.triton_interpreter import TritonInterpreter
 
 TINY_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -41,6 +46,14 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFac
 def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_factory: TinyModelFactory) -> Path:
     """One tiny model per architecture (the test runs for each)."""
     return tiny_model_factory(str(request.param))
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter() -> Iterator[TritonInterpreter]:
+    """The shared ``TRITON_INTERPRET=1`` worker (started by the first check that runs)."""
+    interpreter = TritonInterpreter()
+    yield interpreter
+    interpreter.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

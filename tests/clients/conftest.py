@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from genserve.testing.tiny_model import make_tiny_model
 from tests.clients.gateway_process import Gateway, build_gateway, run_gateway
+from tests.conftest import TinyModelFactory
 from tests.utils.live_server import LiveServer, free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +29,9 @@ SERVER_ARGS = (
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-clients"), arch="llama", seed=1)
+def tiny_model(tiny_model_factory: TinyModelFactory) -> Path:
+    """The tiny Llama (seed 1) the e2e tests serve too: built once per session."""
+    return tiny_model_factory("llama", seed=1)
 
 
 @pytest.fixture(scope="session")
@@ -84,3 +85,21 @@ def dialects(tiny_model: Path, gateway_bin: Path) -> Iterator[DialectGateway]:
         run_gateway(gateway_bin, srv.address, "--cors-allow-origin", ALLOWED_ORIGIN) as gw,
     ):
         yield DialectGateway(srv, gw, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+@pytest.fixture(scope="session")
+def float32_gateway(tiny_model: Path, gateway_bin: Path) -> Iterator[Gateway]:
+    """A float32 genserve (transformers' reference dtype) named ``tiny`` behind a gateway,
+    for lm-eval and the OpenAI divergence tests; the client batch limit stays 3, so a batch
+    of 8 prompts (lm-eval's) must be fanned out."""
+    from genserve.client import Client
+
+    with (
+        start_server(
+            tiny_model, *SERVER_ARGS, "--dtype", "float32", "--served-model-name", "tiny"
+        ) as srv,
+        run_gateway(gateway_bin, srv.address) as gw,
+    ):
+        with Client(srv.address, timeout=60) as c:
+            assert c.info().max_client_batch_size == MAX_CLIENT_BATCH_SIZE
+        yield gw

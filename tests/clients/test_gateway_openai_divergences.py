@@ -7,7 +7,6 @@ same weights in float32.  lm-eval itself runs in tests/clients/test_lm_eval.py."
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,8 @@ from huggingface_hub import InferenceClient
 from genserve.client import Client
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
-from tests.clients.conftest import SERVER_ARGS, DialectGateway
-from tests.clients.gateway_process import Gateway, run_gateway
-from tests.utils.live_server import start_server
+from tests.clients.conftest import DialectGateway
+from tests.clients.gateway_process import Gateway
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Tell me a story."}]
 SCHEMA = {
@@ -143,21 +141,6 @@ def test_tgi_generate_keeps_the_stop_sequence(dialects: DialectGateway) -> None:
 
 
 # ------------------------------------------------------------------ lm-eval's request shapes
-@pytest.fixture(scope="module")
-def float32_gateway(tiny_model: Path, gateway_bin: Path) -> Iterator[Gateway]:
-    """A float32 server (transformers' reference dtype) behind a gateway; the client batch
-    limit stays 3, so lm-eval's batch of 8 prompts must be fanned out."""
-    with (
-        start_server(
-            tiny_model, *SERVER_ARGS, "--dtype", "float32", "--served-model-name", "tiny"
-        ) as srv,
-        run_gateway(gateway_bin, srv.address) as gw,
-    ):
-        with Client(srv.address, timeout=60) as c:
-            assert c.info().max_client_batch_size == 3
-        yield gw
-
-
 @pytest.fixture(scope="module")
 def hf_model(tiny_model: Path) -> Any:
     from transformers import AutoModelForCausalLM

@@ -18,9 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.clients.conftest import SERVER_ARGS
-from tests.clients.gateway_process import Gateway, run_gateway
-from tests.utils.live_server import start_server
+from tests.clients.gateway_process import Gateway
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra (pyproject.toml)")
 
@@ -90,15 +88,9 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_model: Path, gateway_bin: Path) -> Iterator[Gateway]:
+def gateway(float32_gateway: Gateway) -> Gateway:
     """float32 (lm-eval's `hf` reference dtype); the client batch limit stays 3."""
-    with (
-        start_server(
-            tiny_model, *SERVER_ARGS, "--dtype", "float32", "--served-model-name", "tiny"
-        ) as srv,
-        run_gateway(gateway_bin, srv.address) as gw,
-    ):
-        yield gw
+    return float32_gateway
 
 
 @pytest.fixture(scope="module", autouse=True)

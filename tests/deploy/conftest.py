@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from genserve.testing.tiny_model import make_tiny_model
+from tests.conftest import TinyModelFactory
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-deploy"), arch="llama", seed=1)
+def tiny_model(tiny_model_factory: TinyModelFactory) -> Path:
+    """The tiny Llama (seed 1) the e2e tests serve too: built once per session."""
+    return tiny_model_factory("llama", seed=1)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ concatenate to the unary reply; chat calls are counted as requests in /metrics."
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,10 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genserve.model.loader import default_gguf_path, resolve_model, transformers_weights_kwargs
+from genserve.model.loader import resolve_model, transformers_weights_kwargs
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
-from tests.utils.live_server import LiveServer, free_port, start_server
+from tests.e2e.conftest import DefaultModelServer
+from tests.utils.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +44,8 @@ MAX_NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[LiveServer, int]]:
-    port = free_port()
-    with start_server(
-        str(default_gguf_path()), "--dtype", "float32", "--prometheus-port", str(port),
-        "--max-batch-total-tokens", "16384",
-    ) as server:  # fmt: skip
-        yield server, port
+def served(default_model_server: DefaultModelServer) -> tuple[LiveServer, int]:
+    return default_model_server.server, default_model_server.metrics_port
 
 
 def _messages(conversation: list[dict[str, str]]) -> list[pb.ChatMessage]:

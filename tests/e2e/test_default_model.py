@@ -6,7 +6,6 @@ repetitive continuations make most drafts land, so several tokens come from one 
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -15,10 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genserve.model.loader import default_gguf_path, resolve_model, transformers_weights_kwargs
+from genserve.model.loader import resolve_model, transformers_weights_kwargs
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
-from tests.utils.live_server import LiveServer, free_port, start_server
+from tests.e2e.conftest import DefaultModelServer
+from tests.utils.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +44,13 @@ class Served:
 
 
 @pytest.fixture(scope="module", params=["plain", "speculate"])
-def default_server(request: pytest.FixtureRequest) -> Iterator[Served]:
+def default_server(request: pytest.FixtureRequest) -> Served:
+    """The session's default-model servers (tests/e2e/conftest.py), without and with
+    ``--speculate 4``: no request on the first drafts, so its draft counters stay 0."""
     speculate = request.param == "speculate"
-    port = free_port()
-    with start_server(
-        str(default_gguf_path()), "--dtype", "float32", "--prometheus-port", str(port),
-        "--max-batch-total-tokens", "16384", *(("--speculate", "4") if speculate else ()),
-    ) as server:  # fmt: skip
-        yield Served(server, port, speculate)
+    name = "default_model_speculate_server" if speculate else "default_model_server"
+    shared: DefaultModelServer = request.getfixturevalue(name)
+    return Served(shared.server, shared.metrics_port, speculate)
 
 
 def _counter(served: Served, name: str) -> float:
@@ -63,7 +62,39 @@ def _counter(served: Served, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def test_default_model_matches_transformers(default_server: Served) -> None:
+@pytest.fixture(scope="module")
+def hf_reference() -> list[tuple[list[int], list[float], str]]:
+    """transformers' greedy new tokens, their logprobs and the decoded text for each of
+    ``PROMPTS`` (float32): the same for both servers, so computed once."""
+    model_dir = resolve_model(None).local_dir
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
+    )
+    reference = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            expected = out.sequences[0, ids.shape[1] :].tolist()
+            logprobs = [
+                torch.log_softmax(step[0].float(), -1)[t].item()
+                for step, t in zip(out.logits, expected, strict=True)
+            ]
+            reference.append((expected, logprobs, tok.decode(expected, skip_special_tokens=True)))
+    return reference
+
+
+def test_default_model_matches_transformers(
+    default_server: Served, hf_reference: list[tuple[list[int], list[float], str]]
+) -> None:
     with grpc.insecure_channel(default_server.address) as channel:
         stub = pb_grpc.TextGenerationServiceStub(channel)
         info = stub.Info(pb.InfoRequest())
@@ -79,30 +110,12 @@ def test_default_model_matches_transformers(default_server: Served) -> None:
                     PROMPTS,
                 )
             )
-    model_dir = resolve_model(None).local_dir
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
-    )
-    with torch.inference_mode():
-        for prompt, result in zip(PROMPTS, results, strict=True):
-            ids = tok(prompt, return_tensors="pt").input_ids
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            expected = out.sequences[0, ids.shape[1] :].tolist()
-            assert [t.id for t in result.details.tokens] == expected, prompt
-            logprobs = [
-                torch.log_softmax(step[0].float(), -1)[t].item()
-                for step, t in zip(out.logits, expected, strict=True)
-            ]
-            assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
-            assert result.generated_text == tok.decode(expected, skip_special_tokens=True)
+    for prompt, result, (expected, logprobs, text) in zip(
+        PROMPTS, results, hf_reference, strict=True
+    ):
+        assert [t.id for t in result.details.tokens] == expected, prompt
+        assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
+        assert result.generated_text == text
     drafted = _counter(default_server, "genserve_speculative_draft_tokens_total")
     accepted = _counter(default_server, "genserve_speculative_accepted_tokens_total")
     if default_server.speculate:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from genserve.kernels import cpu as cpu_kernels
 from genserve.kernels import int_dot
@@ -87,6 +88,7 @@ def _bf16_native() -> bool:
                 not _bf16_native(), reason="no native bfloat16 GEMM (AVX512-BF16 / AMX-BF16)"
             ),
         ),
+        "int-gemm",
     ],
 )
 def test_k_quants_on_the_integer_path_agree_with_transformers(
@@ -98,30 +100,39 @@ def test_k_quants_on_the_integer_path_agree_with_transformers(
     on this file: prefixes [12, 12, 12, 1, 12, 10] of 12, 82%; a random tiny model's logits
     are flat, so a near-tie can flip the very first token of a prompt).  ``bf16``: every
     prompt step of 2 rows or more takes the many-row path (K-quants decoded to bfloat16,
-    kernels/prefill_gemm.py) as long prompts do; the same bound holds."""
+    kernels/prefill_gemm.py) as long prompts do; the same bound holds.  ``int-gemm``: the
+    server told the CPU has AVX2 only (``--cpu-features-mask avx2``), so every prompt step of
+    2 rows or more takes the register-tiled integer GEMM of CPUs without bfloat16
+    (kernels/prefill_int_gemm_cpu.cpp); the same bound holds."""
     from genserve.kernels import prefill_gemm
 
     monkeypatch.setenv(prefill_gemm.ENV_MIN_ROWS, "2" if prompt_path == "bf16" else "0")
+    monkeypatch.setenv(prefill_gemm.ENV_INT_GEMM_MIN_ROWS, "2")
+    mask = ("--cpu-features-mask", "avx2") if prompt_path == "int-gemm" else ()
     model = make_tiny_gguf(tmp_path / "tiny-Q4_K_M.gguf", "Q4_K_M", seed=7)
     cache = fresh_cache(tmp_path)
     prompts = varied_prompts(6, seed=5)
     new_tokens = 12
     params = pb.GenerateParameters(max_new_tokens=new_tokens, details=True)
-    args = (*PARITY_SERVER_ARGS, "--genserve-cache", str(cache), "--cpu-int-dot", "on")
-    with (
-        inproc_server(model, *args) as server,
-        grpc.insecure_channel(server.address) as channel,
-    ):
-        stub = pb_grpc.TextGenerationServiceStub(channel)
-        served = [
-            [
-                t.id
-                for t in stub.Generate(pb.GenerateRequest(inputs=[p], parameters=params))
-                .results[0]
-                .details.tokens
+    args = (*PARITY_SERVER_ARGS, "--genserve-cache", str(cache), "--cpu-int-dot", "on", *mask)
+    try:
+        with (
+            inproc_server(model, *args) as server,
+            grpc.insecure_channel(server.address) as channel,
+        ):
+            stub = pb_grpc.TextGenerationServiceStub(channel)
+            served = [
+                [
+                    t.id
+                    for t in stub.Generate(pb.GenerateRequest(inputs=[p], parameters=params))
+                    .results[0]
+                    .details.tokens
+                ]
+                for p in prompts
             ]
-            for p in prompts
-        ]
+    finally:  # the in-process server's mask must not outlive it in this test process
+        cpu_kernels._settings.hidden_features = ()
+        torch.ops.genserve.set_hidden_cpu_features([])
     entry = resolve_model(str(model), cache_dir=cache / "models").local_dir
     expected = [ids for ids, _ in hf_greedy(entry, prompts, new_tokens)]
     prefixes = [_agreeing_prefix(a, b) for a, b in zip(served, expected, strict=True)]

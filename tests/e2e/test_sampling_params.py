@@ -19,9 +19,8 @@ from transformers import AutoModelForCausalLM
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.prompts import PARITY_SERVER_ARGS
-from tests.e2e.tp_utils import shard_args
 from tests.utils.inproc_server import InProcessServer, inproc_server
-from tests.utils.live_server import start_server
+from tests.utils.live_server import LiveServer
 
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 EOS = 2  # <|im_end|>, the tokenizer's EOS (a special token)
@@ -315,7 +314,7 @@ def test_min_new_tokens_and_stop_ids_on_draft_rows(
         assert server.in_engine(server.engine.scheduler.stats).spec_accepted_tokens > before
 
 
-def test_two_shards_honour_the_fields(tiny_llama: Path) -> None:
+def test_two_shards_honour_the_fields(two_shard_server: LiveServer) -> None:
     """Rank 0 samples: the fields work with tensor parallelism (shard workers never see
     them)."""
     params: dict[str, Any] = {
@@ -325,10 +324,7 @@ def test_two_shards_honour_the_fields(tiny_llama: Path) -> None:
         "min_new_tokens": 4,
     }
     sampled: dict[str, Any] = {"max_new_tokens": 12, "min_p": 0.05, "seed": 3, "do_sample": True}
-    with (
-        start_server(tiny_llama, *PARITY_SERVER_ARGS, *shard_args(2)) as sharded,
-        grpc.insecure_channel(sharded.address) as channel,
-    ):
+    with grpc.insecure_channel(two_shard_server.address) as channel:
         two = pb_grpc.TextGenerationServiceStub(channel)
         assert token_ids(generate(two, **params)) == [200] * 4 + [100]
         # Seeded min_p sampling on rank 0 is reproducible (exact equality with one process

@@ -19,6 +19,7 @@ import pytest
 from genserve.model.loader import default_gguf_path
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
+from tests.e2e.conftest import DefaultModelServer
 from tests.utils.live_server import LiveServer, start_server
 
 pytestmark = pytest.mark.slow
@@ -76,12 +77,9 @@ MAX_NEW_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    with start_server(
-        str(default_gguf_path()), "--dtype", "float32", "--max-batch-total-tokens", "16384",
-        "--prometheus-port", "0",
-    ) as srv:  # fmt: skip
-        yield srv
+def server(default_model_server: DefaultModelServer) -> LiveServer:
+    """The session's float32 default-model server (tests/e2e/conftest.py)."""
+    return default_model_server.server
 
 
 @pytest.fixture(scope="module")
@@ -219,20 +217,17 @@ def test_disable_grammar_support_refuses_grammar() -> None:
         assert _generate(stub, "hi", pb.GenerateParameters(max_new_tokens=2)).generated_text
 
 
-SPECULATE = ("--dtype", "float32", "--speculate", "4", "--prometheus-port", "0")
-
-
-def test_speculation_skips_constrained_rows() -> None:
+def test_speculation_skips_constrained_rows(
+    default_model_speculate_server: DefaultModelServer,
+) -> None:
     """With ``--speculate``, constrained requests get no drafts (the scheduler never drafts for
     them: the mask of each draft position would depend on the drafts before it) and still
     validate, while an unconstrained greedy request in the same batch drafts and keeps
     exactly its non-speculative output."""
     schema = SCHEMAS[1]
     repetitive = "one two three one two three one two three one two three"
-    with (
-        start_server(str(default_gguf_path()), *SPECULATE) as srv,
-        grpc.insecure_channel(srv.address) as channel,
-    ):
+    srv = default_model_speculate_server.server  # float32, --speculate 4
+    with grpc.insecure_channel(srv.address) as channel:
         stub = pb_grpc.TextGenerationServiceStub(channel)
         alone = _generate(stub, repetitive, _params(None, False))
         grammar = pb.Grammar(json_schema=json.dumps(schema))

@@ -19,7 +19,7 @@ from tests.e2e.prompts import varied_prompts
 from tests.e2e.test_hf_parity import MAX_NEW_TOKENS, NUM_PROMPTS
 from tests.e2e.tp_utils import SERVER_ARGS, shard_args, shard_workers, start_servers
 from tests.utils.hf_reference import hf_greedy
-from tests.utils.live_server import LiveServer
+from tests.utils.live_server import LiveServer, start_server
 
 
 def generate_all(server: LiveServer, prompts: list[str], max_new_tokens: int) -> list[pb.Details]:
@@ -45,10 +45,12 @@ def info(server: LiveServer) -> pb.InfoResponse:
 
 
 @pytest.fixture(scope="module")
-def one_and_two_shards(tiny_llama: Path) -> Iterator[tuple[LiveServer, LiveServer]]:
-    specs = [(tiny_llama, SERVER_ARGS), (tiny_llama, SERVER_ARGS + shard_args(2))]
-    with start_servers(specs) as (one, two):
-        yield one, two
+def one_and_two_shards(
+    tiny_llama: Path, two_shard_server: LiveServer
+) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """A one-process server, and the session's two-shard one (tests/e2e/conftest.py)."""
+    with start_server(tiny_llama, *SERVER_ARGS) as one:
+        yield one, two_shard_server
 
 
 def test_two_shards_generate_what_one_shard_generates(

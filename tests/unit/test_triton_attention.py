@@ -2,41 +2,21 @@
 Triton's interpreter (``TRITON_INTERPRET=1``): against a float64 reference over the block
 table, and inside the model against the SDPA path on the same cache.
 
-The interpreter must be switched on before Triton is imported, so each check runs in a fresh
-interpreter process."""
+The interpreter must be switched on before Triton is imported, so the checks run in another
+process: the session's ``triton_interpreter`` (tests/utils/triton_interpreter.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import TinyModelFactory
+from tests.utils.triton_interpreter import TritonInterpreter, needs_triton
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (CPU-only torch wheels do not ship it)",
-)
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run_interpreted(code: str, *args: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+pytestmark = needs_triton
 
 
 def reference(
@@ -141,16 +121,18 @@ def check_model(model_dir: str) -> None:
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_kernel_matches_reference_in_every_dtype() -> None:
-    _run_interpreted("from tests.unit.test_triton_attention import check_kernel; check_kernel()")
+def test_kernel_matches_reference_in_every_dtype(triton_interpreter: TritonInterpreter) -> None:
+    triton_interpreter.run(
+        "from tests.unit.test_triton_attention import check_kernel; check_kernel()"
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_decode_step_matches_sdpa_inside_the_model(
-    tiny_model_factory: TinyModelFactory, arch: str
+    tiny_model_factory: TinyModelFactory, triton_interpreter: TritonInterpreter, arch: str
 ) -> None:
     model_dir = tiny_model_factory(arch)
-    _run_interpreted(
+    triton_interpreter.run(
         "import sys; from tests.unit.test_triton_attention import check_model; "
         "check_model(sys.argv[1])",
         str(model_dir),

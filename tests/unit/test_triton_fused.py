@@ -3,47 +3,26 @@ K/V store, gated activation; ``kernels/fused_gpu_ops.py``), run on CPU through T
 interpreter (``TRITON_INTERPRET=1``) against their torch references, and inside the model
 against the eager layers.
 
-The interpreter must be switched on before the kernels are defined, so each check runs in a
-fresh interpreter process.  The interpreter rounds float32 → bfloat16 by truncation, not to
-nearest as a GPU does (checked: its sums equal torch's truncated, not torch's rounded), so
-bfloat16 results are compared within a few bfloat16 steps; float32 results within float32
-rounding.  The references themselves equal the eager model op for op (the last tests)."""
+The interpreter must be switched on before the kernels are defined, so each check runs in
+another process: the session's ``triton_interpreter`` (tests/utils/triton_interpreter.py).
+The interpreter rounds float32 → bfloat16 by truncation, not to nearest as a GPU does
+(checked: its sums equal torch's truncated, not torch's rounded), so bfloat16 results are
+compared within a few bfloat16 steps; float32 results within float32 rounding.  The
+references themselves equal the eager model op for op (the last tests)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import TinyModelFactory
+from tests.utils.triton_interpreter import TritonInterpreter, needs_triton
 
-ROOT = Path(__file__).resolve().parents[2]
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (CPU-only torch wheels do not ship it)",
-)
 # float32: rounding of differently ordered sums; bfloat16: the interpreter's truncation
 # compounds over two or three roundings (each at most one step, 2**-7 relative).
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
-
-
-def _run_interpreted(code: str, *args: str) -> None:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -193,9 +172,9 @@ def check_model(model_dir: str, device: str = "cpu") -> None:
 
 
 @needs_triton
-def test_each_kernel_matches_its_reference() -> None:
+def test_each_kernel_matches_its_reference(triton_interpreter: TritonInterpreter) -> None:
     """One interpreter process for the three kernels (starting one costs seconds)."""
-    _run_interpreted(
+    triton_interpreter.run(
         "from tests.unit.test_triton_fused import check_norms, check_gated_act, "
         "check_rotary_store_kv; check_norms(); check_gated_act(); check_rotary_store_kv()"
     )
@@ -204,11 +183,11 @@ def test_each_kernel_matches_its_reference() -> None:
 @needs_triton
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
 def test_fused_layers_match_the_eager_model(
-    tiny_model_factory: TinyModelFactory, arch: str
+    tiny_model_factory: TinyModelFactory, triton_interpreter: TritonInterpreter, arch: str
 ) -> None:
     """Llama (the nine-launch layer), Phi-3 (partial rotary, longrope angles per step)."""
     model_dir = tiny_model_factory(arch)
-    _run_interpreted(
+    triton_interpreter.run(
         "import sys; from tests.unit.test_triton_fused import check_model; "
         "check_model(sys.argv[1])",
         str(model_dir),

@@ -1,12 +1,13 @@
 """The Triton mixture-of-experts kernels (``kernels/triton_moe.py``, the CUDA path of
 ``model/moe.py``) against the torch expert loop they replace.
 
-On CPU through Triton's interpreter (``TRITON_INTERPRET=1``, in fresh processes, as
-in ``test_triton_fused.py``; skipped where triton is not installed): the kernels equal
-``experts_torch`` at 1 row, a few rows and tall tiles, SiLU-gated and gpt-oss's clamped
-SwiGLU with biases, float32 and bfloat16; inside every native MoE family's decoder (softmax
-and sigmoid routing, gated and ungated shared experts, expert biases) the logits with the
-routed experts on the kernels equal the torch loop's and transformers'.  The alignment
+On CPU through Triton's interpreter (``TRITON_INTERPRET=1``, in the session's
+``triton_interpreter`` process, as in ``test_triton_fused.py``; skipped where triton is not
+installed): the kernels equal ``experts_torch`` at 1 row, a few rows and tall tiles,
+SiLU-gated and gpt-oss's clamped SwiGLU with biases, float32 and bfloat16; inside every
+native MoE family's decoder (softmax and sigmoid routing, gated and ungated shared experts,
+expert biases) the logits with the routed experts on the kernels equal the torch loop's and
+transformers'.  The alignment
 (``align_by_expert``) is plain torch and is checked directly.
 
 Marked ``cuda`` (scripts/gpu-check.sh's ``tests`` stage runs them on a GPU): the compiled
@@ -16,10 +17,6 @@ a MoE model's float32 greedy tokens equal transformers' on CUDA, eager and with 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,31 +27,13 @@ from genserve.model.moe import experts_torch
 from genserve.model.spec import ClampedSwiGLU
 from genserve.testing.tiny_model import default_tokenizer_dir
 from tests.utils.moe_models import MOE_FAMILIES, make_moe_model
+from tests.utils.triton_interpreter import TritonInterpreter, needs_triton
 
-ROOT = Path(__file__).resolve().parents[2]
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (CPU-only torch wheels do not ship it)",
-)
 # float32: summation order only; bfloat16: the interpreter truncates float32 → bfloat16 (a
 # GPU rounds to nearest) and the loop rounds once per choice where the kernel rounds a
 # token's sum once: a few bfloat16 steps.
 TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (8e-2, 4e-2)}
 GPT_OSS = (1.702, 1.5)  # gpt-oss's alpha, and a limit random activations reach
-
-
-def _run_interpreted(code: str, *args: str) -> None:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def _operands(
@@ -195,8 +174,8 @@ def test_supports_names_what_goes_to_the_loop() -> None:
 
 
 @needs_triton
-def test_kernels_match_the_torch_loop_interpreted() -> None:
-    _run_interpreted(
+def test_kernels_match_the_torch_loop_interpreted(triton_interpreter: TritonInterpreter) -> None:
+    triton_interpreter.run(
         "from tests.unit.test_triton_moe import check_kernels_match_the_loop as c; c()"
     )
 
@@ -209,11 +188,12 @@ def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @needs_triton
-def test_family_logits_with_triton_experts_interpreted(moe_dirs: dict[str, Path]) -> None:
-    # Every family in one interpreted process: starting one (torch, transformers, Triton's
-    # interpreter) costs about as much as a family's check.
+def test_family_logits_with_triton_experts_interpreted(
+    moe_dirs: dict[str, Path], triton_interpreter: TritonInterpreter
+) -> None:
+    # Every family in one check: the families' models are built once, in this process.
     args = [str(moe_dirs[family]) for family in sorted(MOE_FAMILIES)]
-    _run_interpreted(
+    triton_interpreter.run(
         "import sys; from tests.unit.test_triton_moe import check_family_logits as c\n"
         "for d in sys.argv[1:]: c(d.rsplit('/', 1)[1], d)",
         *args,

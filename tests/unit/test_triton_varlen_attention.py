@@ -6,15 +6,11 @@ mixed step through ``--gpu-prefill-attention triton`` against the SDPA path.  Th
 tests run the compiled kernel against the same reference and the server's runner against
 transformers' greedy output.
 
-The interpreter must be switched on before Triton is imported, so each interpreted check
-runs in a fresh interpreter process."""
+The interpreter must be switched on before Triton is imported, so the interpreted checks run
+in another process: the session's ``triton_interpreter`` (tests/utils/triton_interpreter.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,29 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import TinyModelFactory
-
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="triton is not installed (CPU-only torch wheels do not ship it)",
-)
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run_interpreted(code: str, *args: str) -> None:
-    # The repository root (for ``tests``) before the caller's path (which may name the
-    # checkout's ``service`` directory ahead of an installed genserve).
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+from tests.utils.triton_interpreter import TritonInterpreter, needs_triton
 
 
 def reference(
@@ -228,8 +202,8 @@ def check_model(model_dir: str, fused: str) -> None:
 
 
 @needs_triton
-def test_kernel_matches_sdpa_per_sequence() -> None:
-    _run_interpreted(
+def test_kernel_matches_sdpa_per_sequence(triton_interpreter: TritonInterpreter) -> None:
+    triton_interpreter.run(
         "from tests.unit.test_triton_varlen_attention import check_kernel; check_kernel()"
     )
 
@@ -241,10 +215,13 @@ def test_kernel_matches_sdpa_per_sequence() -> None:
     ids=["llama-fused-ops", "mistral-window", "gemma2-softcap-window"],
 )
 def test_mixed_step_through_triton_equals_sdpa(
-    tiny_model_factory: TinyModelFactory, arch: str, fused: str
+    tiny_model_factory: TinyModelFactory,
+    triton_interpreter: TritonInterpreter,
+    arch: str,
+    fused: str,
 ) -> None:
     model_dir = tiny_model_factory(arch)
-    _run_interpreted(
+    triton_interpreter.run(
         "import sys; from tests.unit.test_triton_varlen_attention import check_model; "
         "check_model(sys.argv[1], sys.argv[2])",
         str(model_dir),

@@ -46,6 +46,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_features.h"
 #include "int_dot.h"
 
 #if defined(__x86_64__)
@@ -243,16 +244,16 @@ bool cpu_has(int64_t isa) {
   __builtin_cpu_init();
   switch (isa) {
     case genserve_ops::kIntDotAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return GENSERVE_CPU_SUPPORTS("avx2") && GENSERVE_CPU_SUPPORTS("fma") &&
+             GENSERVE_CPU_SUPPORTS("f16c");
     case genserve_ops::kIntDotAvxVnni:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avxvnni");
+      return GENSERVE_CPU_SUPPORTS("avx2") && GENSERVE_CPU_SUPPORTS("fma") &&
+             GENSERVE_CPU_SUPPORTS("f16c") && GENSERVE_CPU_SUPPORTS("avxvnni");
     case genserve_ops::kIntDotAvx512Vnni:
     case genserve_ops::kIntDotVnni256Evex:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-             __builtin_cpu_supports("fma");
+      return GENSERVE_CPU_SUPPORTS("avx512f") && GENSERVE_CPU_SUPPORTS("avx512bw") &&
+             GENSERVE_CPU_SUPPORTS("avx512vl") && GENSERVE_CPU_SUPPORTS("avx512vnni") &&
+             GENSERVE_CPU_SUPPORTS("fma");
     default:
       return false;
   }
@@ -281,16 +282,14 @@ RunRange range_of(int64_t isa) {
   return nullptr;
 }
 
-// The best path this CPU runs (kIntDotNone where it has none).
+// The best path this CPU runs (kIntDotNone where it has none).  Asked per call, not cached:
+// GENSERVE_CPU_FEATURES_MASK may hide features after the library loads (cpu_features.h).
 int64_t best_isa() {
-  static const int64_t best = [] {
-    for (int64_t isa : {genserve_ops::kIntDotAvx512Vnni, genserve_ops::kIntDotAvxVnni,
-                        genserve_ops::kIntDotAvx2}) {
-      if (cpu_has(isa)) return isa;
-    }
-    return genserve_ops::kIntDotNone;
-  }();
-  return best;
+  for (int64_t isa : {genserve_ops::kIntDotAvx512Vnni, genserve_ops::kIntDotAvxVnni,
+                      genserve_ops::kIntDotAvx2}) {
+    if (cpu_has(isa)) return isa;
+  }
+  return genserve_ops::kIntDotNone;
 }
 
 // Rows of x quantized per block of 32 (llama.cpp's Q8_0 activations, with a float32 scale):

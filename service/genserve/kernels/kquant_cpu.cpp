@@ -36,6 +36,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_features.h"
 #include "genserve_ops.h"
 #include "int_dot.h"
 #include "kquant_rows.h"
@@ -301,17 +302,17 @@ namespace {
 bool cpu_has(int64_t isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+  const bool avx2 = GENSERVE_CPU_SUPPORTS("avx2") && GENSERVE_CPU_SUPPORTS("fma") &&
+                    GENSERVE_CPU_SUPPORTS("f16c");
   switch (isa) {
     case genserve_ops::kIntDotAvx2:
       return avx2;
     case genserve_ops::kIntDotAvxVnni:
-      return avx2 && __builtin_cpu_supports("avxvnni");
+      return avx2 && GENSERVE_CPU_SUPPORTS("avxvnni");
     case genserve_ops::kIntDotAvx512Vnni:
     case genserve_ops::kIntDotVnni256Evex:
-      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+      return avx2 && GENSERVE_CPU_SUPPORTS("avx512f") && GENSERVE_CPU_SUPPORTS("avx512bw") &&
+             GENSERVE_CPU_SUPPORTS("avx512vl") && GENSERVE_CPU_SUPPORTS("avx512vnni");
     default:
       return false;
   }

@@ -9,6 +9,11 @@ is paid once per matmul for all rows (docs/cpu/prefill.md).  Where the CPU has n
 product oneDNN emulates it, so the integer kernel stays.  Only on the integer path
 (``--cpu-int-dot auto|on``): the float path's numerics (``off``) are kept as they are, and
 ``--deterministic`` keeps one code path per row (the choice here depends on the batch).
+
+Where the CPU has no native bfloat16 product (AVX2-only parts such as AMD Zen 3, AVX-512 parts
+without AVX512-BF16), K-quant prompt chunks take ``genserve::kquant_linear_int_gemm``
+(``kernels/prefill_int_gemm_cpu.cpp``) instead: the integer path's own numerics, register-tiled
+over weight and activation rows (:func:`int_gemm_min_rows`; docs/benchmarks/cpu-avx2.md).
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ BLOCK_BF16_MIN_ROWS = 0
 # Override the two thresholds (0: never), for measuring one path against the other.
 ENV_MIN_ROWS = "GENSERVE_KQUANT_BF16_ROWS"
 ENV_BLOCK_MIN_ROWS = "GENSERVE_BLOCK_BF16_ROWS"
+# K-quants on CPUs without a native bfloat16 product: rows from which the integer GEMM runs
+# instead of the one-row-at-a-time integer kernel.  Emulated AVX2-only on Zen 4, 1 thread,
+# Llama-3.2-1B shapes (docs/benchmarks/cpu-avx2.md): 0.98-1.13x the one-row kernel at 8 rows,
+# 1.18-1.24x at 16, 1.47-2.07x at 256.  GENSERVE_KQUANT_INT_GEMM_ROWS overrides it (0: never).
+INT_GEMM_MIN_ROWS = 16
+ENV_INT_GEMM_MIN_ROWS = "GENSERVE_KQUANT_INT_GEMM_ROWS"
 
 
 def bf16_min_rows(blocks: bool = False) -> int:
@@ -45,3 +56,19 @@ def bf16_min_rows(blocks: bool = False) -> int:
     if override:
         return max(0, int(override))
     return BLOCK_BF16_MIN_ROWS if blocks else BF16_MIN_ROWS
+
+
+def int_gemm_min_rows() -> int:
+    """Activation rows from which K-quant matmuls on the integer path take the register-tiled
+    integer GEMM here; 0 where they never do (the bfloat16 GEMM serves many rows, no kernels,
+    no AVX2, or deterministic mode)."""
+    if not cpu_kernels.load() or cpu_kernels.batch_invariant():
+        return 0
+    if bool(torch.ops.genserve.bf16_gemm_native()):
+        return 0
+    if not bool(torch.ops.genserve.kquant_int_gemm_available()):
+        return 0
+    override = os.environ.get(ENV_INT_GEMM_MIN_ROWS, "").strip()
+    if override:
+        return max(0, int(override))
+    return INT_GEMM_MIN_ROWS

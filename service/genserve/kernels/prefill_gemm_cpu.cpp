@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_features.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -219,9 +221,9 @@ namespace {
 bool has_avx512_decode() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return GENSERVE_CPU_SUPPORTS("avx512f") && GENSERVE_CPU_SUPPORTS("avx512bw") &&
+         GENSERVE_CPU_SUPPORTS("avx512vl") && GENSERVE_CPU_SUPPORTS("avx2") &&
+         GENSERVE_CPU_SUPPORTS("fma") && GENSERVE_CPU_SUPPORTS("f16c");
 #else
   return false;
 #endif
@@ -233,7 +235,7 @@ bool bf16_gemm_native() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   return has_avx512_decode() &&
-         (__builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16"));
+         (GENSERVE_CPU_SUPPORTS("avx512bf16") || GENSERVE_CPU_SUPPORTS("amx-bf16"));
 #else
   return false;
 #endif

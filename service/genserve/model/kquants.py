@@ -65,6 +65,9 @@ class KQuantWeight:
     # From this many activation rows on, :meth:`linear` decodes W to bfloat16 and runs torch's
     # bfloat16 GEMM (``kernels/prefill_gemm.py``; 0: never).  Set by :meth:`serving`.
     bf16_rows: int = 0
+    # From this many rows on (and below ``bf16_rows``, if set), the register-tiled integer GEMM
+    # of CPUs without a native bfloat16 product (``kernels/prefill_gemm.py``; 0: never).
+    int_gemm_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.in_features <= 0 or self.in_features % SUPER_BLOCK:
@@ -219,20 +222,27 @@ class KQuantWeight:
         return self.rows(ids.cpu()).dequantize(dtype)
 
     # ------------------------------------------------------------------ kernel
-    def serving(self, isa: int, bf16_rows: int = 0) -> KQuantWeight:
+    def serving(self, isa: int, bf16_rows: int = 0, int_gemm_rows: int = 0) -> KQuantWeight:
         """This matrix as the kernel serves it on path ``isa`` (same bytes), steps of at least
-        ``bf16_rows`` rows (0: none) by the bfloat16 GEMM."""
-        return dataclasses.replace(self, isa=isa, bf16_rows=bf16_rows)
+        ``bf16_rows`` rows (0: none) by the bfloat16 GEMM, of at least ``int_gemm_rows`` (0:
+        none) by the integer GEMM (integer paths only)."""
+        return dataclasses.replace(self, isa=isa, bf16_rows=bf16_rows, int_gemm_rows=int_gemm_rows)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + b`` by ``genserve::kquant_linear`` (``x`` float32 / half ``[M, K]``), or
-        for ``bf16_rows`` rows and more by ``genserve::kquant_linear_bf16``."""
+        for ``bf16_rows`` rows and more by ``genserve::kquant_linear_bf16``, or for
+        ``int_gemm_rows`` rows and more by ``genserve::kquant_linear_int_gemm``."""
         codes = [K_TYPES[t][0] for t in self.types]
         if 0 < self.bf16_rows <= x.shape[0]:
             many: torch.Tensor = torch.ops.genserve.kquant_linear_bf16(
                 x, self.data, codes, list(self.row_counts), bias, BF16_PANEL_ROWS
             )
             return many
+        if 0 < self.int_gemm_rows <= x.shape[0] and self.isa != FLOAT_PATH:
+            tiled: torch.Tensor = torch.ops.genserve.kquant_linear_int_gemm(
+                x, self.data, codes, list(self.row_counts), bias
+            )
+            return tiled
         out: torch.Tensor = torch.ops.genserve.kquant_linear(
             x, self.data, codes, list(self.row_counts), bias, self.isa
         )

@@ -136,7 +136,8 @@ class _Packable(nn.Module):
             choice = int_dot.choose() if int_dot.active() else None
             isa = FLOAT_PATH if choice is None or choice.isa is None else int(choice.isa)
             many_rows = prefill_gemm.bf16_min_rows() if isa != FLOAT_PATH else 0
-            self.qpanels = self.quant.serving(isa, many_rows)
+            tiled_rows = prefill_gemm.int_gemm_min_rows() if isa != FLOAT_PATH else 0
+            self.qpanels = self.quant.serving(isa, many_rows, tiled_rows)
             if release:
                 self.quant = None
             return
