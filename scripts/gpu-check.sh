@@ -12,7 +12,10 @@
 # at $LEVELS streams, overlapped scheduling on and off, no baseline); mixed-attn and serve-mixed
 # (issue #29's A/B of --gpu-prefill-attention triton | sdpa | sdpa-pinned: one layer's attention
 # of a mixed step timed per path, ~10 s; the 8B server at 64 streams for $MIXED_DURATION (15) s
-# per value, ~3 minutes with the starts; docs/gpu-step.md).  Results:
+# per value, ~3 minutes with the starts; docs/gpu-step.md); serve-mix (issue #29's step mix at
+# 64 and 256 streams: the 8B server with --prefill-batching on and off, $MIX_DURATION (10) s a
+# level, ~2 minutes; compare with `python -m genserve.bench.mixed_steps`, docs/gpu-step.md).
+# Results:
 # OUT_DIR/gpu-table.md and .json (the README/issue table), OUT_DIR/bench-*/results.json,
 # OUT_DIR/profile-*.txt (torch-profiler tables), OUT_DIR/pytest-cuda.txt, OUT_DIR/*.log.
 #
@@ -142,6 +145,22 @@ for stage in "${stages[@]}"; do
         grep -o "attention_backend=[^ ]*" "$out/serve-mixed-$value/server.log" | tail -n 1
         tail -n 8 "$out/serve-mixed-$value.log"
       done ;;
+    serve-mix)  # the 8B server at 64 and 256 streams, overlap on, arrivals gathered or not
+      for batching in ${MIX_VALUES:-on off}; do
+        note "serve 8B, streams ${MIX_LEVELS:-64,256}, --prefill-batching $batching"
+        timeout "${SERVE_TIMEOUT:-240}" "$py" -m genserve.bench.cli --launch --no-progress \
+          --out "$out/serve-mix-$batching" --concurrency "${MIX_LEVELS:-64,256}" \
+          --num-prompts 4096 --max-new-tokens "$new_tokens" --max-duration "${MIX_DURATION:-10}" \
+          --model-id "$models/llama-3.1-8b-shape" -- --model-id "$models/llama-3.1-8b-shape" \
+          --dtype bfloat16 --max-concurrent-requests 512 --max-batch-size 256 \
+          --overlap-scheduling --prefill-batching "$batching" \
+          >"$out/serve-mix-$batching.log" 2>&1 || { note "serve-mix $batching FAILED"; status=1; }
+        tail -n 12 "$out/serve-mix-$batching.log"
+      done
+      # What the scheduler alone predicts for the same load (no GPU: the step mix and TTFT in
+      # steps; its tok/s is a cost model, not this GPU).
+      "$py" -m genserve.bench.mixed_steps --streams 64 256 >"$out/mixed-steps.jsonl" 2>&1 \
+        && cat "$out/mixed-steps.jsonl" || { note "mixed-steps FAILED"; status=1; } ;;
     bench-1b) bench 1b "$models/llama-3.2-1b-shape" "$levels" eager "$hf_batches" ;;
     bench-8b) bench 8b "$models/llama-3.1-8b-shape" "$levels" eager "$hf_batches" ;;
     # Compiled baselines in their own call (compilation per batch size takes minutes); genserve

@@ -157,11 +157,13 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     if not serving.is_native and quantize.method is not None:
         quantize = MethodChoice(None, "the transformers fallback serves the model's own weights")
     log.info("quantize", method=quantize.method or "none", reason=quantize.reason)
-    int_dot.configure(config.cpu_int_dot)
+    int_dot.configure(config.cpu_int_dot, dtype_name)
+    int_dot_choice: int_dot.IntDotChoice | None = None  # None: no quantized weight on CPU
     if quantize.method is not None and not on_cuda:
         int_dot_choice = int_dot.choose()  # --cpu-int-dot on where impossible: refused here
         log.info(
             "cpu_int_dot",
+            path=int_dot_choice.path,
             enabled=int_dot_choice.enabled,
             isa=int_dot_choice.isa.name if int_dot_choice.isa is not None else None,
             reason=int_dot_choice.reason,
@@ -206,12 +208,18 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             prefill_attention=config.gpu_prefill_attention,
         )
     try:
-        return _size_and_warm_up(
+        loaded = _size_and_warm_up(
             config, resolved, runner, tokenizer, dtype_name, device, num_shard, chat_template
         )
     except BaseException:
         runner.shutdown()  # a sharded runner stops its workers
         raise
+    if int_dot_choice is not None:
+        loaded.info.quantized_matmul = int_dot_choice.path
+        loaded.info.quantized_matmul_isa = (
+            int_dot_choice.isa.name if int_dot_choice.isa is not None else ""
+        )
+    return loaded
 
 
 def _check_deterministic(device: Any, batch_invariant: bool) -> None:

@@ -39,6 +39,10 @@ DEFAULT_API_KEY_EXEMPT: tuple[str, ...] = (
 VERSION = "0.1.0"
 
 
+# --genserve-cache where neither the flag nor GENSERVE_CACHE names one.
+DEFAULT_GENSERVE_CACHE = Path.home() / ".cache" / "genserve"
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Everything the launcher was asked for.  ``None`` means "derive it" (from the model, the
@@ -78,7 +82,7 @@ class Config:
     speculate: int = 0
     speculate_max_batch_size: int = 32
     disable_cpu_kernels: bool = False
-    cpu_int_dot: CpuIntDot = "off"  # issue #28: auto | on | off (kernels/int_dot.py)
+    cpu_int_dot: CpuIntDot = "auto"  # issue #28: auto | on | off (kernels/int_dot.py)
     # testing/benchmarking: CPU features the kernels treat as absent (kernels/cpu_features.py)
     cpu_features_mask: str = ""
     deterministic: bool = False
@@ -89,7 +93,7 @@ class Config:
     hostname: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     huggingface_hub_cache: Path | None = None
-    genserve_cache: Path = Path.home() / ".cache" / "genserve"
+    genserve_cache: Path = DEFAULT_GENSERVE_CACHE
     num_shard: int | None = None
     sharded: bool | None = None
     expert_parallel: bool = False  # issue #26: whole routed experts per shard
@@ -400,11 +404,13 @@ FLAGS: tuple[_Flag, ...] = (
     ),
     _flag(
         "cpu_int_dot",
-        "On CPU, quantized weights (Q8_0/Q4_0/Q4_1, --quantize int8/int4): multiply by "
-        "activations rounded to int8 per block of 32 with integer dot products (VNNI or "
-        "AVX2) instead of dequantizing to float32. Faster; changes the numerics slightly "
-        "(docs/cpu/integer-kernels.md). off: the float path; on: integer on any AVX2 CPU "
-        "(refused where none); auto: integer wherever the CPU has a path.",
+        "On CPU, quantized weights (GGUF Q8_0/Q4_0/Q4_1/K-quants, --quantize int8/int4, MoE "
+        "experts): multiply by activations rounded to int8 per block with integer dot "
+        "products (VNNI or AVX2) instead of dequantizing to float32, as llama.cpp does. "
+        "auto (default): integer wherever the CPU has a path, else float; on: integer, "
+        "refused where impossible; off: the float path (greedy output equal to transformers' "
+        "on the dequantized weights). Info.quantized_matmul says which "
+        "(docs/cpu/integer-kernels.md).",
         choices=("auto", "on", "off"),
     ),
     _flag(
@@ -648,6 +654,16 @@ def load_config(
             values[flag.dest] = given
     known = {f.name for f in fields(Config)}
     return Config(**{k: v for k, v in values.items() if k in known})
+
+
+def environment_cache(environ: Mapping[str, str] | None = None) -> Path:
+    """The cache this environment names (``GENSERVE_CACHE``, else ``~/.cache/genserve``): what
+    ``--genserve-cache`` falls back to, for code that runs without the launcher's config (the
+    CPU kernels' build, ``python -m genserve.kernels.cpu``, tests).  Reads that variable
+    only, so a bad value of another one cannot stop it."""
+    flag = next(f for f in FLAGS if f.dest == "genserve_cache")
+    given = _from_env(flag, os.environ if environ is None else environ)
+    return Path(given) if given is not None else DEFAULT_GENSERVE_CACHE
 
 
 def runtime_environment() -> dict[str, str]:

@@ -48,6 +48,14 @@ def _instructions(name: str) -> list[tuple[str, str]]:
     return out
 
 
+def _dockerfile_env(name: str) -> dict[str, str]:
+    """The variables the final stage's ENV instructions set (KEY=VALUE form)."""
+    steps = _instructions(name)
+    final = steps[max(i for i, (word, _) in enumerate(steps) if word == "FROM") :]
+    pairs = [item.partition("=") for word, args in final if word == "ENV" for item in args.split()]
+    return {key: value for key, _, value in pairs}
+
+
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
 def test_dockerfile_structure(name: str) -> None:
     steps = _instructions(name)
@@ -159,14 +167,23 @@ def test_deployment_matches_the_launchers_flags(overlay: str) -> None:
     assert pod["terminationGracePeriodSeconds"] > config.shutdown_timeout + pre_stop
     live = container["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] >= config.shutdown_timeout
-    # Non-root, read-only root filesystem, the caches on emptyDir volumes.
+    # Non-root, read-only root filesystem, the writable cache on emptyDir volumes.
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     env = {v["name"]: v.get("value") for v in container["env"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    for path in (env["GENSERVE_CACHE"], "/tmp"):
+    for path in (str(config.genserve_cache), "/tmp"):
         assert "emptyDir" in volumes[mounts[path]], path
+    # The kernels the image's build step compiled (bootstrap.sh, into the image's
+    # $GENSERVE_CACHE/kernels) are what a pod loads: GENSERVE_CACHE names the image's cache,
+    # not hidden under a volume, and --genserve-cache (the writable one) is another directory,
+    # whose build the kernel loader falls back from to the environment's (kernels/cpu.py).
+    image = _dockerfile_env("Dockerfile.cuda" if overlay == "gpu" else "Dockerfile")
+    assert env["GENSERVE_CACHE"] == image["GENSERVE_CACHE"]
+    image_cache = Path(env["GENSERVE_CACHE"])
+    assert not any(image_cache == Path(m) or Path(m) in image_cache.parents for m in mounts)
+    assert config.genserve_cache != image_cache
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert "proxy.istio.io/config" in annotations and "linkerd.io/inject" in annotations
     if overlay == "gpu":

@@ -54,10 +54,14 @@ def varied_prompts(n: int, seed: int = 0, max_words: int = 300) -> list[str]:
     return prompts
 
 
-# Server limits with room for every prompt above (the parity tests on 1 and 2 shards).
+# Server limits with room for every prompt above (the parity tests on 1 and 2 shards); float32
+# and, for quantized weights, the float path (the integer kernels, the default where the CPU
+# has them, move the logits: tests of that path append --cpu-int-dot on, the last flag wins).
 PARITY_SERVER_ARGS = (
     "--dtype",
     "float32",
+    "--cpu-int-dot",
+    "off",
     "--max-concurrent-requests",
     "64",
     "--max-input-tokens",

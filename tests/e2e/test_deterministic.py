@@ -13,10 +13,13 @@ import grpc
 import pytest
 
 from genserve.kernels import cpu as cpu_kernels
+from genserve.kernels import int_dot
+from genserve.testing.tiny_gguf import make_tiny_gguf
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import TinyModelFactory
 from tests.e2e.prompts import varied_prompts
+from tests.e2e.test_gguf_restart import fresh_cache
 from tests.utils.live_server import LiveServer, start_server
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
@@ -81,6 +84,34 @@ def test_output_does_not_depend_on_batching_chunks_or_cache(
             # The prompts' full blocks are cached now: the second round reads them.
             _assert_same(expected, _together(server), f"chunks of {chunk}, prefix-cache hits")
             assert _cached_tokens(server) > 0
+
+
+@pytest.mark.skipif(not int_dot.available_isas(), reason="no integer kernel path (no AVX2)")
+@pytest.mark.parametrize("weights", ["int4", "Q4_K_M"])
+def test_integer_kernels_are_batch_invariant(
+    tiny_model_factory: TinyModelFactory, tmp_path: Path, weights: str
+) -> None:
+    """Quantized weights on the integer path (the default ``--cpu-int-dot auto`` where the CPU
+    has one) keep ``--deterministic``'s promise: --quantize int4 (blocks of 32, the integer
+    tiles of kernels/int_dot_cpu.cpp) and a Q4_K_M GGUF (K-quant super-blocks and a Q8_0
+    embedding, kernels/kquant_cpu.cpp); alone, in a mixed batch, in chunks of 7, from the
+    prefix cache."""
+    if weights == "int4":
+        model: Path = tiny_model_factory("llama", seed=7)
+        args: tuple[str, ...] = (*SERVER_ARGS, "--quantize", "int4")
+    else:
+        model = make_tiny_gguf(tmp_path / "tiny-Q4_K_M.gguf", "Q4_K_M", seed=7)
+        args = (*SERVER_ARGS, "--genserve-cache", str(fresh_cache(tmp_path)))
+    with start_server(model, *args, "--disable-prefix-caching") as server:
+        with grpc.insecure_channel(server.address) as channel:
+            info = pb_grpc.TextGenerationServiceStub(channel).Info(pb.InfoRequest())
+        assert info.quantized_matmul == "integer", info
+        expected = _alone(server)
+        _assert_same(expected, _together(server), f"{weights}: a mixed batch of 8")
+    with start_server(model, *args, "--max-batch-prefill-tokens", "7") as server:
+        _assert_same(expected, _together(server), f"{weights}: prefill chunks of 7")
+        _assert_same(expected, _together(server), f"{weights}: chunks of 7, prefix-cache hits")
+        assert _cached_tokens(server) > 0
 
 
 def _cached_tokens(server: LiveServer) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from genserve.config import load_config
+from genserve.config import environment_cache
 from genserve.testing.tiny_gguf import make_tiny_gguf
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
@@ -28,7 +28,7 @@ def fresh_cache(root: Path) -> Path:
     (compiling them again would cost a minute per test, and is not what is tested)."""
     cache = root / "cache"
     cache.mkdir()
-    kernels = load_config([], environ={}).genserve_cache / "kernels"
+    kernels = environment_cache() / "kernels"  # $GENSERVE_CACHE's, where the tests build
     kernels.mkdir(parents=True, exist_ok=True)
     (cache / "kernels").symlink_to(kernels, target_is_directory=True)
     return cache

@@ -49,7 +49,8 @@ def adapter_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def server(adapter_dir: Path) -> Iterator[LiveServer]:
     with start_server(
-        str(default_gguf_path()), "--dtype", "float32", "--lora-adapters", f"tuned={adapter_dir}",
+        str(default_gguf_path()), "--dtype", "float32", "--cpu-int-dot", "off",
+        "--lora-adapters", f"tuned={adapter_dir}",
         "--max-batch-total-tokens", "16384",
     ) as srv:  # fmt: skip
         yield srv

@@ -6,8 +6,8 @@ The files are written as llama.cpp's converter writes Qwen2/3-MoE (stacked
 ``genserve.testing.moe_gguf``), from tiny random-weight checkpoints (8 experts, top-2).  The
 reference is transformers ``generate()`` (float32) on the checkpoint with every weight as
 gguf-py dequantizes it from the file: an F32 file's are the checkpoint's own.  On the float
-path (the default ``--cpu-int-dot off``) greedy tokens are equal and logprobs within 1e-3,
-for F32, Q8_0 and Q4_0 experts and a Q4_K_M-like mix (Q4_K gate/up, Q6_K down); with
+path (``--cpu-int-dot off``, in PARITY_SERVER_ARGS) greedy tokens are equal and logprobs
+within 1e-3, for F32, Q8_0 and Q4_0 experts and a Q4_K_M-like mix (Q4_K gate/up, Q6_K down); with
 ``--cpu-int-dot on`` the int8 activations move the logits, so agreement is bounded instead,
 as for dense K-quant files (tests/e2e/test_gguf_serving.py)."""
 

@@ -6,6 +6,10 @@
 * gguf (the default for a .gguf model on CPU) on the embedded default model: its Q4_1/Q8_0
   blocks served as they are give the same greedy tokens as the float32 weights transformers
   dequantizes from the same file (``--quantize none``).
+
+All on the float path (``--cpu-int-dot off``, PARITY_SERVER_ARGS): the integer kernels, the
+default where the CPU has them, round activations to int8 and are held to an agreement bound
+instead (tests/e2e/test_int_dot_serving.py, test_gguf_serving.py).
 """
 
 from __future__ import annotations
@@ -101,8 +105,9 @@ def test_gguf_blocks_serve_the_default_model_like_its_float_weights() -> None:
     params = pb.GenerateParameters(max_new_tokens=24, details=True)
     outputs: dict[str, list[list[int]]] = {}
     infos: dict[str, pb.InfoResponse] = {}
-    # Unset, --quantize is gguf for a .gguf model on CPU: the default server is the second.
-    for label, extra in (("float32", ("--quantize", "none")), ("gguf", ())):
+    # Unset, --quantize is gguf for a .gguf model on CPU: the second server, on the float path
+    # (the integer kernels' agreement is tests/e2e/test_int_dot_serving.py's).
+    for label, extra in (("float32", ("--quantize", "none")), ("gguf", ("--cpu-int-dot", "off"))):
         with (
             start_server(
                 str(default_gguf_path()),
@@ -129,6 +134,7 @@ def test_gguf_blocks_serve_the_default_model_like_its_float_weights() -> None:
             ]
     assert outputs["gguf"] == outputs["float32"]
     assert infos["gguf"].quantize == "gguf" and infos["float32"].quantize == ""
+    assert infos["gguf"].quantized_matmul == "float" and infos["float32"].quantized_matmul == ""
     # Q4_1 layers and a Q8_0 embedding: about a fifth of the float32 bytes.
     ratio = infos["gguf"].model_weight_bytes / infos["float32"].model_weight_bytes
     assert ratio < 0.3

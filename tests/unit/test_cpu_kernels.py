@@ -224,6 +224,29 @@ def test_matvec_matches_a_float64_product(
     torch.testing.assert_close(no_bias.double(), expected - bias.double(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 32])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (37, 100), (5, 31)])
+def test_matvec_bf16_by_dot_products_agrees_with_the_fma_path(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """bf16 x bf16 takes VDPBF16PS where the CPU has AVX512-BF16 (the float-FMA path where it
+    has not): the same exact products summed in another order, so both are within one bf16
+    rounding of the float64 product and of each other; a float32 x stays on the FMA path."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    expected = x.double() @ weight.double().t()
+    fast = torch.ops.genserve.matvec(x, weight, None)
+    fma = torch.ops.genserve.matvec_fma(x, weight, None)
+    torch.testing.assert_close(fast.double(), expected, atol=8e-3, rtol=8e-3)
+    torch.testing.assert_close(fast, fma, atol=8e-3, rtol=8e-3)
+    x32 = x.float()
+    assert torch.equal(
+        torch.ops.genserve.matvec(x32, weight, None),
+        torch.ops.genserve.matvec_fma(x32, weight, None),
+    )
+
+
 def test_matvec_rejects_what_it_does_not_serve() -> None:
     with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
         torch.ops.genserve.matvec(torch.ones(1, 4), torch.ones(3, 5), None)

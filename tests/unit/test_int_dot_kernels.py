@@ -173,6 +173,14 @@ def test_mode_choice(restore_mode: None) -> None:
     assert int_dot.choose("on").enabled
     with pytest.raises(ValueError, match="not one of"):
         int_dot.configure("yes")  # type: ignore[arg-type]
+    # float16 activations: the kernels take float32 or bfloat16, so auto keeps the float path
+    # (with the reason) and on is refused, rather than failing in the first step.
+    int_dot.configure("auto", "float16")
+    assert not int_dot.active() and "float16" in int_dot.choose().reason
+    with pytest.raises(IntDotUnavailableError, match="float16"):
+        int_dot.choose("on")
+    int_dot.configure("auto", "bfloat16")
+    assert int_dot.active()
     saved = cpu_kernels._settings.enabled
     cpu_kernels.configure(enabled=False)
     try:

@@ -4,12 +4,16 @@ loads it as it is (no ninja run in the bootstrap's directory)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils import cpp_extension
 
+from genserve.config import environment_cache
 from genserve.kernels import cpu as cpu_kernels
 
 
@@ -27,6 +31,24 @@ def test_a_build_in_the_default_cache_is_used(
     (configured / name).mkdir(parents=True)
     (configured / name / f"{name}.so").write_bytes(b"")
     assert cpu_kernels._build_directory(name) == configured / name  # its own build first
+
+
+def test_the_kernel_cache_follows_genserve_cache(tmp_path: Path) -> None:
+    """Without a launcher (tests, ``python -m genserve.kernels.cpu``) the kernels are built
+    and found in $GENSERVE_CACHE/kernels, as a server started in that environment looks; a
+    server given another --genserve-cache falls back to that build."""
+    assert environment_cache({"GENSERVE_CACHE": str(tmp_path)}) == tmp_path
+    assert environment_cache({}) == environment_cache({"GENSERVE_CACHE": ""})
+    assert environment_cache({}) == Path.home() / ".cache" / "genserve"
+    code = (
+        "from genserve.kernels import cpu; print(cpu._settings.cache_dir, cpu._DEFAULT_CACHE_DIR)"
+    )
+    env = {**os.environ, "GENSERVE_CACHE": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(tmp_path / "kernels")] * 2
 
 
 def test_bootstrap_builds_where_the_server_looks() -> None:

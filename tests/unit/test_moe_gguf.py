@@ -14,7 +14,7 @@ import torch
 from genserve.kernels import cpu as cpu_kernels
 from genserve.kernels import int_dot
 from genserve.model import gguf_names
-from genserve.model.moe_gguf import QuantizedExperts, experts_gguf_torch
+from genserve.model.moe_gguf import PACKED_Q8_0, QuantizedExperts, experts_gguf_torch
 from genserve.testing.tiny_gguf import random_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
@@ -100,6 +100,39 @@ def test_integer_rows_do_not_depend_on_the_step(qtype: str) -> None:
         for t in range(9):
             alone = serving.forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
             assert torch.equal(together[t : t + 1], alone), (isa, t)
+
+
+@needs_kernels
+@pytest.mark.skipif(
+    int_dot.Isa.AVX512_VNNI not in int_dot.available_isas(), reason="no AVX512-VNNI path"
+)
+def test_q8_0_experts_packed_in_groups_of_16_on_the_avx512_vnni_path() -> None:
+    """Q8_0 experts served on AVX512-VNNI are repacked (groups of 16 rows, same bytes
+    rearranged: the pack is undone exactly) and give the plain Q8_0 rows' results to float
+    rounding on 1-40 rows, including a row count per expert past the 4-row tile; any other
+    path gets the file's layout back."""
+    experts = _experts(("Q8_0",) * 3)
+    packed = experts.serving(int(int_dot.Isa.AVX512_VNNI))
+    assert packed.types == (PACKED_Q8_0,) * 3
+    assert packed.nbytes == experts.nbytes
+    assert not torch.equal(packed.gate, experts.gate)
+    back = packed.serving(int(int_dot.Isa.AVX2))
+    assert back.types == ("Q8_0",) * 3
+    for a, b in ((back.gate, experts.gate), (back.up, experts.up), (back.down, experts.down)):
+        assert torch.equal(a, b)
+    plain = experts.serving(int(int_dot.Isa.AVX2))
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        ids, weights = _routing(rows)
+        expected = plain.forward(x, ids, weights)
+        got = packed.forward(x, ids, weights)
+        torch.testing.assert_close(
+            got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item()
+        )
+    with pytest.raises(RuntimeError, match="packed in groups of 16"):
+        torch.ops.genserve.moe_experts_gguf(
+            x, ids, weights, packed.gate, packed.up, packed.down, packed.codes, -1
+        )
 
 
 @needs_kernels

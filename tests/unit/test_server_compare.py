@@ -1,14 +1,24 @@
 """``genserve-bench cpu --model``: the decode-rate window and the argument checks (the servers
-themselves run in the benchmark, not in the suite: a real-size model takes minutes)."""
+themselves run in the benchmark, not in the suite: a real-size model takes minutes), and the
+llama.cpp client against a stand-in for llama-server's way of closing streamed connections."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 from pathlib import Path
 
+import httpx
 import pytest
 
 from genserve.bench import cpu_compare
-from genserve.bench.server_compare import decode_rate, random_prompts
+from genserve.bench.server_compare import (
+    _llama_client,
+    decode_rate,
+    random_prompts,
+    request_failure,
+)
 
 
 def test_decode_rate_counts_only_the_window_all_streams_generate_in() -> None:
@@ -33,3 +43,79 @@ def test_model_files_must_exist(tmp_path: Path) -> None:
         cpu_compare.main(["--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path)])
     with pytest.raises(SystemExit):  # server flags only make sense with --model
         cpu_compare.main(["--out", str(tmp_path), "--", "--cpu-int-dot", "on"])
+
+
+# ------------------------------------------------------------- llama-server's connections
+def _event(tokens: list[int]) -> bytes:
+    data = b"data: " + json.dumps({"tokens": tokens, "content": "x"}).encode() + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def _fake_llama_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """What llama-server does on a streamed ``/completion``: a chunked reply that says
+    Keep-Alive, then the socket is dropped.  Here it is dropped only once the client has sent
+    its next request on it, which makes the client's side of that race deterministic."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length: *(\d+)", head)
+            assert length is not None
+            await reader.readexactly(int(length.group(1)))
+            close = re.search(rb"(?i)\r\nconnection: *close", head) is not None
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                + (b"Connection: close\r\n" if close else b"Keep-Alive: timeout=5, max=100\r\n")
+                + b"Transfer-Encoding: chunked\r\n\r\n"
+                + _event([7])
+                + _event([8, 9])
+                + b"0\r\n\r\n"
+            )
+            await writer.drain()
+            if close:
+                break
+            await reader.readuntil(b"\r\n\r\n")  # the next request: never answered
+            break
+    except asyncio.IncompleteReadError:
+        pass
+    writer.close()
+
+
+def test_llama_client_survives_llama_servers_dropped_keep_alive_connections() -> None:
+    async def run() -> tuple[list[int], type[BaseException] | None]:
+        server = await asyncio.start_server(_fake_llama_server, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        async with server:
+            one = _llama_client(url)
+            counts = [len(await one([1, 2, 3], 3)) for _ in range(3)]
+            # The same requests on a pooled connection: the failure the benchmark met.
+            failure: type[BaseException] | None = None
+            async with httpx.AsyncClient() as pooled:
+                try:
+                    for _ in range(2):
+                        reply = await pooled.post(f"{url}/completion", json={"stream": True})
+                        reply.raise_for_status()
+                except httpx.RemoteProtocolError as error:
+                    failure = type(error)
+        return counts, failure
+
+    counts, failure = asyncio.run(run())
+    assert counts == [3, 3, 3]  # one token, then two, per request
+    assert failure is httpx.RemoteProtocolError
+
+
+def test_request_failure_says_whether_the_server_was_running(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    error = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert "was still running" in request_failure(error, alive, tmp_path / "log")
+    finally:
+        alive.kill()
+        alive.wait()
+    gone = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    gone.wait()
+    message = request_failure(error, gone, tmp_path / "log")
+    assert "had exited by itself (code 3)" in message and "RemoteProtocolError" in message

@@ -13,15 +13,21 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from genserve.cli import Service
-from genserve.config import load_config
+from genserve.config import environment_cache, load_config
 from genserve.engine.async_engine import AsyncEngine
+from genserve.kernels import int_dot
 
 T = TypeVar("T")
 
 
 class InProcessServer:
     def __init__(self, args: list[str]) -> None:
-        self.config = load_config(args, environ={})
+        # No other variable of this environment leaks in (MODEL_ID, PORT...), but its cache
+        # does: the CPU kernels are built and found where GENSERVE_CACHE says.
+        self.config = load_config(args, environ={"GENSERVE_CACHE": str(environment_cache())})
+        # The launcher sets the process-wide --cpu-int-dot mode; the tests that run after this
+        # one in the same process get the mode back that they had.
+        self._int_dot_mode = int_dot.mode()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -80,6 +86,7 @@ class InProcessServer:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            int_dot.configure(self._int_dot_mode)
 
 
 @contextmanager

@@ -1246,8 +1246,16 @@ type InfoResponse struct {
 	// max_total_tokens, fits), "memory" (the memory budget, --cpu/cuda-memory-fraction, capped
 	// it below that) or "--max-batch-total-tokens" (set explicitly).
 	KvCacheSizedBy string `protobuf:"bytes,48,opt,name=kv_cache_sized_by,json=kvCacheSizedBy,proto3" json:"kv_cache_sized_by,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Issue #28: how the quantized weights (`quantize`) are multiplied on CPU: "integer"
+	// (activations rounded to int8 per block, integer dot products: --cpu-int-dot auto|on) or
+	// "float" (each weight dequantized to float32: --cpu-int-dot off, or no integer kernel on
+	// this CPU); empty when no quantized weight runs on CPU.
+	QuantizedMatmul string `protobuf:"bytes,49,opt,name=quantized_matmul,json=quantizedMatmul,proto3" json:"quantized_matmul,omitempty"`
+	// The instruction set of the integer path ("AVX512_VNNI", "AVX_VNNI", "AVX2"); empty
+	// on the float path.
+	QuantizedMatmulIsa string `protobuf:"bytes,50,opt,name=quantized_matmul_isa,json=quantizedMatmulIsa,proto3" json:"quantized_matmul_isa,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *InfoResponse) Reset() {
@@ -1549,6 +1557,20 @@ func (x *InfoResponse) GetKvCacheBytes() uint64 {
 func (x *InfoResponse) GetKvCacheSizedBy() string {
 	if x != nil {
 		return x.KvCacheSizedBy
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetQuantizedMatmul() string {
+	if x != nil {
+		return x.QuantizedMatmul
+	}
+	return ""
+}
+
+func (x *InfoResponse) GetQuantizedMatmulIsa() string {
+	if x != nil {
+		return x.QuantizedMatmulIsa
 	}
 	return ""
 }
@@ -3407,7 +3429,7 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0f_generated_text\"\x0f\n" +
 	"\rHealthRequest\"\x10\n" +
 	"\x0eHealthResponse\"\r\n" +
-	"\vInfoRequest\"\xbb\f\n" +
+	"\vInfoRequest\"\x98\r\n" +
 	"\fInfoResponse\x12\x19\n" +
 	"\bmodel_id\x18\x01 \x01(\tR\amodelId\x12\x1b\n" +
 	"\tmodel_sha\x18\x02 \x01(\tR\bmodelSha\x12\x1f\n" +
@@ -3451,7 +3473,9 @@ const file_genserve_v1_generate_proto_rawDesc = "" +
 	"\x0eimplementation\x18- \x01(\tR\x0eimplementation\x12+\n" +
 	"\x11disabled_features\x18. \x03(\tR\x10disabledFeatures\x12$\n" +
 	"\x0ekv_cache_bytes\x18/ \x01(\x04R\fkvCacheBytes\x12)\n" +
-	"\x11kv_cache_sized_by\x180 \x01(\tR\x0ekvCacheSizedBy\"s\n" +
+	"\x11kv_cache_sized_by\x180 \x01(\tR\x0ekvCacheSizedBy\x12)\n" +
+	"\x10quantized_matmul\x181 \x01(\tR\x0fquantizedMatmul\x120\n" +
+	"\x14quantized_matmul_isa\x182 \x01(\tR\x12quantizedMatmulIsa\"s\n" +
 	"\x0fTokenizeRequest\x12\x16\n" +
 	"\x06inputs\x18\x01 \x01(\tR\x06inputs\x121\n" +
 	"\x12add_special_tokens\x18\x02 \x01(\bH\x00R\x10addSpecialTokens\x88\x01\x01B\x15\n" +

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -162,6 +163,23 @@ def llama_server_command(
     ]
 
 
+async def _llama_completion(
+    client: httpx.AsyncClient, url: str, prompt: Sequence[int], n_predict: int, vocab: int
+) -> dict[str, Any]:
+    body = {
+        "prompt": list(prompt),
+        "n_predict": n_predict,
+        "n_probs": vocab,
+        "post_sampling_probs": False,
+        "temperature": 0.0,
+        "top_k": 1,
+        "cache_prompt": True,
+        "return_tokens": True,
+    }
+    reply: dict[str, Any] = (await client.post(f"{url}/completion", json=body)).json()
+    return reply
+
+
 async def llama_distributions(
     url: str, name: str, ids: Sequence[int], vocab: int, timeout_s: float
 ) -> Distributions:
@@ -170,23 +188,21 @@ async def llama_distributions(
     rows = []
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         for t in range(1, len(ids)):
-            body = {
-                "prompt": list(ids[:t]),
-                "n_predict": 1,
-                "n_probs": vocab,
-                "post_sampling_probs": False,
-                "temperature": 0.0,
-                "top_k": 1,
-                "cache_prompt": True,
-                "return_tokens": True,
-            }
-            reply = (await client.post(f"{url}/completion", json=body)).json()
-            if int(reply.get("tokens_evaluated", t)) != t:  # a BOS added would shift positions
-                raise RuntimeError(
-                    f"{name}: llama-server evaluated {reply.get('tokens_evaluated')} prompt "
-                    f"tokens for {t} ids"
-                )
-            (probs,) = reply["completion_probabilities"]
+            # llama-server returns no probabilities while the text ends inside a UTF-8
+            # sequence (a byte token chosen greedily): then a few more tokens are generated
+            # to complete it, and the first one's distribution is still position t's.
+            for n_predict in (1, 4):
+                reply = await _llama_completion(client, url, ids[:t], n_predict, vocab)
+                if int(reply.get("tokens_evaluated", t)) != t:  # a BOS would shift positions
+                    raise RuntimeError(
+                        f"{name}: llama-server evaluated {reply.get('tokens_evaluated')} prompt "
+                        f"tokens for {t} ids"
+                    )
+                if reply.get("completion_probabilities"):
+                    break
+            else:
+                raise RuntimeError(f"{name} position {t}: llama-server answered {reply!r:.500}")
+            probs = reply["completion_probabilities"][0]
             entries = [(int(e["id"]), float(e["logprob"])) for e in probs["top_logprobs"]]
             rows.append(dense(entries, vocab, f"{name} position {t}"))
     return Distributions(name, np.stack(rows))

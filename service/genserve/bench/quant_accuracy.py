@@ -71,9 +71,10 @@ BUILTIN_CONFIGS: dict[str, tuple[str, ...]] = {
     # --quantize none: a .gguf model (the default one) keeps its blocks on CPU otherwise.
     "float32": ("--dtype", "float32", "--quantize", "none"),
     "bfloat16": ("--dtype", "bfloat16", "--quantize", "none"),
-    "int8": ("--dtype", "float32", "--quantize", "int8"),
-    "int4": ("--dtype", "float32", "--quantize", "int4"),
-    "gguf": ("--dtype", "float32", "--quantize", "gguf"),
+    # The float path by name: the integer kernels are the default where the CPU has them.
+    "int8": ("--dtype", "float32", "--quantize", "int8", "--cpu-int-dot", "off"),
+    "int4": ("--dtype", "float32", "--quantize", "int4", "--cpu-int-dot", "off"),
+    "gguf": ("--dtype", "float32", "--quantize", "gguf", "--cpu-int-dot", "off"),
     # The same weights through the integer dot-product kernels (activations rounded to int8
     # per block of 32, issue #28): what that rounding costs, beside the float path above.
     "int8-int-dot": ("--dtype", "float32", "--quantize", "int8", "--cpu-int-dot", "on"),

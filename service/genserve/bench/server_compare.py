@@ -120,7 +120,18 @@ def _genserve_client(address: str) -> Callable[[list[int], int], Awaitable[list[
 
 # ---------------------------------------------------------------------------- llama.cpp
 def _llama_client(url: str) -> Callable[[list[int], int], Awaitable[list[float]]]:
-    client = httpx.AsyncClient(timeout=3600)
+    """Streaming ``/completion`` requests, one TCP connection each.
+
+    Not pooled, because llama-server closes the connection after every *streamed* reply
+    although the reply says ``Keep-Alive``: its content provider ends the stream by
+    returning false, which cpp-httplib takes for a cancelled write and so drops the socket
+    right after the terminating chunk.  A pooled client may send its next request on that
+    socket before the server's FIN arrives, and gets "Server disconnected without sending a
+    response"; the run then failed and stopped the server (whose log reads "cleaning up
+    before exit": our SIGTERM).  ``Connection: close`` makes both sides agree that every
+    connection carries one request.
+    """
+    client = httpx.AsyncClient(timeout=3600, headers={"Connection": "close"})
 
     async def one(ids: list[int], new_tokens: int) -> list[float]:
         body = {
@@ -240,14 +251,18 @@ async def run_llama_server(model: Path, args: argparse.Namespace, log_dir: Path)
         str(port),
     ]
     started = time.perf_counter()
-    process = _spawn(command, log_dir / "llama-server.log")
+    log_path = log_dir / "llama-server.log"
+    process = _spawn(command, log_path)
     try:
         url = f"http://{_HOST}:{port}"
         await _wait_http(url, process, args.startup_timeout)
         result = ServerResult(
             "llama-server", time.perf_counter() - started, vm_hwm_mib(process.pid)
         )
-        await _measure(result, _llama_client(url), args)
+        try:
+            await _measure(result, _llama_client(url), args)
+        except httpx.HTTPError as error:
+            raise RuntimeError(request_failure(error, process, log_path)) from error
         result.peak_rss_mib = vm_hwm_mib(process.pid)
     finally:
         process.terminate()
@@ -256,6 +271,15 @@ async def run_llama_server(model: Path, args: argparse.Namespace, log_dir: Path)
         except subprocess.TimeoutExpired:
             process.kill()
     return result
+
+
+def request_failure(error: Exception, process: subprocess.Popen[bytes], log_path: Path) -> str:
+    """What to say when a request to a spawned server failed: whether the server was still
+    running at that moment (then the harness stops it, and a log ending in its shutdown
+    message is the harness's doing, not the server's) or had exited by itself, and how."""
+    code = process.poll()
+    state = "was still running" if code is None else f"had exited by itself (code {code})"
+    return f"request failed ({type(error).__name__}: {error}); the server {state}; log: {log_path}"
 
 
 def _spawn(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:

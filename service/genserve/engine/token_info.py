@@ -28,6 +28,8 @@ def token_info(
 
 def top_infos(tokenizer: Tokenizer, top: Iterable[TokenLogprob]) -> tuple[TokenInfo, ...]:
     """The top alternatives at one position, most likely first (as the runner sent them)."""
+    if not top:  # most tokens: no alternatives asked for
+        return ()
     return tuple(token_info(tokenizer, t.token_id, t.logprob) for t in top)
 
 

@@ -2,14 +2,15 @@
 first use.
 
 The C++ source is built with torch's JIT extension builder (ninja + the system C++
-compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``) and
-loaded as ``torch.ops.genserve.*``; later processes load the cached library in
-milliseconds.  ``scripts/bootstrap.sh`` builds it once (``python -m genserve.kernels.cpu``)
-so that neither a server start nor a test pays the compile (82 s of CPU time measured on an
-AVX-512 machine, spread over the cores by ninja; a start that compiles says so in the log,
-and one pointed at another cache loads the bootstrap's build).  The launcher points the
-cache at ``--genserve-cache`` and turns the kernels off with ``--disable-cpu-kernels``
-through :func:`configure` (before the model is built).
+compiler) into ``$GENSERVE_CACHE/kernels`` (default ``~/.cache/genserve/kernels``; the
+launcher's ``--genserve-cache`` where given) and loaded as ``torch.ops.genserve.*``; later
+processes load the cached library in milliseconds.  ``scripts/bootstrap.sh`` builds it once
+(``python -m genserve.kernels.cpu``) so that neither a server start nor a test pays the
+compile (82 s of CPU time measured on an AVX-512 machine, spread over the cores by ninja; a
+start that compiles says so in the log, and one whose ``--genserve-cache`` points elsewhere
+loads the build in the environment's cache).  The launcher points the cache at
+``--genserve-cache`` and turns the kernels off with ``--disable-cpu-kernels`` through
+:func:`configure` (before the model is built).
 
 The build is tuned to the instruction set torch itself detected on this CPU (AVX-512,
 AVX2, or the baseline), and that level is part of the library's name, so a cache directory
@@ -27,11 +28,13 @@ import platform
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import torch
+
+from genserve.config import environment_cache
 
 log = structlog.get_logger(__name__)
 
@@ -39,6 +42,8 @@ _SOURCES = [
     Path(__file__).with_name(n)
     for n in ("paged_attention_cpu.cpp", "fused_cpu.cpp", "matvec_cpu.cpp")
 ]
+# bf16 x bf16 decode projections by VDPBF16PS where the CPU has AVX512-BF16 (matvec_cpu.cpp)
+_SOURCES.append(Path(__file__).with_name("matvec_bf16dot_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (model/lora.py)
 # float32 and --quantize weights in column panels (model/weight_panels.py)
 _SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
@@ -61,6 +66,7 @@ _HEADERS = [Path(__file__).with_name(n) for n in ("vec_math.h", "matvec_core.h",
 _HEADERS += [
     Path(__file__).with_name(n)
     for n in (
+        "matvec_bf16dot.h",
         "cpu_features.h",
         "int_dot.h",
         "int_dot_tile.inc",
@@ -71,6 +77,7 @@ _HEADERS += [
         "kquant_rows.h",
         "moe_grouping.h",
         "moe_quant_row.inc",
+        "moe_q8_r16_row.inc",
     )
 ]
 _OPS = (
@@ -81,6 +88,7 @@ _OPS = (
     "rotary",
     "rotary_write_kv",
     "matvec",
+    "matvec_fma",
     "panel_linear",
     "qpanel_linear",
     "decode_layer",
@@ -91,6 +99,7 @@ _OPS = (
     "set_batch_invariant",
     "moe_experts",
     "moe_experts_gguf",
+    "moe_pack_q8_0_r16",
     "set_hidden_cpu_features",
     "kquant_linear_int_gemm",
 )
@@ -99,7 +108,9 @@ _LORA_OPS = ("lora_bgmv_",)  # multi-LoRA BGMV (model/lora.py, lora_cpu.cpp)
 
 @dataclass(slots=True)
 class _Settings:
-    cache_dir: Path = Path.home() / ".cache" / "genserve" / "kernels"
+    # $GENSERVE_CACHE/kernels as the launcher would take it, until it configures its own
+    # (--genserve-cache): a test or tool that loads the kernels builds where servers look.
+    cache_dir: Path = field(default_factory=lambda: environment_cache() / "kernels")
     enabled: bool = True
     # --deterministic: every op computes each row by one code path whatever the batch
     # (``genserve_ops.h``'s batch_invariant; the model and attention read it too).
@@ -243,8 +254,10 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-# Where ``python -m genserve.kernels.cpu`` (scripts/bootstrap.sh) builds by default: a server
-# whose --genserve-cache points elsewhere loads a build found here instead of compiling.
+# Where ``python -m genserve.kernels.cpu`` (scripts/bootstrap.sh, an image's build step) builds
+# by default, the environment's cache: a server whose --genserve-cache points elsewhere (a
+# Kubernetes pod's writable volume, a test's fresh cache) loads a build found here instead of
+# compiling.
 _DEFAULT_CACHE_DIR = _settings.cache_dir
 
 
@@ -326,8 +339,8 @@ def _build_and_load() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the kernels now (bootstrap); exit status 0 either way, the server falls back."""
     parser = argparse.ArgumentParser(description="Build genserve's CPU kernels into the cache.")
-    # scripts/bootstrap.sh passes $GENSERVE_CACHE/kernels: where a server started in the same
-    # environment looks (config.py is the one reader of the environment).
+    # Default $GENSERVE_CACHE/kernels (config.environment_cache): where a server started in the
+    # same environment looks.
     parser.add_argument("--cache-dir", type=Path, default=_settings.cache_dir)
     configure(parser.parse_args(argv).cache_dir)
     ok = load()

@@ -9,13 +9,15 @@ choice, not a detail (docs/cpu/integer-kernels.md has the measured cost and spee
 K-quant matrices (``kernels/kquant_cpu.cpp``) follow the same mode and instruction-set codes,
 with activations rounded per 256 inputs (llama.cpp's Q8_K).
 
-Modes: ``off`` (the default: the float path, whose greedy output equals transformers' on the
-dequantized weights); ``on`` (the integer path on the best instruction set the CPU has,
-AVX2 included; refused at start where it has none); ``auto`` (the integer path wherever
-the CPU has one: VNNI and the plain AVX2 path both measured faster than the float path at 1,
-8 and 32 rows; the float path elsewhere).  Set once per process by the launcher
-(:func:`configure`) before the model is built; the layers read :func:`active` when they pack
-their weights.
+Modes: ``auto`` (the server's default: the integer path wherever the CPU has one - VNNI or
+the plain AVX2 path, both measured faster than the float path at 1, 8 and 32 rows -, the float
+path elsewhere; what llama.cpp and vLLM's CPU backend always do with quantized weights);
+``on`` (the integer path on the best instruction set the CPU has, AVX2 included; refused at
+start where it has none); ``off`` (the float path, whose greedy output equals transformers' on
+the dequantized weights).  Set once per process by the launcher (:func:`configure`) before the
+model is built; the layers read :func:`active` when they pack their weights.  A process that
+builds a model without the launcher (tests, op benchmarks) keeps the float path until it
+configures a mode.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from genserve.kernels import cpu as cpu_kernels
 
 IntDotMode = Literal["auto", "on", "off"]
 INT_DOT_MODES: tuple[IntDotMode, ...] = ("auto", "on", "off")
+# Activation dtypes the integer kernels take (int_dot_cpu.cpp, kquant_cpu.cpp, the fused
+# decode layer and the MoE op check for these); float16 models keep the float path.
+INT_DOT_DTYPES = ("float32", "bfloat16")
 
 
 class Isa(enum.IntEnum):
@@ -49,17 +54,22 @@ class IntDotUnavailableError(ValueError):
 
 @dataclass(slots=True)
 class _Settings:
+    # Not the server's default (config.py: auto): until the launcher (or a test) configures a
+    # mode, models built in this process keep the float path's numerics.
     mode: IntDotMode = "off"
+    dtype_name: str = "float32"  # the activations' dtype (--dtype as resolved)
 
 
 _settings = _Settings()
 
 
-def configure(mode: IntDotMode) -> None:
-    """The ``--cpu-int-dot`` mode of this process (before the model is built)."""
+def configure(mode: IntDotMode, dtype_name: str = "float32") -> None:
+    """The ``--cpu-int-dot`` mode of this process and the dtype of its model's activations
+    (before the model is built)."""
     if mode not in INT_DOT_MODES:
         raise ValueError(f"--cpu-int-dot: {mode!r} is not one of {', '.join(INT_DOT_MODES)}")
     _settings.mode = mode
+    _settings.dtype_name = dtype_name
 
 
 def mode() -> IntDotMode:
@@ -79,6 +89,11 @@ class IntDotChoice:
     isa: Isa | None  # the path the kernel takes (None: the float path)
     reason: str  # one line for the log
 
+    @property
+    def path(self) -> str:
+        """``Info.quantized_matmul``: "integer" or "float"."""
+        return "integer" if self.enabled else "float"
+
 
 def choose(requested: IntDotMode | None = None) -> IntDotChoice:
     """Whether quantized weights use the integer kernels here, for ``requested`` (None: the
@@ -86,6 +101,12 @@ def choose(requested: IntDotMode | None = None) -> IntDotChoice:
     requested = _settings.mode if requested is None else requested
     if requested == "off":
         return IntDotChoice(False, None, "--cpu-int-dot off: float dequantize path")
+    if _settings.dtype_name not in INT_DOT_DTYPES:
+        dtype = _settings.dtype_name
+        why = f"the integer kernels take float32 or bfloat16 activations, not {dtype}"
+        if requested == "on":
+            raise IntDotUnavailableError(f"--cpu-int-dot on: {why}; use --cpu-int-dot auto or off")
+        return IntDotChoice(False, None, f"--cpu-int-dot auto: {why}: float dequantize path")
     isas = available_isas()
     if not isas:
         if requested == "on":
@@ -93,9 +114,16 @@ def choose(requested: IntDotMode | None = None) -> IntDotChoice:
                 "--cpu-int-dot on: the integer kernels need genserve's CPU kernels (not "
                 "disabled, built) and an x86-64 CPU with AVX2; use --cpu-int-dot auto or off"
             )
-        return IntDotChoice(False, None, "auto: no integer kernel path on this CPU")
+        return IntDotChoice(
+            False,
+            None,
+            "--cpu-int-dot auto: no integer kernel on this CPU (needs AVX2 and "
+            "genserve's CPU kernels): float dequantize path",
+        )
     best = isas[-1]
-    return IntDotChoice(True, best, f"--cpu-int-dot {requested}: {best.name}")
+    return IntDotChoice(
+        True, best, f"--cpu-int-dot {requested}: integer dot products on {best.name}"
+    )
 
 
 def active() -> bool:

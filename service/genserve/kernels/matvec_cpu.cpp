@@ -10,6 +10,9 @@
 // four at a time, converting bf16 to float32 in registers (a shift: bf16 is float32's high
 // half), with 4 * M independent vector accumulators so FMA latency is hidden.
 //
+// bf16 x bf16 (a bfloat16 model's steps) goes to VDPBF16PS where the CPU has AVX512-BF16
+// (matvec_bf16dot_cpu.cpp: the same products, half the instructions at 8 rows).
+//
 // The vector type is GCC's generic vector of one register's width (AVX-512 when built with
 // -march=x86-64-v4, AVX2 with x86-64-v3), so the same source serves both ISA builds
 // (genserve.kernels.cpu names the build after the level torch detected at run time).
@@ -23,6 +26,7 @@
 
 #include <cstdint>
 
+#include "matvec_bf16dot.h"
 #include "matvec_core.h"
 
 namespace {
@@ -32,8 +36,10 @@ using namespace genserve_vec;
 template <int M, typename W>
 void matvec_rows(const float* x, const W* w, int64_t K, int64_t N, float* out) {
   // Four W rows per block for one or two x rows, fewer as M grows (registers: O * M + M
-  // accumulators and inputs out of 32 AVX-512 / 16 AVX2 vector registers).
-  constexpr int O = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  // accumulators and inputs out of 32 AVX-512 / 16 AVX2 vector registers).  Two W rows up to
+  // 8 x rows with AVX-512 (26 registers): each x vector loaded serves two W rows, where at one
+  // W row the step was bound by its 8 x loads per 16 weights.
+  constexpr int O = M <= 2 ? 4 : (M <= 4 || kLanes >= 16 ? 2 : 1);
   // Each task streams >= 256 KiB of W, so a small matrix stays on one thread.
   const int64_t grain = std::max<int64_t>(O, (1 << 18) / std::max<int64_t>(1, K * sizeof(W)));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
@@ -86,14 +92,12 @@ void dispatch_rows(int64_t M, const float* x, const W* w, int64_t K, int64_t N, 
 
 }  // namespace
 
-// Entry point, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
 namespace genserve_ops {
+namespace {
 
-// x: [M, K] float32, bfloat16 or float16; weight: [N, K] float32, bfloat16 or float16; bias:
-// [N] or None.  Returns [M, N] in x's dtype (float32 sums, rounded once at the end): a
-// float32 x gives float32 results from half-precision weights (the LM head's logits).
-at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
-                  const c10::optional<at::Tensor>& bias) {
+// matvec below; `bf16dot`: whether bf16 x bf16 may take the AVX512-BF16 kernel.
+at::Tensor matvec_impl(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias, bool bf16dot) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "matvec: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "matvec: x [M, K] and weight [N, K] expected");
@@ -113,8 +117,12 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
   // tensor.to(): at one decode row the two conversions' dispatch and allocations cost more
   // than the conversions (~5 us per projection, a few percent of a bf16 step).
   const bool half = xt != at::kFloat;
+  const bool by_bf16dot = bf16dot && xt == at::kBFloat16 && wt == at::kBFloat16 &&
+                          matvec_bf16dot_supported();
   at::Tensor xf;
-  if (xt == at::kBFloat16) {
+  if (by_bf16dot) {
+    xf = x.contiguous();  // stays bf16: the kernel multiplies the stored bits
+  } else if (xt == at::kBFloat16) {
     const auto xc = x.contiguous();
     xf = at::empty({M, K}, x.options().dtype(at::kFloat));
     const auto* src = xc.data_ptr<c10::BFloat16>();
@@ -128,7 +136,10 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
   const auto wc = weight.contiguous();
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0 && N > 0) {
-    if (wt == at::kFloat) {
+    if (by_bf16dot) {
+      matvec_bf16dot(xf.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), M, K, N,
+                     out.data_ptr<float>());
+    } else if (wt == at::kFloat) {
       dispatch_rows(M, xf.data_ptr<float>(), wc.data_ptr<float>(), K, N, out.data_ptr<float>());
     } else if (wt == at::kBFloat16) {
       dispatch_rows(M, xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), K, N,
@@ -159,10 +170,31 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
   return rounded;
 }
 
+// The float-FMA path whatever the CPU has (tests and benchmarks compare the two).
+at::Tensor matvec_fma(const at::Tensor& x, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& bias) {
+  return matvec_impl(x, weight, bias, false);
+}
+
+}  // namespace
+
+// Entry point, also called directly by decode_layer_cpu.cpp (genserve_ops.h).
+// x: [M, K] float32, bfloat16 or float16; weight: [N, K] float32, bfloat16 or float16; bias:
+// [N] or None.  Returns [M, N] in x's dtype (float32 sums, rounded once at the end): a
+// float32 x gives float32 results from half-precision weights (the LM head's logits).
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
+                  const c10::optional<at::Tensor>& bias) {
+  return matvec_impl(x, weight, bias, true);
+}
+
 }  // namespace genserve_ops
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("matvec_fma(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("matvec", &genserve_ops::matvec); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("matvec", &genserve_ops::matvec);
+  m.impl("matvec_fma", &genserve_ops::matvec_fma);
+}

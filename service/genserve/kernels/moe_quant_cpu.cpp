@@ -6,7 +6,9 @@
 // gate and up are [E, L, row bytes] and down [E, H, row bytes] uint8: each expert's rows as
 // llama.cpp stacks them in ffn_{gate,up,down}_exps, bytes untouched.  A projection's type is
 // one of Q8_0 and Q4_0 (blocks of 32) or Q4_K, Q5_K and Q6_K (super-blocks of 256: Q4_K_M
-// mixes them, Q6_K for some layers' down projection).
+// mixes them, Q6_K for some layers' down projection), or genserve's own kQ8_0R16: Q8_0 rows
+// repacked in groups of 16 (moe_q8_r16_row.inc, packed by moe_pack_q8_0_r16 when the experts
+// are served on the AVX512-VNNI path; same bytes, rearranged).
 //
 // Why one op: at one decode row a Qwen3-30B-A3B layer reads top-8 of 128 experts, so the cost
 // is streaming those experts' blocks once; a Python loop of per-expert matmuls would pay an
@@ -53,6 +55,9 @@ namespace {
 // GGML type codes (gguf's GGMLQuantizationType).
 constexpr int64_t kQ4_0 = 2;
 constexpr int64_t kQ8_0 = 8;
+// Not a GGML code: Q8_0 rows interleaved in groups of 16 (moe_q8_r16_row.inc).
+constexpr int64_t kQ8_0R16 = 1008;
+constexpr int64_t kR16Rows = 16;
 constexpr int64_t kTileRows = 32;  // activation rows per pass over a weight row
 
 inline float half_at(const uint8_t* p) {
@@ -64,6 +69,7 @@ inline float half_at(const uint8_t* p) {
 struct Format {
   int64_t block = 0, bytes = 0;  // weights and bytes per block (0: not a type this op runs)
   bool k_quant = false;
+  bool r16 = false;  // kQ8_0R16: whole groups of 16 rows, AVX512-VNNI only
 };
 
 Format format_of(int64_t type) {
@@ -72,6 +78,8 @@ Format format_of(int64_t type) {
       return {32, 18, false};
     case kQ8_0:
       return {32, 34, false};
+    case kQ8_0R16:
+      return {32, 34, false, true};
     case 12:
       return {256, 144, true};  // Q4_K
     case 13:
@@ -140,8 +148,10 @@ inline __m256i dot32(__m256i w, __m256i x) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
 }
 #include "moe_quant_row.inc"
+#include "moe_q8_r16_row.inc"
 }  // namespace
 RunRows run() { return &q_int_rows; }
+RunRows run_r16() { return &r16_rows; }
 }  // namespace moeq_avx512vnni
 #pragma GCC pop_options
 
@@ -199,19 +209,24 @@ RunRows q_int_path(int64_t isa) {
 // One projection's activations as its weight type's rows read them.
 struct Acts {
   at::Tensor f;              // float32 [slots, K]
-  at::Tensor q, d, sums;     // the integer path's int8 rows, scales, (Q8_K) sums of 16
+  at::Tensor q, d, sums;     // the integer path's int8 rows, scales, int16 sums of the q
   int64_t per_scale = 0;     // inputs per scale (32: Q8_0, 256: Q8_K)
+  int64_t per_sum = 0;       // inputs per sum (32: Q8_0, for kQ8_0R16; 16: Q8_K)
 };
 
-// x [slots, K] float32 as Q8_0 activations: per 32 inputs d = max|x| / 127, q = round(x / d).
+// x [M, K] float32 as Q8_0 activations: per 32 inputs d = max|x| / 127, q = round(x / d),
+// and Σq (kQ8_0R16's rows take their weights' + 128 back with it).
 void quantize_q8_0(const at::Tensor& x, Acts& a) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
   a.q = at::empty({M, K}, x.options().dtype(at::kChar));
   a.d = at::empty({M, nb}, x.options());
+  a.sums = at::empty({M, nb}, x.options().dtype(at::kShort));
   a.per_scale = 32;
+  a.per_sum = 32;
   const float* src = x.data_ptr<float>();
   int8_t* q = a.q.data_ptr<int8_t>();
   float* d = a.d.data_ptr<float>();
+  int16_t* sums = a.sums.data_ptr<int16_t>();
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* v = src + t * 32;
@@ -219,10 +234,14 @@ void quantize_q8_0(const at::Tensor& x, Acts& a) {
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float scale = amax / 127.0f;
       const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-      for (int i = 0; i < 32; ++i)
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
         q[t * 32 + i] = static_cast<int8_t>(
             std::min(127.0f, std::max(-127.0f, std::nearbyint(v[i] * inv))));
+        sum += q[t * 32 + i];
+      }
       d[t] = scale;
+      sums[t] = static_cast<int16_t>(sum);  // |Σq| ≤ 32 · 127
     }
   });
 }
@@ -234,6 +253,7 @@ Acts activations(const at::Tensor& x, const Format& f, bool integer) {
   if (f.k_quant) {
     std::tie(a.q, a.d, a.sums) = genserve_kquant::quantize_rows_q8k(x);
     a.per_scale = 256;
+    a.per_sum = 16;
   } else {
     quantize_q8_0(x, a);
   }
@@ -244,6 +264,7 @@ Acts activations(const at::Tensor& x, const Format& f, bool integer) {
 Acts by_slot(const Acts& a, const at::Tensor& slot_token) {
   Acts out;
   out.per_scale = a.per_scale;
+  out.per_sum = a.per_sum;
   out.f = a.f.index_select(0, slot_token);
   if (a.q.defined()) out.q = a.q.index_select(0, slot_token);
   if (a.d.defined()) out.d = a.d.index_select(0, slot_token);
@@ -252,6 +273,14 @@ Acts by_slot(const Acts& a, const at::Tensor& slot_token) {
 }
 
 RunRows runner_for(const Format& f, int64_t isa) {
+  if (f.r16) {  // packed for the AVX512-VNNI path only (moe_pack_q8_0_r16)
+#if defined(__x86_64__)
+    if ((isa == genserve_ops::kIntDotAuto || isa == genserve_ops::kIntDotAvx512Vnni) &&
+        has_avx512vnni())
+      return moeq_avx512vnni::run_r16();
+#endif
+    return nullptr;
+  }
   if (isa == genserve_ops::kIntDotNone) return f.k_quant ? genserve_kquant::float_runner() : &q_float_rows;
   return f.k_quant ? genserve_kquant::int_runner(isa) : q_int_path(isa);
 }
@@ -276,8 +305,10 @@ void add_tasks(std::vector<Task>& tasks, int proj, const Projection& p,
                const std::vector<int64_t>& counts) {
   // Each task streams ~64 KiB of one expert's blocks, in a whole number of the integer
   // path's groups of four weight rows (moe_quant_row.inc).
+  // kQ8_0R16 rows come in whole groups of 16.
+  const int64_t unit = p.fmt.r16 ? kR16Rows : 4;
   const int64_t rows = (int64_t{1} << 16) / std::max<int64_t>(1, p.row_bytes);
-  const int64_t band = std::max<int64_t>(4, rows / 4 * 4);
+  const int64_t band = std::max<int64_t>(unit, rows / unit * unit);
   for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
     if (counts[e] == 0) continue;
     for (int64_t n = 0; n < p.N; n += band) tasks.push_back({proj, e, n, std::min(p.N, n + band)});
@@ -298,7 +329,7 @@ void run_tasks(const std::vector<Task>& tasks, const Projection* projs,
       if (a.q.defined()) {
         job.xq = a.q.data_ptr<int8_t>() + s * p.K;
         job.xd = a.d.data_ptr<float>() + s * (p.K / a.per_scale);
-        job.xsums = a.sums.defined() ? a.sums.data_ptr<int16_t>() + s * (p.K / 16) : nullptr;
+        job.xsums = a.sums.defined() ? a.sums.data_ptr<int16_t>() + s * (p.K / a.per_sum) : nullptr;
       }
       job.xf = a.f.data_ptr<float>() + s * p.K;
       job.k = p.K;
@@ -318,13 +349,15 @@ void run_tasks(const std::vector<Task>& tasks, const Projection* projs,
 Format checked_format(const at::Tensor& w, int64_t type, int64_t K, const char* what) {
   const Format f = format_of(type);
   TORCH_CHECK(f.block > 0, "moe_experts_gguf: ", what, " has GGML type ", type,
-              ", not Q8_0, Q4_0, Q4_K, Q5_K or Q6_K");
+              ", not Q8_0, Q4_0, Q4_K, Q5_K, Q6_K or packed Q8_0 (", kQ8_0R16, ")");
   TORCH_CHECK(K % f.block == 0, "moe_experts_gguf: ", what, "'s input width ", K,
               " is not a multiple of its block (", f.block, ")");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() &&
                   w.size(2) == K / f.block * f.bytes,
               "moe_experts_gguf: ", what, " must be contiguous uint8 [E, N, ", K / f.block * f.bytes,
               "] for GGML type ", type);
+  TORCH_CHECK(!f.r16 || w.size(1) % kR16Rows == 0, "moe_experts_gguf: ", what,
+              " packed in groups of 16 rows has ", w.size(1), " rows");
   return f;
 }
 
@@ -354,7 +387,8 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
   const bool integer = isa != genserve_ops::kIntDotNone;
   const RunRows run_g = runner_for(fg, isa), run_u = runner_for(fu, isa), run_d = runner_for(fd, isa);
   TORCH_CHECK(run_g != nullptr && run_u != nullptr && run_d != nullptr,
-              "moe_experts_gguf: this CPU has no integer path ", isa);
+              "moe_experts_gguf: this CPU has no integer path ", isa,
+              " (or Q8_0 packed in groups of 16 on a path other than AVX512-VNNI)");
 
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor ids = expert_ids.to(at::kLong).contiguous();
@@ -431,13 +465,57 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// Q8_0 expert rows [E, N, nb * 34] to kQ8_0R16's groups of 16 rows (moe_q8_r16_row.inc), or
+// back with `unpack`: a permutation of the same bytes (quants + 128 when packed).
+at::Tensor moe_pack_q8_0_r16(const at::Tensor& blocks, bool unpack) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(2) % 34 == 0 && blocks.size(1) % kR16Rows == 0,
+              "moe_pack_q8_0_r16: blocks must be contiguous uint8 [E, N, nb * 34], N a "
+              "multiple of 16");
+  const int64_t groups = blocks.size(0) * blocks.size(1) / kR16Rows;
+  const int64_t row_bytes = blocks.size(2), nb = row_bytes / 34;
+  const int64_t group_bytes = kR16Rows * row_bytes;
+  at::Tensor out = at::empty_like(blocks);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* in = src + g * group_bytes;
+      uint8_t* o = dst + g * group_bytes;
+      for (int64_t r = 0; r < kR16Rows; ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t plain = r * row_bytes + b * 34;  // the row's block: d, then 32 quants
+          const int64_t scale = nb * 512 + b * 32 + r * 2;
+          if (unpack) {
+            o[plain] = in[scale];
+            o[plain + 1] = in[scale + 1];
+          } else {
+            o[scale] = in[plain];
+            o[scale + 1] = in[plain + 1];
+          }
+          for (int64_t i = 0; i < 32; ++i) {
+            const int64_t packed = b * 512 + (i / 4) * 64 + r * 4 + i % 4;
+            if (unpack)
+              o[plain + 2 + i] = static_cast<uint8_t>(in[packed] ^ 0x80);
+            else
+              o[packed] = static_cast<uint8_t>(in[plain + 2 + i] ^ 0x80);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace genserve_ops
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("moe_experts_gguf(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor gate, "
         "Tensor up, Tensor down, int[] types, int isa=-1) -> Tensor");
+  m.def("moe_pack_q8_0_r16(Tensor blocks, bool unpack=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
   m.impl("moe_experts_gguf", &genserve_ops::moe_experts_gguf);
+  m.impl("moe_pack_q8_0_r16", &genserve_ops::moe_pack_q8_0_r16);
 }

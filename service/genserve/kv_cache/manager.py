@@ -84,6 +84,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._req_blocks: dict[str, list[KVBlock]] = {}
+        # block_ids() of each request, kept until its table changes: a running request's
+        # table is read every step (its chunk) but changes once a block_size tokens.
+        self._req_block_ids: dict[str, tuple[int, ...]] = {}
         # Hashes of the full blocks of a request's token sequence, extended lazily; they depend
         # only on tokens, which never change once a block is full.
         self._req_hashes: dict[str, list[BlockHash]] = {}
@@ -236,12 +239,17 @@ class KVCacheManager:
         if pending is not None and pending[0] == req.req_id:
             self.prefix_cache_queries += pending[1]
             self.prefix_cache_hits += pending[2]
+        if new_computed_blocks or num_needed > 0:
+            self._req_block_ids.pop(req.req_id, None)
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks = self._req_blocks.setdefault(req.req_id, [])
             blocks.extend(new_computed_blocks)
             self._num_cached_blocks[req.req_id] = len(new_computed_blocks)
-        new_blocks = self.pool.take_new_blocks(num_needed) if num_needed > 0 else []
+        if num_needed <= 0:  # the decode step's usual case: the table has room
+            self._req_blocks.setdefault(req.req_id, [])
+            return []
+        new_blocks = self.pool.take_new_blocks(num_needed)
         self._req_blocks.setdefault(req.req_id, []).extend(new_blocks)
         return new_blocks
 
@@ -251,6 +259,7 @@ class KVCacheManager:
         token hashes for a later lookup (preemption); otherwise everything about the request
         is forgotten.  Idempotent."""
         blocks = self._req_blocks.pop(req.req_id, None)
+        self._req_block_ids.pop(req.req_id, None)
         self._num_cached_blocks.pop(req.req_id, None)
         if not keep_block_hashes:
             self._req_hashes.pop(req.req_id, None)
@@ -259,7 +268,13 @@ class KVCacheManager:
 
     def block_ids(self, req_id: str) -> tuple[int, ...]:
         """The request's block table (block ids in position order)."""
-        return tuple(b.block_id for b in self._req_blocks.get(req_id, ()))
+        ids = self._req_block_ids.get(req_id)
+        if ids is None:
+            blocks = self._req_blocks.get(req_id)
+            ids = tuple(b.block_id for b in blocks) if blocks else ()
+            if blocks is not None:
+                self._req_block_ids[req_id] = ids
+        return ids
 
     def owned_blocks(self, req_id: str) -> list[KVBlock]:
         """The request's block table (a copy); see engine/prompt_fork.py."""
@@ -270,15 +285,21 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` unless every block's ``ref_cnt`` equals the number of block
-        tables holding it, no table holds a block twice, and the pool is consistent."""
+        tables holding it, no table holds a block twice, every remembered :meth:`block_ids`
+        is its table's, and the pool is consistent."""
         self.pool.check_invariants()
         owners = [0] * self.num_blocks
         for req_id, blocks in self._req_blocks.items():
             ids = [b.block_id for b in blocks]
             if len(set(ids)) != len(ids):
                 raise RuntimeError(f"{req_id} holds a block twice: {ids}")
+            remembered = self._req_block_ids.get(req_id)
+            if remembered is not None and list(remembered) != ids:
+                raise RuntimeError(f"{req_id}: block_ids {remembered} but the table is {ids}")
             for block_id in ids:
                 owners[block_id] += 1
+        if not self._req_block_ids.keys() <= self._req_blocks.keys():
+            raise RuntimeError("block_ids remembered for a request without a table")
         for block in self.pool.blocks:
             if block.ref_cnt != owners[block.block_id]:
                 raise RuntimeError(

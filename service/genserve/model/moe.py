@@ -236,6 +236,8 @@ class SparseMoeBlock(nn.Module):
         self.quantized_experts = experts
         self.w13 = _param(self.w13.new_empty(0, 0, 0))
         self.w2 = _param(self.w2.new_empty(0, 0, 0))
+        if self._fused:  # already on the CPU kernels: the blocks take their kernel path now
+            self.fused = True
 
     def linears(self) -> tuple[_Packable, ...]:
         """The projections the dense paths (panels, --quantize) handle: the shared

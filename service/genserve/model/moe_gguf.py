@@ -22,8 +22,15 @@ import torch
 
 from genserve.model.kquants import FLOAT_PATH
 
-# GGML type codes (gguf's GGMLQuantizationType) of the expert types the op runs.
-GGML_CODES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# Q8_0 expert rows interleaved in groups of 16 for the AVX512-VNNI path (one 512-bit
+# VPDPBUSD per 4 inputs of 16 rows): the same bytes rearranged by
+# ``genserve::moe_pack_q8_0_r16``, never in a file.
+PACKED_Q8_0 = "Q8_0_R16"
+PACK_ROWS = 16
+
+# GGML type codes (gguf's GGMLQuantizationType) of the expert types the op runs, and
+# genserve's own code for Q8_0 rows repacked in groups of 16 (kernels/moe_q8_r16_row.inc).
+GGML_CODES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, PACKED_Q8_0: 1008}
 
 
 class ExpertBlockSource(Protocol):
@@ -53,8 +60,15 @@ class QuantizedExperts:
         return [GGML_CODES[t] for t in self.types]
 
     def serving(self, isa: int) -> QuantizedExperts:
-        """The same blocks on kernel path ``isa``."""
-        return replace(self, isa=isa)
+        """The same blocks on kernel path ``isa``: Q8_0 projections packed in groups of 16
+        rows where that path is AVX512-VNNI (``isa`` naming it, or AUTO on a CPU that has
+        it), unpacked back to the file's layout on any other path; one copy of the bytes
+        either way (the unpacked blocks are dropped, a file's pages stay in the page cache
+        only)."""
+        pack = _packs(isa)
+        projections = zip((self.gate, self.up, self.down), self.types, strict=True)
+        (gate, tg), (up, tu), (down, td) = (_layout(b, t, pack) for b, t in projections)
+        return replace(self, gate=gate, up=up, down=down, types=(tg, tu, td), isa=isa)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed sum through ``genserve::moe_experts_gguf`` (CPU kernels loaded)."""
@@ -62,6 +76,27 @@ class QuantizedExperts:
             x, ids, weights, self.gate, self.up, self.down, self.codes, self.isa
         )
         return out
+
+
+def _packs(isa: int) -> bool:
+    """Whether kernel path ``isa`` runs Q8_0 experts packed in groups of 16 rows."""
+    from genserve.kernels import int_dot
+
+    if isa not in (int_dot.Isa.AUTO, int_dot.Isa.AVX512_VNNI):
+        return False
+    return int_dot.Isa.AVX512_VNNI in int_dot.available_isas()
+
+
+def _layout(blocks: torch.Tensor, qtype: str, pack: bool) -> tuple[torch.Tensor, str]:
+    """One projection's blocks in the layout ``pack`` asks for (only Q8_0 with whole groups
+    of 16 rows is ever packed)."""
+    if pack and qtype == "Q8_0" and blocks.shape[1] % PACK_ROWS == 0:
+        packed: torch.Tensor = torch.ops.genserve.moe_pack_q8_0_r16(blocks.contiguous())
+        return packed, PACKED_Q8_0
+    if not pack and qtype == PACKED_Q8_0:
+        plain: torch.Tensor = torch.ops.genserve.moe_pack_q8_0_r16(blocks, True)
+        return plain, "Q8_0"
+    return blocks, qtype
 
 
 def read_quantized_experts(

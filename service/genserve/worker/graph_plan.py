@@ -190,18 +190,21 @@ def graph_forward(
     seqs: Sequence[SeqSpec],
     sampling: tuple[SamplingTable, PenaltyCounts] | None = None,
     constrained: Sequence[str] = (),
+    token_ids: Sequence[int] | None = None,
 ) -> torch.Tensor | None:
     """Hidden states of a pure-decode step (``seqs``: one decode row per token of
     ``chunks``) from a graph, or None when it must run eagerly (LoRA rows, no bucket, a
     context wider than the table).  ``sampling``: the runner's per-slot state, whose slots
     for each row are staged with the inputs (steps without draft tokens), with a flag on
-    the rows of the ``constrained`` requests (the step's grammar mask applies to them)."""
+    the rows of the ``constrained`` requests (the step's grammar mask applies to them).
+    ``token_ids``: the rows' tokens, where they differ from the chunks' (placeholders)."""
     if has_lora_rows:
         return None
     bucket = pick_bucket(len(seqs), graphs.sizes)
     if bucket is None:
         return None
-    token_ids = [t for c in chunks for t in c.token_ids]
+    if token_ids is None:
+        token_ids = [t for c in chunks for t in c.token_ids]
     padded = pad_decode_batch(
         token_ids,
         [s.start_pos for s in seqs],

@@ -446,14 +446,14 @@ class ModelRunner:
         if self._graphs is not None and plan.pure_decode:
             # The graph's inputs are staged on the host: placeholders take the host's copy
             # of the last tokens (the step before has been read back by now).
-            chunks = self._with_host_tokens(plan.chunks) if placeholders else plan.chunks
             hidden = graph_forward(
                 self._graphs,
                 self._lora_rows(plan.chunks),
-                chunks,
+                plan.chunks,
                 plan.seqs,
                 (self._table, self._penalties),
                 step.grammar_req_ids if step.grammar_bitmask is not None else (),
+                self._host_tokens(plan.chunks) if placeholders else None,
             )
         replayed = self._graphs if hidden is not None else None  # logits computed there too
         if hidden is None:
@@ -495,16 +495,16 @@ class ModelRunner:
         src = self.io.upload_cached("placeholder_src", [self._last_rows[r] for r in req_ids])
         token_ids.index_copy_(0, dst, self._last_ids.index_select(0, src))
 
-    def _with_host_tokens(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """``chunks`` with each placeholder replaced by the host's copy of the token."""
-        return [
-            dataclasses.replace(
-                c, token_ids=(self._state(c.req_id).last_token,), token_from_last_step=False
-            )
-            if c.token_from_last_step
-            else c
-            for c in chunks
-        ]
+    def _host_tokens(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """The flat batch's token ids, each placeholder replaced by the host's copy of the
+        token (a list, not new chunk objects: this runs for every row of every step)."""
+        tokens: list[int] = []
+        for c in chunks:
+            if c.token_from_last_step:
+                tokens.append(self._state(c.req_id).last_token)
+            else:
+                tokens.extend(c.token_ids)
+        return tokens
 
     def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether any chunk of the step runs under a LoRA adapter."""

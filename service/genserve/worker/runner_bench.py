@@ -150,12 +150,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--deterministic", action="store_true", help="batch-invariant kernels (A/B their cost)"
     )
     parser.add_argument(
-        "--cpu-int-dot", choices=["off", "auto", "on"], default="off", help="as the server's"
+        "--cpu-int-dot", choices=["off", "auto", "on"], default="auto", help="as the server's"
     )
     args = parser.parse_args(argv)
     from genserve.kernels import int_dot
 
-    int_dot.configure(args.cpu_int_dot)
+    int_dot.configure(args.cpu_int_dot, args.dtype)
     if args.disable_cpu_kernels or args.deterministic:
         from genserve.kernels import cpu as cpu_kernels
 

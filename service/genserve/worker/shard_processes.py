@@ -46,7 +46,7 @@ class WorkerSpec:
     trust_remote_code: bool = False
     kernel_cache_dir: str | None = None  # genserve.kernels.cpu's build cache (None: default)
     cpu_kernels: bool = True
-    cpu_int_dot: str = "off"  # issue #28 --cpu-int-dot (auto | on | off)
+    cpu_int_dot: str = "auto"  # issue #28 --cpu-int-dot (auto | on | off)
     deterministic: bool = False  # --deterministic: batch-invariant kernels
     expert_parallel: bool = False  # --expert-parallel: whole routed experts per rank
     prefill_attention: str = "auto"  # issue #29 --gpu-prefill-attention

@@ -40,7 +40,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--kernel-cache-dir", default=None)
     p.add_argument("--disable-cpu-kernels", action="store_true")
-    p.add_argument("--cpu-int-dot", choices=("auto", "on", "off"), default="off")
+    p.add_argument("--cpu-int-dot", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--expert-parallel", action="store_true")
     p.add_argument(
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
     cpu_kernels.configure(
         cache_dir, enabled=not args.disable_cpu_kernels, batch_invariant=args.deterministic
     )
-    int_dot.configure(args.cpu_int_dot)  # every rank multiplies as rank 0 does
+    int_dot.configure(args.cpu_int_dot, args.dtype)  # every rank multiplies as rank 0 does
     device = rank_device(args.rank, torch.cuda.is_available())
     group = init_shard_group(
         args.rank,

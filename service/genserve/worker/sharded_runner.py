@@ -195,7 +195,7 @@ class ShardSettings:
     kernel_cache_dir: Path  # where the CPU kernels are built (shared by the ranks)
     cpu_kernels: bool  # False: --disable-cpu-kernels
     deterministic: bool = False  # --deterministic: batch-invariant kernels on every rank
-    cpu_int_dot: str = "off"  # --cpu-int-dot: every rank multiplies as rank 0 does
+    cpu_int_dot: str = "auto"  # --cpu-int-dot: every rank multiplies as rank 0 does
     expert_parallel: bool = False  # --expert-parallel: whole routed experts per rank
     # --gpu-prefill-attention: every rank attends a step's prompt rows the same way
     gpu_prefill_attention: PrefillAttentionFlag = "auto"

@@ -44,6 +44,9 @@ class StepLayout:
         """Rows whose logits are sampled (a chunk that samples: its last token; a
         speculative chunk: every token), and whether they are exactly ``0..n-1`` (then the
         hidden states need no gather)."""
+        if self.num_single == len(self.chunks):  # one token a chunk (decode steps): row i
+            rows = [i for i, c in enumerate(self.chunks) if c.sample]
+            return rows, len(rows) == 0 or rows[-1] == len(rows) - 1
         offsets = self.offsets
         rows = [
             row
