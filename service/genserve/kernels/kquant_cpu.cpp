@@ -47,24 +47,11 @@
 
 namespace {
 
-// GGML type codes (gguf's GGMLQuantizationType), as the op's `types` list carries them.
-constexpr int64_t kQ4K = 12;
-constexpr int64_t kQ5K = 13;
-constexpr int64_t kQ6K = 14;
+using genserve_kquant::block_bytes_of;
+using genserve_kquant::kQ4K;
+using genserve_kquant::kQ5K;
+using genserve_kquant::kQ6K;
 constexpr int64_t kTileRows = 32;  // activation rows per pass over a weight row
-
-int64_t block_bytes_of(int64_t type) {
-  switch (type) {
-    case kQ4K:
-      return 144;
-    case kQ5K:
-      return 176;
-    case kQ6K:
-      return 210;
-    default:
-      return 0;
-  }
-}
 
 using genserve_kquant::KRowJob;
 using genserve_kquant::KSegment;
@@ -414,27 +401,6 @@ Q8K quantize_q8k(const at::Tensor& x32) {
   return r;
 }
 
-std::vector<KSegment> segments_of(const at::Tensor& data, at::IntArrayRef types,
-                                  at::IntArrayRef rows, int64_t K) {
-  TORCH_CHECK(types.size() == rows.size() && !types.empty(),
-              "kquant_linear: one row count per type expected");
-  std::vector<KSegment> segments;
-  int64_t row0 = 0, offset = 0;
-  for (size_t s = 0; s < types.size(); ++s) {
-    const int64_t bytes = block_bytes_of(types[s]);
-    TORCH_CHECK(bytes > 0, "kquant_linear: type ", types[s], " is not Q4_K, Q5_K or Q6_K");
-    TORCH_CHECK(rows[s] >= 0, "kquant_linear: negative row count");
-    const int64_t row_bytes = K / 256 * bytes;
-    segments.push_back(KSegment{data.data_ptr<uint8_t>() + offset, types[s], row0, rows[s],
-                                bytes, row_bytes});
-    row0 += rows[s];
-    offset += rows[s] * row_bytes;
-  }
-  TORCH_CHECK(offset == data.numel(), "kquant_linear: data holds ", data.numel(),
-              " bytes, the segments need ", offset);
-  return segments;
-}
-
 // The product into `out` ([M, N] float32, contiguous): written, or added to with `accumulate`.
 void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef types,
                 at::IntArrayRef rows, const c10::optional<at::Tensor>& bias, int64_t isa,
@@ -447,7 +413,8 @@ void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef typ
   TORCH_CHECK(K > 0 && K % 256 == 0, "kquant_linear: K must be a positive multiple of 256");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous(),
               "kquant_linear: contiguous uint8 data expected");
-  const std::vector<KSegment> segments = segments_of(data, types, rows, K);
+  const std::vector<KSegment> segments =
+      genserve_kquant::segments_of(data, types, rows, K, "kquant_linear");
   const int64_t N = segments.back().row0 + segments.back().rows;
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == M && out.size(1) == N,
@@ -522,7 +489,8 @@ at::Tensor kquant_dequantize(const at::Tensor& data, at::IntArrayRef types, at::
   TORCH_CHECK(K > 0 && K % 256 == 0, "kquant_dequantize: K must be a positive multiple of 256");
   TORCH_CHECK(data.scalar_type() == at::kByte && data.is_contiguous() && data.device().is_cpu(),
               "kquant_dequantize: contiguous uint8 CPU data expected");
-  const std::vector<KSegment> segments = segments_of(data, types, rows, K);
+  const std::vector<KSegment> segments =
+      genserve_kquant::segments_of(data, types, rows, K, "kquant_linear");
   const int64_t N = segments.back().row0 + segments.back().rows;
   auto out = at::empty({N, K}, data.options().dtype(at::kFloat));
   float* w = out.data_ptr<float>();

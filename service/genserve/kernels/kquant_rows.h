@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace genserve_kquant {
 
@@ -16,6 +17,53 @@ struct KSegment {
   const uint8_t* data;
   int64_t type, row0, rows, block_bytes, row_bytes;
 };
+
+// GGML type codes (gguf's GGMLQuantizationType) of the K-quants, as the ops' `types` lists
+// carry them.
+constexpr int64_t kQ4K = 12;
+constexpr int64_t kQ5K = 13;
+constexpr int64_t kQ6K = 14;
+
+// Bytes of one 256-weight super-block of `type`; 0 for a type that is not a K-quant.
+inline int64_t block_bytes_of(int64_t type) {
+  switch (type) {
+    case kQ4K:
+      return 144;
+    case kQ5K:
+      return 176;
+    case kQ6K:
+      return 210;
+    default:
+      return 0;
+  }
+}
+
+// W's rows as one segment per (type, row count) over `data` (contiguous uint8 CPU blocks, rows
+// of K weights, K a multiple of 256), checked against the data's size; `op` names the caller
+// in the error messages.
+inline std::vector<KSegment> segments_of(const at::Tensor& data, at::IntArrayRef types,
+                                         at::IntArrayRef rows, int64_t K, const char* op) {
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.is_contiguous(),
+              op, ": contiguous uint8 CPU data expected");
+  TORCH_CHECK(K > 0 && K % 256 == 0, op, ": K must be a positive multiple of 256");
+  TORCH_CHECK(types.size() == rows.size() && !types.empty(), op,
+              ": one row count per type expected");
+  std::vector<KSegment> segments;
+  int64_t row0 = 0, offset = 0;
+  for (size_t s = 0; s < types.size(); ++s) {
+    const int64_t bytes = block_bytes_of(types[s]);
+    TORCH_CHECK(bytes > 0, op, ": type ", types[s], " is not Q4_K, Q5_K or Q6_K");
+    TORCH_CHECK(rows[s] >= 0, op, ": negative row count");
+    const int64_t row_bytes = K / 256 * bytes;
+    segments.push_back(KSegment{data.data_ptr<uint8_t>() + offset, types[s], row0, rows[s],
+                                bytes, row_bytes});
+    row0 += rows[s];
+    offset += rows[s] * row_bytes;
+  }
+  TORCH_CHECK(offset == data.numel(), op, ": data holds ", data.numel(),
+              " bytes, the segments need ", offset);
+  return segments;
+}
 
 struct KRowJob {
   // The integer path's activations (Q8_K): q [M, K], d [M, K / 256], Σq [M, K / 16].

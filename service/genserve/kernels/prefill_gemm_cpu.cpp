@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "cpu_features.h"
+#include "kquant_rows.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -33,51 +34,12 @@
 
 namespace {
 
-constexpr int64_t kQ4K = 12;
-constexpr int64_t kQ5K = 13;
-constexpr int64_t kQ6K = 14;
+using genserve_kquant::block_bytes_of;
+using genserve_kquant::kQ4K;
+using genserve_kquant::kQ5K;
+using genserve_kquant::kQ6K;
 
-int64_t block_bytes_of(int64_t type) {
-  switch (type) {
-    case kQ4K:
-      return 144;
-    case kQ5K:
-      return 176;
-    case kQ6K:
-      return 210;
-    default:
-      return 0;
-  }
-}
-
-struct Segment {
-  const uint8_t* data;
-  int64_t type, row0, rows, block_bytes, row_bytes;
-};
-
-std::vector<Segment> segments_of(const at::Tensor& data, at::IntArrayRef types,
-                                 at::IntArrayRef rows, int64_t K) {
-  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.is_contiguous(),
-              "kquant bf16: contiguous uint8 CPU data expected");
-  TORCH_CHECK(K > 0 && K % 256 == 0, "kquant bf16: K must be a positive multiple of 256");
-  TORCH_CHECK(types.size() == rows.size() && !types.empty(),
-              "kquant bf16: one row count per type expected");
-  std::vector<Segment> segments;
-  int64_t row0 = 0, offset = 0;
-  for (size_t s = 0; s < types.size(); ++s) {
-    const int64_t bytes = block_bytes_of(types[s]);
-    TORCH_CHECK(bytes > 0, "kquant bf16: type ", types[s], " is not Q4_K, Q5_K or Q6_K");
-    TORCH_CHECK(rows[s] >= 0, "kquant bf16: negative row count");
-    const int64_t row_bytes = K / 256 * bytes;
-    segments.push_back(Segment{data.data_ptr<uint8_t>() + offset, types[s], row0, rows[s], bytes,
-                               row_bytes});
-    row0 += rows[s];
-    offset += rows[s] * row_bytes;
-  }
-  TORCH_CHECK(offset == data.numel(), "kquant bf16: data holds ", data.numel(),
-              " bytes, the segments need ", offset);
-  return segments;
-}
+using Segment = genserve_kquant::KSegment;
 
 using DecodeRows = void (*)(const Segment*, int64_t, int64_t, int64_t, int64_t, uint16_t*);
 
@@ -261,7 +223,8 @@ void decode_panel(DecodeRows decode, const std::vector<Segment>& segments, int64
 // W [N, K] as bfloat16 (for tests, and for a whole-matrix panel).
 at::Tensor kquant_to_bf16(const at::Tensor& data, at::IntArrayRef types, at::IntArrayRef rows,
                           int64_t K) {
-  const std::vector<Segment> segments = segments_of(data, types, rows, K);
+  const std::vector<Segment> segments =
+      genserve_kquant::segments_of(data, types, rows, K, "kquant bf16");
   const DecodeRows decode = decoder();
   TORCH_CHECK(decode != nullptr, "kquant_to_bf16: this CPU lacks AVX-512 (F, BW, VL)");
   const int64_t N = segments.back().row0 + segments.back().rows;
@@ -295,7 +258,8 @@ at::Tensor kquant_linear_bf16(const at::Tensor& x, const at::Tensor& data, at::I
               "kquant_linear_bf16: float32, bfloat16 or float16 x expected");
   TORCH_CHECK(panel_rows >= 0, "kquant_linear_bf16: panel_rows must be >= 0");
   const int64_t K = x.size(1);
-  const std::vector<Segment> segments = segments_of(data, types, rows, K);
+  const std::vector<Segment> segments =
+      genserve_kquant::segments_of(data, types, rows, K, "kquant bf16");
   const DecodeRows decode = decoder();
   TORCH_CHECK(decode != nullptr, "kquant_linear_bf16: this CPU lacks AVX-512 (F, BW, VL)");
   const int64_t N = segments.back().row0 + segments.back().rows;

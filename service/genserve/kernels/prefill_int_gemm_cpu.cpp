@@ -43,27 +43,12 @@
 
 namespace {
 
-constexpr int64_t kQ4K = 12;
-constexpr int64_t kQ5K = 13;
-constexpr int64_t kQ6K = 14;
+using genserve_kquant::block_bytes_of;
+using genserve_kquant::kQ4K;
+using genserve_kquant::kQ5K;
+using genserve_kquant::kQ6K;
 
-int64_t block_bytes_of(int64_t type) {
-  switch (type) {
-    case kQ4K:
-      return 144;
-    case kQ5K:
-      return 176;
-    case kQ6K:
-      return 210;
-    default:
-      return 0;
-  }
-}
-
-struct Segment {
-  const uint8_t* data;
-  int64_t type, row0, rows, block_bytes, row_bytes;
-};
+using Segment = genserve_kquant::KSegment;
 
 // The Q8_K activations and the output of one call.
 struct GemmJob {
@@ -250,30 +235,6 @@ bool has_avx2() {
 #endif
 }
 
-std::vector<Segment> segments_of(const at::Tensor& data, at::IntArrayRef types,
-                                 at::IntArrayRef rows, int64_t K) {
-  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.is_contiguous(),
-              "kquant int gemm: contiguous uint8 CPU data expected");
-  TORCH_CHECK(K > 0 && K % 256 == 0, "kquant int gemm: K must be a positive multiple of 256");
-  TORCH_CHECK(types.size() == rows.size() && !types.empty(),
-              "kquant int gemm: one row count per type expected");
-  std::vector<Segment> segments;
-  int64_t row0 = 0, offset = 0;
-  for (size_t s = 0; s < types.size(); ++s) {
-    const int64_t bytes = block_bytes_of(types[s]);
-    TORCH_CHECK(bytes > 0, "kquant int gemm: type ", types[s], " is not Q4_K, Q5_K or Q6_K");
-    TORCH_CHECK(rows[s] >= 0, "kquant int gemm: negative row count");
-    const int64_t row_bytes = K / 256 * bytes;
-    segments.push_back(Segment{data.data_ptr<uint8_t>() + offset, types[s], row0, rows[s], bytes,
-                               row_bytes});
-    row0 += rows[s];
-    offset += rows[s] * row_bytes;
-  }
-  TORCH_CHECK(offset == data.numel(), "kquant int gemm: data holds ", data.numel(),
-              " bytes, the segments need ", offset);
-  return segments;
-}
-
 // Whether this CPU runs the op (AVX2, FMA and F16C, after GENSERVE_CPU_FEATURES_MASK).
 bool kquant_int_gemm_available() { return has_avx2(); }
 
@@ -286,7 +247,8 @@ at::Tensor kquant_linear_int_gemm(const at::Tensor& x, const at::Tensor& data,
                   x.scalar_type() == at::kHalf,
               "kquant_linear_int_gemm: float32, bfloat16 or float16 x expected");
   const int64_t M = x.size(0), K = x.size(1);
-  const std::vector<Segment> segments = segments_of(data, types, rows, K);
+  const std::vector<Segment> segments =
+      genserve_kquant::segments_of(data, types, rows, K, "kquant int gemm");
   const int64_t N = segments.back().row0 + segments.back().rows;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
