@@ -44,3 +44,18 @@ inline bool hidden(const char* name) {
 
 #define GENSERVE_CPU_SUPPORTS(feature) \
   (__builtin_cpu_supports(feature) && !genserve_cpu::hidden(feature))
+
+namespace genserve_cpu {
+
+// What the plain AVX2 paths need (x86-64-v3's AVX2, FMA and F16C), after the mask.
+inline bool has_avx2_fma_f16c() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return GENSERVE_CPU_SUPPORTS("avx2") && GENSERVE_CPU_SUPPORTS("fma") &&
+         GENSERVE_CPU_SUPPORTS("f16c");
+#else
+  return false;
+#endif
+}
+
+}  // namespace genserve_cpu

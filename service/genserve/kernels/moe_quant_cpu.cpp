@@ -183,15 +183,7 @@ bool has_avx512vnni() {
 #endif
 }
 
-bool has_avx2() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return GENSERVE_CPU_SUPPORTS("avx2") && GENSERVE_CPU_SUPPORTS("fma") &&
-         GENSERVE_CPU_SUPPORTS("f16c");
-#else
-  return false;
-#endif
-}
+bool has_avx2() { return genserve_cpu::has_avx2_fma_f16c(); }
 
 // The Q8_0/Q4_0 integer rows for `isa` (int_dot.h's codes; AVX-VNNI runs the AVX2 code).
 RunRows q_int_path(int64_t isa) {

@@ -225,15 +225,7 @@ RunPairs run() { return &run_pairs; }
 
 namespace {
 
-bool has_avx2() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return GENSERVE_CPU_SUPPORTS("avx2") && GENSERVE_CPU_SUPPORTS("fma") &&
-         GENSERVE_CPU_SUPPORTS("f16c");
-#else
-  return false;
-#endif
-}
+bool has_avx2() { return genserve_cpu::has_avx2_fma_f16c(); }
 
 // Whether this CPU runs the op (AVX2, FMA and F16C, after GENSERVE_CPU_FEATURES_MASK).
 bool kquant_int_gemm_available() { return has_avx2(); }
