@@ -53,6 +53,7 @@ def test_default_model_matches_transformers() -> None:
         **transformers_weights_kwargs(resolved.local_dir),
     )
     expected = []
+    first_logprobs = []  # float32's whole first-token distribution per prompt
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
@@ -72,6 +73,7 @@ def test_default_model_matches_transformers() -> None:
                 for lg, t in zip(out.logits, new_ids, strict=True)
             ]
             expected.append(list(zip(new_ids, lps, strict=True)))
+            first_logprobs.append(torch.log_softmax(out.logits[0][0].float(), -1))
 
     runner = ModelRunner(resolved, torch.float32, torch.device("cpu"))
     runner.initialize_kv_cache(32, 16)
@@ -84,5 +86,12 @@ def test_default_model_matches_transformers() -> None:
     bf16 = ModelRunner(resolved, torch.bfloat16, torch.device("cpu"))
     bf16.initialize_kv_cache(32, 16)
     first_bf16 = generate(bf16, prompts)
-    for ours, ref in zip(first_bf16, expected, strict=True):
-        assert ours[0][0] == ref[0][0]  # a confident first token survives bf16
+    for ours, ref, ref_lp in zip(first_bf16, expected, first_logprobs, strict=True):
+        # bf16 rounds every product and sum, so where float32's top two first tokens are
+        # close ("def fibonacci(n):" has two within 0.04 nats) bf16 may take either; it must
+        # take a token float32 rates within 0.1 nats of its best, and a confident one exactly.
+        top2 = torch.topk(ref_lp, 2).values
+        if float(top2[0] - top2[1]) > 0.1:
+            assert ours[0][0] == ref[0][0]
+        else:
+            assert float(ref_lp[ours[0][0]]) >= float(top2[0]) - 0.1
