@@ -1,7 +1,7 @@
 """``gguf_config.mixtral_from_llama``: a ``llama`` GGUF with ``llama.expert_count`` (how
 llama.cpp's converter writes Mixtral) keeps a ``MixtralConfig``; a dense one its own config;
-a shared expert (Granite-MoE's layout) is refused.  The files hold metadata only: the
-function reads no tensor."""
+a shared expert (Granite-MoE's layout) is refused; fused gate/up expert stacks are refused
+by the serving-path check.  The files hold metadata (and one tensor) only."""
 
 from __future__ import annotations
 
@@ -69,3 +69,26 @@ def test_shared_expert_is_refused(tmp_path: Path) -> None:
                  expert_shared_feed_forward_length=64)  # fmt: skip
     with pytest.raises(ValueError, match="shared expert"):
         mixtral_from_llama(gguf, _llama())
+
+
+def test_fused_gate_up_stacks_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose experts are ``ffn_gate_up_exps`` (the converter's --fuse-gate-up-exps)
+    is refused natively with the reason, not loaded without its experts."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from genserve.model import loader, serving_path
+    from genserve.model.config import UnsupportedModelError
+
+    path = tmp_path / "fused.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_expert_count(2)
+    writer.add_tensor("blk.0.ffn_gate_up_exps.weight", np.zeros((2, 8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setattr(loader, "transformers_weights_kwargs", lambda _: {"gguf_file": str(path)})
+    mixtral = type("Config", (), {"moe": object(), "architecture": "MixtralForCausalLM"})()
+    with pytest.raises(UnsupportedModelError, match="ffn_gate_up_exps"):
+        serving_path._check_native_weights(mixtral, tmp_path)
