@@ -23,11 +23,7 @@ from tests.utils.inproc_server import inproc_server
 
 STEPS = 5
 MAX_BLOCK_S = 20.0
-# Far more than STEPS + 1: the stream must still be generating when the block begins and
-# when it ends.  The block starts at the gRPC loop's next turn after the first message; with
-# 64 tokens a loaded machine (engine thread running, gRPC loop thread descheduled) could
-# finish the stream first, and the block would then wait MAX_BLOCK_S for steps that never come.
-MAX_NEW_TOKENS = 256
+MAX_NEW_TOKENS = 64  # > STEPS + 1: the stream is still generating when the block ends
 
 
 def test_engine_keeps_stepping_while_the_grpc_loop_is_blocked(tiny_llama: Path) -> None:
