@@ -254,7 +254,7 @@ def test_sigterm_one_of_two_replicas_drains_and_traffic_moves(
         # tiny model can end before that on a fast machine, and then nothing drains).
         long_request = pb.GenerateStreamRequest(
             inputs=PROMPT,
-            parameters=pb.GenerateParameters(max_new_tokens=400, ignore_eos=True),
+            parameters=pb.GenerateParameters(max_new_tokens=200, ignore_eos=True),
         )
         results: list[tuple[str, int | grpc.StatusCode]] = []
         lock = threading.Lock()
