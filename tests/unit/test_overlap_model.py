@@ -29,6 +29,7 @@ from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.model.loader import ResolvedModel
 from genserve.step import RunnerOutput, SamplingParams, SchedulerOutput
 from genserve.tokenizer import Tokenizer
+from genserve.worker.launched_step import LaunchedStep
 from genserve.worker.model_runner import ModelRunner
 from tests.conftest import TinyModelFactory
 
@@ -36,18 +37,32 @@ BLOCK_SIZE = 8
 
 
 class CountingRunner:
-    """The model runner, counting what the engine hands it."""
+    """The model runner, counting what the engine hands it; it splits steps into launch and
+    collect as the model runner does, so with overlap the step thread launches step n + 1
+    before it collects step n (``order`` records the calls)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.supports_token_from_last_step = runner.supports_token_from_last_step
         self.placeholders = 0
         self.steps: list[SchedulerOutput] = []
+        self.order: list[tuple[str, int]] = []
 
     def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
         self.steps.append(step)
         self.placeholders += sum(c.token_from_last_step for c in step.chunks)
+        self.order.append(("execute", step.step_id))
         return self.runner.execute_model(step)
+
+    def launch(self, step: SchedulerOutput) -> LaunchedStep:
+        self.steps.append(step)
+        self.placeholders += sum(c.token_from_last_step for c in step.chunks)
+        self.order.append(("launch", step.step_id))
+        return self.runner.launch(step)
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        self.order.append(("collect", launched.step_id))
+        return self.runner.collect(launched)
 
     def shutdown(self) -> None:
         pass
