@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from genserve.model.loader import ResolvedModel
 from genserve.step import RunnerOutput, SamplingParams, ScheduledChunk, SchedulerOutput
 from genserve.worker import device_io
 from genserve.worker.cuda_graphs import DecodeGraphs
@@ -148,3 +150,44 @@ def test_a_watermarked_placeholder_row_collects_the_step_before_first(
     for _ in range(NUM_STEPS + 1):
         serial.decode(False)
     assert tokens == serial.tokens
+
+
+@pytest.mark.cuda
+def test_launching_ahead_on_cuda_never_synchronises(tiny_model_factory: TinyModelFactory) -> None:
+    """On a GPU: captured decode steps launched one ahead of their collect, placeholders
+    gathered on the device, under sync debug "error" (the readbacks wait on events, which
+    the debug mode does not count); the tokens equal the serial run's."""
+    model_dir: Path = tiny_model_factory("llama", seed=3)
+    device = torch.device("cuda")
+
+    def runner() -> ModelRunner:
+        r = ModelRunner(ResolvedModel(model_dir, "tiny"), torch.bfloat16, device)
+        r.enable_cuda_graphs((1, 2, 4, 8), 64, 16)
+        r.initialize_kv_cache(NUM_ROWS * 4 + 1, 16)
+        r.warmup()
+        return r
+
+    pipelined = runner()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = _pipelined_plain(pipelined, SAMPLED)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pipelined.cuda_graph_sizes
+    serial = _Stream(runner(), NUM_ROWS, SAMPLED)
+    for _ in range(NUM_STEPS + 1):
+        serial.decode(False)
+    assert tokens == serial.tokens
+
+
+def _pipelined_plain(runner: ModelRunner, params: SamplingParams) -> list[list[int]]:
+    """:func:`_pipelined` without the audit (a real device)."""
+    stream = _Stream(runner, NUM_ROWS, params)
+    stream.decode(False)
+    prev = runner.launch(_decode(stream, 1, placeholders=False))
+    for k in range(2, NUM_STEPS + 1):
+        launched = runner.launch(_decode(stream, k, placeholders=True))
+        _record(stream, runner.collect(prev))
+        prev = launched
+    _record(stream, runner.collect(prev))
+    return stream.tokens

@@ -212,11 +212,29 @@ def _both(
     return off, off_runner, on_runner
 
 
+def _assert_launched_ahead(order: list[tuple[str, int]]) -> None:
+    """Every step launched once and collected once, after its launch and in launch order;
+    with steps scheduled ahead, step n + 1's launch comes before step n's collect (the
+    order of the step thread's calls: the engine queues them so, no timing involved)."""
+    launches = [step for call, step in order if call == "launch"]
+    collects = [step for call, step in order if call == "collect"]
+    assert launches == collects and len(set(launches)) == len(launches)
+    ahead = 0
+    for i, (call, step) in enumerate(order):
+        if call == "collect":
+            assert ("launch", step) in order[:i]
+            later = [s for c, s in order[:i] if c == "launch" and s > step]
+            ahead += bool(later)
+    assert ahead > 10, order  # launched before the step before it was collected
+
+
 def test_overlap_reproduces_every_stop_and_sampling_kind(
     runner: ModelRunner, tokenizer: Tokenizer
 ) -> None:
-    plain, _, on_runner = _both(runner, tokenizer, _requests)
+    plain, off_runner, on_runner = _both(runner, tokenizer, _requests)
     assert on_runner.placeholders > 20  # the steps were really scheduled ahead
+    assert {call for call, _ in off_runner.order} == {"execute"}
+    _assert_launched_ahead(on_runner.order)
     assert all(r.finish is FinishReason.LENGTH for r in plain.values())
     stop_text = plain["r1"].text[len(plain["r1"].text) // 2 :][:3]
     stop_id = plain["r2"].token_ids[5]
