@@ -507,6 +507,7 @@ class ModelRunner:
     def _settle(self, launched: LaunchedStep) -> None:
         """Wait for ``launched``'s readback and apply what only its values tell."""
         assert launched.pending is not None
+        self._in_flight.remove(launched)  # first: a failed readback is not waited on again
         out = launched.pending.result()
         accepted = accept(
             out, launched.chunks, launched.states, self._penalties, counted=not launched.speculative
@@ -518,7 +519,6 @@ class ModelRunner:
             self._last_ids, self._last_rows = out.device_token_ids, accepted.last_rows
         launched.output = RunnerOutput(launched.step_id, accepted.sampled, launched.prompt)
         launched.pending = None
-        self._in_flight.remove(launched)
 
     def _needs_values(self, step: SchedulerOutput) -> bool:
         """Whether launching ``step`` needs host values of the uncollected step: its draft
