@@ -225,7 +225,7 @@ def _assert_launched_ahead(order: list[tuple[str, int]]) -> None:
             assert ("launch", step) in order[:i]
             later = [s for c, s in order[:i] if c == "launch" and s > step]
             ahead += bool(later)
-    assert ahead > 10, order  # launched before the step before it was collected
+    assert ahead >= 5, order  # launched before the step before it was collected
 
 
 def test_overlap_reproduces_every_stop_and_sampling_kind(
