@@ -29,6 +29,7 @@ from genserve.engine.scheduler_config import SchedulerConfig
 from genserve.model.loader import ResolvedModel
 from genserve.step import RunnerOutput, SamplingParams, SchedulerOutput
 from genserve.tokenizer import Tokenizer
+from genserve.worker.launched_step import LaunchedStep
 from genserve.worker.model_runner import ModelRunner
 from tests.conftest import TinyModelFactory
 
@@ -36,18 +37,32 @@ BLOCK_SIZE = 8
 
 
 class CountingRunner:
-    """The model runner, counting what the engine hands it."""
+    """The model runner, counting what the engine hands it; it splits steps into launch and
+    collect as the model runner does, so with overlap the step thread launches step n + 1
+    before it collects step n (``order`` records the calls)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.supports_token_from_last_step = runner.supports_token_from_last_step
         self.placeholders = 0
         self.steps: list[SchedulerOutput] = []
+        self.order: list[tuple[str, int]] = []
 
     def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
         self.steps.append(step)
         self.placeholders += sum(c.token_from_last_step for c in step.chunks)
+        self.order.append(("execute", step.step_id))
         return self.runner.execute_model(step)
+
+    def launch(self, step: SchedulerOutput) -> LaunchedStep:
+        self.steps.append(step)
+        self.placeholders += sum(c.token_from_last_step for c in step.chunks)
+        self.order.append(("launch", step.step_id))
+        return self.runner.launch(step)
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        self.order.append(("collect", launched.step_id))
+        return self.runner.collect(launched)
 
     def shutdown(self) -> None:
         pass
@@ -197,11 +212,29 @@ def _both(
     return off, off_runner, on_runner
 
 
+def _assert_launched_ahead(order: list[tuple[str, int]]) -> None:
+    """Every step launched once and collected once, after its launch and in launch order;
+    with steps scheduled ahead, step n + 1's launch comes before step n's collect (the
+    order of the step thread's calls: the engine queues them so, no timing involved)."""
+    launches = [step for call, step in order if call == "launch"]
+    collects = [step for call, step in order if call == "collect"]
+    assert launches == collects and len(set(launches)) == len(launches)
+    ahead = 0
+    for i, (call, step) in enumerate(order):
+        if call == "collect":
+            assert ("launch", step) in order[:i]
+            later = [s for c, s in order[:i] if c == "launch" and s > step]
+            ahead += bool(later)
+    assert ahead >= 5, order  # launched before the step before it was collected
+
+
 def test_overlap_reproduces_every_stop_and_sampling_kind(
     runner: ModelRunner, tokenizer: Tokenizer
 ) -> None:
-    plain, _, on_runner = _both(runner, tokenizer, _requests)
+    plain, off_runner, on_runner = _both(runner, tokenizer, _requests)
     assert on_runner.placeholders > 20  # the steps were really scheduled ahead
+    assert {call for call, _ in off_runner.order} == {"execute"}
+    _assert_launched_ahead(on_runner.order)
     assert all(r.finish is FinishReason.LENGTH for r in plain.values())
     stop_text = plain["r1"].text[len(plain["r1"].text) // 2 :][:3]
     stop_id = plain["r2"].token_ids[5]

@@ -13,8 +13,10 @@ reports per decode step:
   thread hand-off alone;
 * ``step_ms`` — wall time per step.
 
-Usage: ``python -m genserve.bench.engine_host --rows 1 64 [--overlap] [--tokens 48]
-[--no-cpu-kernels]``.  Uses
+Usage: ``python -m genserve.bench.engine_host --rows 1 64 [--overlap [--split]] [--tokens 48]
+[--no-cpu-kernels]`` (``--split``: the runner's launch/collect, so the step thread launches
+step n + 1 before it collects step n; ``gap_ms`` then counts the thread's idle time between
+all its calls).  Uses
 only APIs that existed before overlapped scheduling, so the same module measures an older
 checkout (``PYTHONPATH`` pointing at it) for a before/after comparison.
 """
@@ -47,17 +49,38 @@ BLOCK_SIZE = 16
 
 
 class _TimedRunner:
-    """The model runner, recording when each step started and ended in its thread."""
+    """The model runner, recording when each of its calls started and ended in the step
+    thread (``spans``, disjoint: one thread) and how many steps it ran.  ``split``: offer
+    the runner's ``launch`` / ``collect`` (the overlapping engine then launches step n + 1
+    before collecting step n), where it has them."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, split: bool = False) -> None:
         self.runner = runner
         self.supports_token_from_last_step = getattr(runner, "supports_token_from_last_step", False)
         self.spans: list[tuple[float, float]] = []
+        self.steps = 0
+        if split and hasattr(runner, "launch"):
+            self.launch = self._launch
+            self.collect = self._collect
 
     def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
         started = time.perf_counter()
         out = self.runner.execute_model(step)
         self.spans.append((started, time.perf_counter()))
+        self.steps += 1
+        return out
+
+    def _launch(self, step: SchedulerOutput) -> Any:
+        started = time.perf_counter()
+        launched = self.runner.launch(step)  # type: ignore[attr-defined]
+        self.spans.append((started, time.perf_counter()))
+        return launched
+
+    def _collect(self, launched: Any) -> RunnerOutput:
+        started = time.perf_counter()
+        out: RunnerOutput = self.runner.collect(launched)  # type: ignore[attr-defined]
+        self.spans.append((started, time.perf_counter()))
+        self.steps += 1
         return out
 
     def shutdown(self) -> None:
@@ -79,12 +102,17 @@ def _timed(obj: Any, name: str, totals: dict[str, float]) -> None:
 
 
 async def _measure(
-    runner: ModelRunner, tokenizer: Tokenizer, rows: int, tokens: int, overlap: bool
+    runner: ModelRunner,
+    tokenizer: Tokenizer,
+    rows: int,
+    tokens: int,
+    overlap: bool,
+    split: bool = False,
 ) -> dict[str, float]:
     num_blocks = rows * (-(-(8 + tokens) // BLOCK_SIZE) + 1)
     runner.initialize_kv_cache(num_blocks, BLOCK_SIZE)
     sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE))
-    timed = _TimedRunner(runner)
+    timed = _TimedRunner(runner, split)
     engine = AsyncEngine(sched, timed, tokenizer, overlap=overlap)
     totals: dict[str, float] = {}
     _timed(sched, "schedule", totals)
@@ -106,17 +134,18 @@ async def _measure(
     elapsed = time.perf_counter() - started
     await engine.shutdown(grace_s=0.0)
     spans = timed.spans
-    steps = len(spans)
+    steps = timed.steps
     gaps = [b[0] - a[1] for a, b in itertools.pairwise(spans)]
     return {
         "rows": rows,
         "overlap": overlap,
+        "split": split and hasattr(timed, "launch"),
         "steps": steps,
         "host_ms": 1000 * sum(totals.values()) / steps,
         "schedule_ms": 1000 * totals.get("schedule", 0.0) / steps,
         "update_ms": 1000 * totals.get("update_from_output", 0.0) / steps,
         "emit_ms": 1000 * totals.get("_emit_step", 0.0) / steps,
-        "gap_ms": 1000 * sum(gaps) / max(len(gaps), 1),
+        "gap_ms": 1000 * sum(gaps) / max(steps - 1, 1),
         "runner_ms": 1000 * sum(b - a for a, b in spans) / steps,
         "step_ms": 1000 * elapsed / steps,
     }
@@ -127,6 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--overlap", action="store_true")
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="with --overlap: the runner's launch/collect (launch n + 1 before collecting n)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per row count (best kept)")
     parser.add_argument(
         "--no-cpu-kernels",
@@ -145,7 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = Tokenizer(model_dir)
         for rows in args.rows:
             runs = [
-                asyncio.run(_measure(runner, tokenizer, rows, args.tokens, args.overlap))
+                asyncio.run(
+                    _measure(runner, tokenizer, rows, args.tokens, args.overlap, args.split)
+                )
                 for _ in range(args.repeats)
             ]
             print(json.dumps(min(runs, key=lambda r: r["step_ms"])))

@@ -26,7 +26,10 @@ the "device" is the same cores, overlapping the host's work measured no gain
 With ``overlap`` (see docs/overlap-scheduling.md) step n + 1 is scheduled and handed to the
 step thread *before* step n's tokens are known, whenever the scheduler allows it
 (:meth:`Scheduler.can_schedule_ahead`) and the runner fills placeholder tokens
-(``supports_token_from_last_step``).  Outputs are the same with and without ``overlap``.
+(``supports_token_from_last_step``).  A runner that splits a step into ``launch`` and
+``collect`` (:class:`SplitRunner`) gets, in the step thread, launch n + 1 *before* collect
+n: the device is handed step n + 1 before the host waits for step n's readback.  Outputs
+are the same with and without ``overlap``.
 
 Departure from DESIGN.md ("How a request flows": the engine loop, one task, on the
 servicer's event loop): it is still one task, but on an event loop of its own in a
@@ -40,12 +43,14 @@ scrape binds to its loop), and step observers run on the gRPC loop, not here.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import structlog
 
@@ -98,13 +103,25 @@ class _Stream:
     prompt_top: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # #27
 
 
+class SplitRunner(Protocol):
+    """A runner that can queue a step and wait for it apart (``ModelRunner.launch`` /
+    ``collect``): the step thread then launches step n + 1 before it collects step n."""
+
+    def launch(self, step: SchedulerOutput) -> Any: ...
+
+    def collect(self, launched: Any) -> RunnerOutput: ...
+
+
 @dataclass(slots=True)
 class _Running:
-    """A step handed to the step thread, its result still to come."""
+    """A step handed to the step thread, its result still to come: ``future`` (its
+    ``execute_model``, or its collect once asked for), ``launched`` (a split runner's
+    launch, whose collect is queued only when the loop awaits the result)."""
 
     step: SchedulerOutput
-    future: asyncio.Future[RunnerOutput]
+    future: asyncio.Future[RunnerOutput] | None
     started: float
+    launched: concurrent.futures.Future[Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +154,11 @@ class EngineLoop:
         self.schedule_ahead = overlap and bool(
             getattr(runner, "supports_token_from_last_step", False)
         )
+        # Launch step n + 1 before collecting step n (in the step thread's order) where the
+        # runner splits the two and steps are scheduled ahead.
+        self._split: SplitRunner | None = None
+        if self.schedule_ahead and callable(getattr(runner, "launch", None)):
+            self._split = cast(SplitRunner, runner)
         self.scheduler = scheduler
         self.runner = runner
         self._tokenizer = tokenizer
@@ -216,7 +238,7 @@ class EngineLoop:
             if self.schedule_ahead and self.scheduler.can_schedule_ahead(running.step):
                 ahead = self._submit(loop, self.scheduler.schedule())
             try:
-                result = await running.future
+                result = await self._result(loop, running)
                 outputs = self.scheduler.update_from_output(running.step, result)
             except Exception as exc:  # the runner failed: fail this step's requests
                 self._on_step_failure(running.step, exc)
@@ -252,8 +274,26 @@ class EngineLoop:
         carries no finished ids either, so skipping it loses nothing)."""
         if step.is_empty and not step.finished_req_ids:
             return None
+        if self._split is not None:
+            launched = self.executor.submit(self._split.launch, step)
+            return _Running(step, None, time.perf_counter(), launched)
         future = loop.run_in_executor(self.executor, self.runner.execute_model, step)
         return _Running(step, future, time.perf_counter())
+
+    def _result(
+        self, loop: asyncio.AbstractEventLoop, running: _Running
+    ) -> asyncio.Future[RunnerOutput]:
+        """``running``'s result; for a launched step, its collect is queued in the step
+        thread now — after the step scheduled ahead of it was launched, so the runner
+        queues step n + 1 on the device before it waits for step n's readback.  (A launch
+        that raised raises again here, as the step's failure.)"""
+        if running.future is None:
+            split, launched = self._split, running.launched
+            assert split is not None and launched is not None
+            running.future = loop.run_in_executor(
+                self.executor, lambda: split.collect(launched.result())
+            )
+        return running.future
 
     def _emit_step(self, done: _Finished) -> None:
         """Detokenise a finished step's tokens (stop strings), hand them and the step's

@@ -42,7 +42,7 @@ is how CPU tests check the padding and scratch-block logic against the ordinary 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -345,12 +345,16 @@ class DecodeGraphs:
         sample_slots: Sequence[int] = (),
         penalty_slots: Sequence[int] = (),
         constrained_rows: Sequence[int] = (),
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[num_rows, hidden]`` of a padded decode step (valid until the next
         call: they live in the graph's output buffer); :meth:`logits`, :meth:`greedy` and
         :meth:`sampled` then read the same step.  ``sample_slots`` / ``penalty_slots``: each
         row's slots for the sampled tail (empty: the step will not replay it);
-        ``constrained_rows``: the rows whose grammar mask :meth:`stage_grammar` will give."""
+        ``constrained_rows``: the rows whose grammar mask :meth:`stage_grammar` will give.
+        ``fill(token_ids)``: called on the device token input after the step's input copy,
+        before the replay: placeholder rows take the last step's sampled ids there, on the
+        device (overlapped scheduling: that step may not have been read back yet)."""
         b = padded.bucket
         self._bucket = b
         inputs, table = self._staging[self._next_staging]
@@ -375,6 +379,8 @@ class DecodeGraphs:
         # stale ids that no row reads.
         self._inputs.copy_(inputs, non_blocking=True)
         self.block_table[:b].copy_(table[:b], non_blocking=True)
+        if fill is not None:
+            fill(self.token_ids)
         self.num_runs += 1
         graph = self._graphs.get(b)
         if graph is None:  # not captured (CPU tests): the same forward, eagerly

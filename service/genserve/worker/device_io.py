@@ -7,7 +7,8 @@ The contract every sync-free path of the worker keeps (issue #29):
   with ``non_blocking=True``, so the host queues the copy and moves on.  Nothing reads a
   device tensor back to decide what to upload.
 * Device → host: :class:`Readback` — one packed copy per step into a pinned buffer allocated
-  once, followed by one wait on an event recorded after it (the step's only synchronisation).
+  once (two, used in turn), followed by one wait on an event recorded after it (the step's
+  only synchronisation), which may come after the next step was launched.
 * Host staging buffers that live across steps come from :func:`host_buffer` (pinned when CUDA
   is present), so the proof test can tell them from device tensors when "the device" is the CPU.
 
@@ -84,30 +85,63 @@ class DeviceIO:
         return tensor
 
 
+class PendingRead:
+    """A readback in flight: the copy into a pinned host buffer is queued, with an event
+    recorded after it; :meth:`wait` is the step's one synchronisation."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        self._host = host
+        self._done = done
+
+    def wait(self) -> torch.Tensor:
+        """The host copy, once the device has written it (valid until the readback after
+        next: two buffers are used in turn)."""
+        if self._done is not None:
+            self._done.synchronize()  # everything queued before the copy is finished
+            self._done = None
+        return self._host
+
+
 class Readback:
     """The step's single device → host copy: a float32 ``[rows, columns]`` block copied into
-    a pinned buffer kept across steps (grown when a step needs more), then one wait."""
+    one of two pinned buffers kept across steps (grown when a step needs more), then one
+    wait on an event.
+
+    Two buffers, used in turn, so that step *n + 1* can queue its copy before step *n*'s
+    was read (the step thread launches *n + 1* before collecting *n*: ``ModelRunner.launch``
+    / ``collect``); a step's buffer is reused two readbacks later, by which time the runner
+    has collected it (it keeps at most one step uncollected)."""
 
     def __init__(self, io: DeviceIO) -> None:
         self._io = io
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._next = 0
 
-    def fetch(self, packed: torch.Tensor) -> torch.Tensor:
-        """``packed`` (on the device) as a host tensor, valid until the next call."""
+    def start(self, packed: torch.Tensor) -> PendingRead:
+        """Queue the copy of ``packed`` (on the device) to the host; wait with
+        :meth:`PendingRead.wait`."""
         if not self._io.transfers:
-            return packed
+            # The CPU path: nothing to copy, unless ``packed`` is a view of a buffer the
+            # next step rewrites before this one is collected (the graphs' static outputs).
+            return PendingRead(packed.clone() if packed._base is not None else packed, None)
         numel = packed.numel()
-        if (
-            self._buffer is None
-            or self._buffer.numel() < numel
-            or self._buffer.dtype != packed.dtype
-        ):
+        buffer = self._buffers[self._next]
+        if buffer is None or buffer.numel() < numel or buffer.dtype != packed.dtype:
+            # Both at once (a steady step allocates nothing); the other one may still be
+            # read, so it is replaced, not written.
             size = 1 << max(10, (numel - 1).bit_length())
-            self._buffer = host_buffer((size,), packed.dtype, self._io.device)
-        out = self._buffer[:numel].view(packed.shape)
+            self._buffers = [host_buffer((size,), packed.dtype, self._io.device) for _ in "ab"]
+            buffer = self._buffers[self._next]
+        assert buffer is not None
+        self._next ^= 1
+        out = buffer[:numel].view(packed.shape)
         out.copy_(packed, non_blocking=True)
+        done = None
         if self._io.device.type == "cuda":
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record()
-            done.synchronize()  # the step's one wait: everything queued before is finished
-        return out
+        return PendingRead(out, done)
+
+    def fetch(self, packed: torch.Tensor) -> torch.Tensor:
+        """``packed`` (on the device) as a host tensor: :meth:`start` and wait at once."""
+        return self.start(packed).wait()

@@ -11,7 +11,7 @@ not to serve.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from genserve.worker.cuda_graphs import (
 from genserve.worker.device_io import DeviceIO, Readback
 from genserve.worker.request_state import PenaltyCounts
 from genserve.worker.sampled_tail import graphable, packed_width
-from genserve.worker.sampler import SamplerOutput, SamplingRow, unpack
+from genserve.worker.sampler import PendingSamples, SamplerOutput, SamplingRow, unpack
 from genserve.worker.sampling_table import SamplingTable
 
 if TYPE_CHECKING:
@@ -191,13 +191,16 @@ def graph_forward(
     sampling: tuple[SamplingTable, PenaltyCounts] | None = None,
     constrained: Sequence[str] = (),
     token_ids: Sequence[int] | None = None,
+    fill: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor | None:
     """Hidden states of a pure-decode step (``seqs``: one decode row per token of
     ``chunks``) from a graph, or None when it must run eagerly (LoRA rows, no bucket, a
     context wider than the table).  ``sampling``: the runner's per-slot state, whose slots
     for each row are staged with the inputs (steps without draft tokens), with a flag on
     the rows of the ``constrained`` requests (the step's grammar mask applies to them).
-    ``token_ids``: the rows' tokens, where they differ from the chunks' (placeholders)."""
+    ``token_ids``: the rows' tokens, where they differ from the chunks' (placeholders);
+    ``fill``: writes the placeholder rows of the graph's device token input, after the
+    step's input copy and before the replay (``DecodeGraphs.run``)."""
     if has_lora_rows:
         return None
     bucket = pick_bucket(len(seqs), graphs.sizes)
@@ -217,7 +220,7 @@ def graph_forward(
     if padded is None:
         return None
     if sampling is None or any(c.num_draft_tokens for c in chunks):
-        return graphs.run(padded)
+        return graphs.run(padded, fill=fill)
     table, penalties = sampling
     masked = set(constrained)
     return graphs.run(
@@ -225,6 +228,7 @@ def graph_forward(
         [table.slot(c.req_id) for c in chunks],
         [penalties.slot_or_zero(c.req_id) for c in chunks],
         [i for i, c in enumerate(chunks) if c.req_id in masked],
+        fill,
     )
 
 
@@ -246,13 +250,19 @@ def plain_greedy(row: SamplingRow) -> bool:
 
 def graph_greedy(
     graphs: DecodeGraphs, rows: Sequence[SamplingRow], readback: Readback
-) -> SamplerOutput | None:
+) -> PendingSamples | None:
     """The tokens of a graph-replayed step whose rows (its first ``len(rows)`` rows) are all
-    :func:`plain_greedy`, from the greedy tail graph and one readback (what the sampler would
-    return, bit for bit: the same ops); None when a row needs the sampler."""
+    :func:`plain_greedy`, from the greedy tail graph and one readback, queued (what the
+    sampler would return, bit for bit: the same ops); None when a row needs the sampler.
+    The device ids are the tail block's first column (float32, exact below 2**24), valid
+    until the next step's tail replays."""
     if not rows or not all(plain_greedy(r) for r in rows):
         return None
-    host = readback.fetch(graphs.greedy(len(rows))).tolist()
+    packed = graphs.greedy(len(rows))
+    return PendingSamples(readback.start(packed), _greedy_output, packed[:, 0])
+
+
+def _greedy_output(host: list[list[float]]) -> SamplerOutput:
     return SamplerOutput([int(r[0]) for r in host], [r[1] for r in host], [()] * len(host))
 
 
@@ -263,14 +273,15 @@ def graph_sample(
     sampling: tuple[SamplingTable, PenaltyCounts],
     readback: Readback,
     grammar: tuple[torch.Tensor, Sequence[int]] | None = None,
-) -> SamplerOutput | None:
+) -> PendingSamples | None:
     """The tokens of a graph-replayed step (rows = its first ``len(rows)`` rows, one per
     chunk) from the bucket's sampled tail and one readback: what the sync-free sampler
     returns for them, with the slots' output and penalty counts already advanced on the
-    device.  ``grammar``: the step's bitmask and the row of each of its rows (the rows
-    :func:`graph_forward` flagged).  None when the step needs the eager sampler (draft
-    tokens, a row the tail does not sample, state reallocated since capture, a bitmask it
-    cannot stage)."""
+    device, and the readback queued (device ids: the block's first column, as
+    :func:`graph_greedy`'s).  ``grammar``: the step's bitmask and the row of each of its
+    rows (the rows :func:`graph_forward` flagged).  None when the step needs the eager
+    sampler (draft tokens, a row the tail does not sample, state reallocated since
+    capture, a bitmask it cannot stage)."""
     if not rows or any(c.num_draft_tokens for c in chunks) or not all(map(graphable, rows)):
         return None
     table, penalties = sampling
@@ -281,6 +292,8 @@ def graph_sample(
         return None
     packed = graphs.sampled(len(rows), table, penalties, penalised)
     assert packed is not None
-    host = readback.fetch(packed).tolist()
     width = (packed_width(graphs.logits_buffer.shape[-1]) - 2) // 2
-    return unpack(host, [r.params for r in rows], width)
+    params = [r.params for r in rows]
+    return PendingSamples(
+        readback.start(packed), lambda host: unpack(host, params, width), packed[:, 0]
+    )

@@ -45,9 +45,7 @@ from genserve.parallel import ParallelContext
 from genserve.step import (
     AdapterRef,
     NewRequestData,
-    PromptLogprobs,
     RunnerOutput,
-    SampledToken,
     SamplingParams,
     ScheduledChunk,
     SchedulerOutput,
@@ -64,6 +62,7 @@ from genserve.worker.graph_plan import (
     plan_graphs,
     sampling_state,
 )
+from genserve.worker.launched_step import LaunchedStep, advance_counts
 from genserve.worker.request_state import RequestState
 from genserve.worker.runner_setup import (
     available_ram_bytes,
@@ -214,6 +213,8 @@ class ModelRunner:
         # a placeholder chunk of the next step reads its input token there (issue #29).
         self._last_ids: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        # Steps launched and not yet collected (at most two: launch/collect, overlap).
+        self._in_flight: list[LaunchedStep] = []
         log.info(
             "model_loaded",
             model_id=model.model_id,
@@ -360,6 +361,7 @@ class ModelRunner:
             self.model.end_requests()  # type: ignore[operator]
         self._fresh_sampling_state()
         self._last_ids, self._last_rows = None, {}
+        self._in_flight.clear()
         # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
         # every block, which would touch — and make resident — the whole cache.
         self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
@@ -418,7 +420,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
-        """Run one step as described by :class:`genserve.step.SchedulerOutput`."""
+        """Run one step as described by :class:`genserve.step.SchedulerOutput`:
+        :meth:`launch`, then :meth:`collect`."""
+        return self.collect(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput) -> LaunchedStep:
+        """Queue ``step`` on the device — inputs, forward, sampling, its one readback copy —
+        and return without waiting for it; :meth:`collect` waits and gives its output.
+        Call :meth:`collect` for each launched step, in launch order; the step thread of
+        an overlapping engine launches step *n + 1* before it collects step *n*, whose
+        sampled ids step *n + 1*'s placeholders read on the device.  A launch that needs
+        a value only the readback gives (worker/launched_step.py) first collects the step
+        before it, and at most two steps are ever uncollected (two readback buffers)."""
+        if len(self._in_flight) > 1 or (self._in_flight and self._needs_values(step)):
+            for launched in list(self._in_flight):
+                self._settle(launched)
         for req_id in step.finished_req_ids:
             self._requests.pop(req_id, None)
             self._penalties.remove(req_id)
@@ -434,7 +451,7 @@ class ModelRunner:
             if new.sampling.uses_penalties:
                 self._penalties.add(new)
         if not step.chunks:
-            return RunnerOutput(step.step_id)
+            return LaunchedStep(step.step_id, RunnerOutput(step.step_id))
         if self.backend is None:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
 
@@ -444,8 +461,8 @@ class ModelRunner:
         ]
         hidden = None
         if self._graphs is not None and plan.pure_decode:
-            # The graph's inputs are staged on the host: placeholders take the host's copy
-            # of the last tokens (the step before has been read back by now).
+            # Placeholders are filled on the device, between the graph's input copy and
+            # its replay, from the last step's sampled ids (not yet read back).
             hidden = graph_forward(
                 self._graphs,
                 self._lora_rows(plan.chunks),
@@ -453,7 +470,10 @@ class ModelRunner:
                 plan.seqs,
                 (self._table, self._penalties),
                 step.grammar_req_ids if step.grammar_bitmask is not None else (),
-                self._host_tokens(plan.chunks) if placeholders else None,
+                self._known_tokens(plan.chunks) if placeholders else None,
+                (lambda ids: self._fill_placeholders(ids, placeholders, plan.chunks))
+                if placeholders
+                else None,
             )
         replayed = self._graphs if hidden is not None else None  # logits computed there too
         if hidden is None:
@@ -471,15 +491,59 @@ class ModelRunner:
                 rows = [(c.req_id, len(c.token_ids), c.start_pos) for c in plan.chunks]
                 self.model.bind_step(rows)  # type: ignore[operator]
             hidden = self.model(token_ids, positions, self.kv_caches, meta)  # [tokens, hidden]
-        return self._finish_step(step, plan, hidden, replayed)
+        launched = self._finish_step(step, plan, hidden, replayed)
+        if launched.output is None:
+            self._in_flight.append(launched)
+        return launched
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        """The output of a :meth:`launch`ed step: waits for its readback (the step's one
+        synchronisation), then the host's bookkeeping of its tokens."""
+        if launched.output is None:
+            self._settle(launched)
+        assert launched.output is not None
+        return launched.output
+
+    def _settle(self, launched: LaunchedStep) -> None:
+        """Wait for ``launched``'s readback and apply what only its values tell."""
+        assert launched.pending is not None
+        self._in_flight.remove(launched)  # first: a failed readback is not waited on again
+        out = launched.pending.result()
+        accepted = accept(
+            out, launched.chunks, launched.states, self._penalties, counted=not launched.speculative
+        )
+        if launched.speculative:  # how many tokens each chunk kept is known on the host only
+            self._table.set_output_counts(
+                [c.req_id for c in launched.chunks], [s.num_output_tokens for s in launched.states]
+            )
+            self._last_ids, self._last_rows = out.device_token_ids, accepted.last_rows
+        launched.output = RunnerOutput(launched.step_id, accepted.sampled, launched.prompt)
+        launched.pending = None
+
+    def _needs_values(self, step: SchedulerOutput) -> bool:
+        """Whether launching ``step`` needs host values of the uncollected step: its draft
+        acceptance (a speculative step), or a placeholder's token on the host (no device
+        ids to read it from, or a watermarked row, whose green list hashes it)."""
+        if any(launched.speculative for launched in self._in_flight):
+            return True
+        placeholders = [c.req_id for c in step.chunks if c.token_from_last_step]
+        if not placeholders:
+            return False
+        if self._last_ids is None:
+            return True
+        return any(
+            (state := self._requests.get(r)) is not None and state.sampling.watermark
+            for r in placeholders
+        )
 
     def _fill_placeholders(
         self, token_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]
     ) -> None:
         """Write into ``token_ids[rows]`` (placeholders are one-token decode chunks, laid
         out first: ``chunks[i]`` is flat row ``i``) the token each one's request got in the
-        last step, copied on the device from that step's sampled ids: no round trip through
-        the host."""
+        last step, copied on the device from that step's sampled ids (int64 from the eager
+        sampler, float32 columns of a graph tail's block): no round trip through the host,
+        and no wait for that step's readback."""
         req_ids = [chunks[i].req_id for i in rows]
         missing = [r for r in req_ids if r not in self._last_rows]
         if missing:
@@ -487,21 +551,20 @@ class ModelRunner:
         # A steady batch reads the same rows step after step: uploaded once.
         dst = self.io.upload_cached("placeholder_dst", rows)
         if self._last_ids is None:
-            # The last step's ids left the device only as host values (the graph's greedy
-            # tail reads back its packed block): write the host copies.
+            # The last step's ids are on the host only (launch collected it first).
             host = [self._state(r).last_token for r in req_ids]
             token_ids.index_copy_(0, dst, self.io.upload(host, torch.int64))
             return
         src = self.io.upload_cached("placeholder_src", [self._last_rows[r] for r in req_ids])
-        token_ids.index_copy_(0, dst, self._last_ids.index_select(0, src))
+        token_ids.index_copy_(0, dst, self._last_ids.index_select(0, src).to(torch.int64))
 
-    def _host_tokens(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """The flat batch's token ids, each placeholder replaced by the host's copy of the
-        token (a list, not new chunk objects: this runs for every row of every step)."""
+    def _known_tokens(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """The flat batch's token ids, 0 for each placeholder (filled on the device; a
+        list, not new chunk objects: this runs for every row of every step)."""
         tokens: list[int] = []
         for c in chunks:
             if c.token_from_last_step:
-                tokens.append(self._state(c.req_id).last_token)
+                tokens.append(0)
             else:
                 tokens.extend(c.token_ids)
         return tokens
@@ -518,10 +581,11 @@ class ModelRunner:
         plan: StepLayout,
         hidden: torch.Tensor,
         graphs: DecodeGraphs | None = None,
-    ) -> RunnerOutput:
-        """Logits, sampling and prompt logprobs of a step whose forward gave ``hidden``
-        (``graphs``: replayed from them, which computed the logits of its rows as well)."""
-        sampled: tuple[SampledToken, ...] = ()
+    ) -> LaunchedStep:
+        """Logits, sampling (queued) and prompt logprobs of a step whose forward gave
+        ``hidden`` (``graphs``: replayed from them, which computed the logits of its rows
+        as well)."""
+        launched = LaunchedStep(step.step_id)
         self._last_ids, self._last_rows = None, {}
         rows, leading = plan.sample_rows()
         if rows:
@@ -536,12 +600,11 @@ class ModelRunner:
                 logits = self.model.compute_logits(picked)  # [rows, vocab]
                 graphs = None
             if self.parallel.is_driver:
-                chunks = [c for c in plan.chunks if c.sample]
-                sampled = self._sample(logits, chunks, step, graphs)
+                launched.chunks = [c for c in plan.chunks if c.sample]
+                self._sample(logits, launched, step, graphs)
         parts = prompt_logprob_parts(plan.chunks, plan.offsets, self._requests)
-        prompt: tuple[PromptLogprobs, ...] = ()
         if parts:
-            prompt = prompt_logprobs(
+            launched.prompt = prompt_logprobs(
                 self.model.compute_logits,
                 hidden,
                 parts,
@@ -549,7 +612,9 @@ class ModelRunner:
                 self.parallel.is_driver,
                 [self._requests[p[0]].sampling.num_top_tokens for p in parts],
             )
-        return RunnerOutput(step.step_id, sampled, prompt)
+        if launched.pending is None:
+            launched.output = RunnerOutput(step.step_id, (), launched.prompt)
+        return launched
 
     def prepare_adapter(self, ref: AdapterRef) -> None:
         """Read, validate and lay out ``ref``'s adapter for its slot, so that the step that
@@ -567,54 +632,73 @@ class ModelRunner:
     def _sample(
         self,
         logits: torch.Tensor,
-        chunks: list[ScheduledChunk],
+        launched: LaunchedStep,
         step: SchedulerOutput | None = None,
         graphs: DecodeGraphs | None = None,
-    ) -> tuple[SampledToken, ...]:
-        """One row of ``logits`` per sampling position (``num_draft_tokens + 1`` a chunk);
-        worker/step_outputs.py says which tokens each chunk keeps.  Penalty counts are then
-        advanced from the device's token ids in one scatter.  ``graphs``: the step was
-        replayed from them (``logits`` their rows), whose greedy tail serves all-greedy
-        steps and whose sampled tail the others it can (it advances the slots' counts
-        itself)."""
+    ) -> None:
+        """Queue the sampling of ``launched.chunks``: one row of ``logits`` per sampling
+        position (``num_draft_tokens + 1`` a chunk; worker/step_outputs.py says which tokens
+        each chunk keeps), into ``launched.pending``.  Penalty counts advance from the
+        device's token ids in one scatter, the slots' output counts on the device and the
+        host's counts at once (a step without drafts: worker/launched_step.py).
+        ``graphs``: the step was replayed from them (``logits`` their rows), whose greedy
+        tail serves all-greedy steps and whose sampled tail the others it can (it advances
+        the slots' counts itself)."""
+        chunks = launched.chunks
         if not chunks:
-            return ()
+            return
         states = [self._state(c.req_id) for c in chunks]
+        launched.states = states
         rows = sampling_rows(chunks, states, self._penalties)
         speculative = any(c.num_draft_tokens for c in chunks)
+        launched.speculative = speculative
         bitmask, constrained = grammar_rows(chunks, step)
-        out = None
+        pending = None
+        tail_sampled = False
         if graphs is not None:
             if bitmask is None:
-                out = graph_greedy(graphs, rows, self._graph_readback)
-            sampling = (self._table, self._penalties)
-            grammar = (bitmask, constrained) if bitmask is not None else None
-            if out is None:
-                out = graph_sample(graphs, rows, chunks, sampling, self._graph_readback, grammar)
-                if out is not None:  # the sampled tail advanced the slots' counts itself
-                    accepted = accept(out, chunks, states, self._penalties)
-                    self._last_ids, self._last_rows = None, accepted.last_rows
-                    return accepted.sampled
-        table = self._table.rows(
-            [c.req_id for c in chunks for _ in range(c.num_draft_tokens + 1)],
-            [j for c in chunks for j in range(c.num_draft_tokens + 1)] if speculative else None,
-        )
-        if out is None:
-            out = self.sampler(logits, rows, bitmask, constrained, table=table)
-        accepted = accept(out, chunks, states, self._penalties)
-        if speculative:  # how many tokens each chunk kept is known on the host only
-            self._table.set_output_counts(
-                [c.req_id for c in chunks], [s.num_output_tokens for s in states]
+                pending = graph_greedy(graphs, rows, self._graph_readback)
+            if pending is None:
+                sampling = (self._table, self._penalties)
+                grammar = (bitmask, constrained) if bitmask is not None else None
+                pending = graph_sample(
+                    graphs, rows, chunks, sampling, self._graph_readback, grammar
+                )
+                tail_sampled = pending is not None  # it advanced the slots' counts itself
+        if not tail_sampled:
+            table = self._table.rows(
+                [c.req_id for c in chunks for _ in range(c.num_draft_tokens + 1)],
+                [j for c in chunks for j in range(c.num_draft_tokens + 1)] if speculative else None,
             )
-        else:
-            self._advance_output_counts(table, rows)
-        self._last_ids, self._last_rows = out.device_token_ids, accepted.last_rows
-        if accepted.penalised_req_ids and out.device_token_ids is not None:
-            ids = out.device_token_ids
-            if len(accepted.penalised_rows) != len(rows):
-                ids = ids.index_select(0, self.io.upload(accepted.penalised_rows, torch.int64))
-            self._penalties.record(accepted.penalised_req_ids, ids)
-        return accepted.sampled
+            if pending is None:
+                pending = self.sampler.launch(logits, rows, bitmask, constrained, table=table)
+            if not speculative:
+                self._advance_output_counts(table, rows)
+            self._record_penalties(chunks, pending.device_token_ids, len(rows))
+        assert pending is not None
+        launched.pending = pending
+        if not speculative:
+            self._last_ids = pending.device_token_ids
+            self._last_rows = advance_counts(chunks, states)
+
+    def _record_penalties(
+        self, chunks: list[ScheduledChunk], ids: torch.Tensor | None, num_rows: int
+    ) -> None:
+        """Add the step's tokens (``ids``: every sampling row's, on the device) to the
+        penalised requests' counts (their chunks carry no drafts: one row each)."""
+        req_ids: list[str] = []
+        pen_rows: list[int] = []
+        row = 0
+        for c in chunks:
+            if c.req_id in self._penalties:
+                req_ids.append(c.req_id)
+                pen_rows.append(row)
+            row += c.num_draft_tokens + 1
+        if not req_ids or ids is None:
+            return
+        if len(pen_rows) != num_rows:
+            ids = ids.index_select(0, self.io.upload(pen_rows, torch.int64))
+        self._penalties.record(req_ids, ids)
 
     def _advance_output_counts(self, table: TableRows, rows: list[SamplingRow]) -> None:
         """One more output token on the device for the rows whose output count is read
@@ -638,6 +722,7 @@ class ModelRunner:
             self.model.end_requests()  # type: ignore[operator]
         self._fresh_sampling_state()
         self._last_ids, self._last_rows = None, {}
+        self._in_flight.clear()
         self.backend = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -30,7 +30,7 @@ paths (C++ greedy stats, top-p over 64 candidates) stay: there is no device to w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,7 @@ import torch
 
 from genserve.kernels import cpu as cpu_kernels
 from genserve.step import SamplingParams, TokenLogprob
-from genserve.worker.device_io import DeviceIO, Readback
+from genserve.worker.device_io import DeviceIO, PendingRead, Readback
 from genserve.worker.logits_processors import apply_logit_controls, min_p_filter
 from genserve.worker.sampling_filters import (
     draw,
@@ -106,6 +106,31 @@ _MAX_PACKED_ID = 1 << 24
 TOP_WIDTH = 20
 
 
+class PendingSamples:
+    """A step's sampled tokens whose one readback is in flight (queued, not waited on):
+    the token ids are already on the device (``device_token_ids``, what the next step's
+    placeholders and the penalty counts read), the host values come with :meth:`result`.
+
+    ``finish`` turns the packed host rows into the :class:`SamplerOutput`."""
+
+    def __init__(
+        self,
+        read: PendingRead,
+        finish: Callable[[list[list[float]]], SamplerOutput],
+        device_token_ids: torch.Tensor | None,
+    ) -> None:
+        self._read = read
+        self._finish = finish
+        self.device_token_ids = device_token_ids
+        self._result: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        """Wait for the readback (once) and unpack it."""
+        if self._result is None:
+            self._result = self._finish(self._read.wait().tolist())
+        return self._result
+
+
 def top_width(max_top: int, sync_free: bool, vocab: int) -> int:
     """How many alternatives are ranked for a step whose widest row asks ``max_top``."""
     if sync_free and 0 < max_top <= TOP_WIDTH:
@@ -163,7 +188,21 @@ class Sampler:
         grammar_rows: Sequence[int] = (),
         table: TableRows | None = None,
     ) -> SamplerOutput:
-        """``logits``: float32 ``[num_rows, vocab]``, one row per entry of ``rows``.
+        """The sampled tokens of ``rows``: :meth:`launch`, then wait for them."""
+        return self.launch(logits, rows, grammar_bitmask, grammar_rows, table).result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        grammar_bitmask: torch.Tensor | None = None,
+        grammar_rows: Sequence[int] = (),
+        table: TableRows | None = None,
+    ) -> PendingSamples:
+        """Queue the sampling of ``rows`` and its one readback; nothing waits here.
+
+        ``logits``: float32 ``[num_rows, vocab]``, one row per entry of ``rows``.
         ``grammar_bitmask[i]`` (xgrammar's packed int32 layout) masks row ``grammar_rows[i]``
         after the penalties, before temperature and filtering; other rows are untouched.
         ``table``: the rows' parameters (and seeds, output counts) already on the device
@@ -238,7 +277,7 @@ class Sampler:
         logprobs: torch.Tensor | None,
         params: Sequence[SamplingParams],
         max_top: int,
-    ) -> SamplerOutput:
+    ) -> PendingSamples:
         """Everything the host needs, in one float32 block ``[rows, 2 + 2 * max_top]`` (ids,
         their logprobs, top ids, top logprobs) and one copy."""
         parts = [token_ids.to(torch.float32)[:, None], chosen[:, None]]
@@ -250,8 +289,8 @@ class Sampler:
             parts += [top_ids.to(torch.float32), top_values]
         if logprobs is not None and logprobs.shape[-1] > _MAX_PACKED_ID:
             raise ValueError(f"vocabulary of {logprobs.shape[-1]} ids: too wide to pack")
-        packed = self._readback.fetch(torch.cat(parts, dim=1))
-        return unpack(packed.tolist(), params, width, token_ids)
+        read = self._readback.start(torch.cat(parts, dim=1))
+        return PendingSamples(read, lambda host: unpack(host, params, width, token_ids), token_ids)
 
     def _apply_penalties(
         self, scores: torch.Tensor, rows: Sequence[SamplingRow], table: TableRows | None = None

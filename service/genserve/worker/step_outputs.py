@@ -73,8 +73,10 @@ def accept(
     chunks: list[ScheduledChunk],
     states: list[RequestState],
     penalties: PenaltyCounts,
+    counted: bool = False,
 ) -> Accepted:
-    """The tokens each chunk keeps, with ``states`` advanced past them."""
+    """The tokens each chunk keeps, with ``states`` advanced past them (``counted``: their
+    counts were advanced already, when the step was launched: only the last token is set)."""
     result: list[SampledToken] = []
     pen_ids: list[str] = []
     pen_rows: list[int] = []
@@ -94,8 +96,9 @@ def accept(
         if c.req_id in penalties:
             pen_ids.append(c.req_id)
             pen_rows.append(row)
-        state.num_output_tokens += num_accepted + 1
-        state.num_tokens += num_accepted + 1
+        if not counted:
+            state.num_output_tokens += num_accepted + 1
+            state.num_tokens += num_accepted + 1
         last_rows[c.req_id] = row + num_accepted
         state.last_token = out.token_ids[row + num_accepted]
         row += c.num_draft_tokens + 1
