@@ -155,9 +155,7 @@ def test_kernel_rejects_what_it_does_not_serve() -> None:
         )
     eight = IntDotPanels.pack(q8_0(torch.randn(40, 64)))
     with pytest.raises(RuntimeError, match="take no mins"):
-        torch.ops.genserve.int_dot_linear(
-            x, eight.data, eight.scales, eight.scales, 8, 40, None, 0
-        )
+        torch.ops.genserve.int_dot_linear(x, eight.data, eight.scales, eight.scales, 8, 40, None, 0)
     with pytest.raises(RuntimeError, match="disagree"):
         torch.ops.genserve.int_dot_linear(
             x, panels.data, panels.scales, panels.mins, 4, 70, None, 0
