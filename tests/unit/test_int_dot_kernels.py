@@ -5,6 +5,7 @@ packing, its mode choice and its place in the fused decode layer."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,7 @@ from genserve.bench.int_dot_speed import q4_0, q8_0
 from genserve.kernels import cpu as cpu_kernels
 from genserve.kernels import int_dot
 from genserve.kernels.int_dot import IntDotUnavailableError, Isa
-from genserve.model.int_dot_panels import IntDotPanels
+from genserve.model.int_dot_panels import IntDotPanels, _block_params
 from genserve.model.quantization import QuantizedWeight, quantize_int4, quantize_int8
 from tests.conftest import TinyModelFactory
 
@@ -152,8 +153,9 @@ def test_kernel_rejects_what_it_does_not_serve() -> None:
         torch.ops.genserve.int_dot_linear(
             torch.randn(2, 96), panels.data, panels.scales, panels.mins, 4, 40, None, 0
         )
-    with pytest.raises(RuntimeError, match="need mins"):
-        torch.ops.genserve.int_dot_linear(x, panels.data, panels.scales, None, 4, 40, None, 0)
+    eight = IntDotPanels.pack(q8_0(torch.randn(40, 64)))
+    with pytest.raises(RuntimeError, match="take no mins"):
+        torch.ops.genserve.int_dot_linear(x, eight.data, eight.scales, eight.scales, 8, 40, None, 0)
     with pytest.raises(RuntimeError, match="disagree"):
         torch.ops.genserve.int_dot_linear(
             x, panels.data, panels.scales, panels.mins, 4, 70, None, 0
@@ -243,3 +245,51 @@ def test_decode_layer_op_runs_int_dot_projections_like_the_layers(
     drift = (fused - float_path).norm() / float_path.norm()
     print(f"int-dot vs float path, relative logit drift {drift:.4f}")
     assert drift < 0.05
+
+
+def _with_stored_mins(panels: IntDotPanels, quant: QuantizedWeight) -> IntDotPanels:
+    """The same panels with Q4_0's mins (-8 d) stored, as they were packed before."""
+    assert quant.mins is not None
+    n_pad, blocks = panels.data.shape[0] * 32, panels.scales.shape[1]
+    mins = _block_params(quant.mins, quant.group, quant.in_features, n_pad, blocks)
+    return dataclasses.replace(panels, mins=mins)
+
+
+@pytest.mark.parametrize("isa", PATHS, ids=lambda i: i.name)
+def test_q4_0_keeps_no_mins_and_gives_the_same_bits(isa: Isa) -> None:
+    """Q4_0's mins are -8 d: packed without them (18 bytes per 32 weights streamed, not 20),
+    the kernels compute them from the scales, bit for bit what the stored mins gave."""
+    _require(isa)
+    gen = torch.Generator().manual_seed(13)
+    quant = q4_0(torch.randn(70, 2080, generator=gen))
+    quant.scales[3, 5] = 0  # a zero block: its min is -0.0 either way
+    quant.mins[3, 5] = quant.scales[3, 5] * -8
+    panels = IntDotPanels.pack(quant)
+    assert panels.mins is None
+    assert panels.nbytes == panels.data.nbytes + panels.scales.nbytes
+    stored = _with_stored_mins(panels, quant)
+    for rows in ROWS:
+        x = torch.randn(rows, 2080, generator=gen)
+        assert torch.equal(panels.linear(x, None, isa), stored.linear(x, None, isa)), rows
+    # a Q4_1 weight whose mins are not -8 d keeps them
+    assert IntDotPanels.pack(quantize_int4(torch.randn(40, 64, generator=gen))).mins is not None
+
+
+def test_q4_0_without_mins_in_the_bf16_gemm_and_the_decode_layer() -> None:
+    """The other readers of the layout: the bfloat16 prefill GEMM decodes the same weights
+    (m = -8 d), and the one-op decode layer passes no mins through to the kernel."""
+    gen = torch.Generator().manual_seed(17)
+    quant = q4_0(torch.randn(64, 256, generator=gen))
+    panels = IntDotPanels.pack(quant)
+    stored = _with_stored_mins(panels, quant)
+    x = torch.randn(5, 256, generator=gen)
+    try:
+        got = torch.ops.genserve.int_dot_linear_bf16(
+            x, panels.data, panels.scales, None, 4, 64, None, 0
+        )
+    except RuntimeError as exc:  # no AVX-512 decode on this CPU
+        pytest.skip(str(exc))
+    want = torch.ops.genserve.int_dot_linear_bf16(
+        x, stored.data, stored.scales, stored.mins, 4, 64, None, 0
+    )
+    assert torch.equal(got, want)

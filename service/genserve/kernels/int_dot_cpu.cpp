@@ -18,7 +18,9 @@
 //   4-bit: data uint8 [P, Kp / 4, 64]: byte j holds column j / 4 (k-step j % 4 of the quad)
 //          in its low nibble and column 16 + j / 4 in its high one, q in 0..15;
 //   scales (and 4-bit mins) float16 [P, Kp / 32, 32], one per block of 32 k-steps (GGUF's
-//   own values; widened once per block and row tile);
+//   own values; widened once per block and row tile).  4-bit weights without mins are
+//   Q4_0's symmetric blocks, m = -8 d, computed from the scale (the exact value the float16
+//   min held), so a decode step streams 18 bytes per 32 weights, the file's, not 20;
 // Kp is K rounded up to 32 (padded weights are zero, padded activations too).
 //
 // Per block, per output column: s = Σ q_w · q_x (int32, exact), then
@@ -71,7 +73,7 @@ struct QActs {
 struct IntPanels {
   const uint8_t* data;
   const uint16_t* scales;  // float16 [P, B, 32]
-  const uint16_t* mins;    // float16 [P, B, 32] or nullptr (8-bit)
+  const uint16_t* mins;    // float16 [P, B, 32] or nullptr (8-bit; 4-bit: m = -8 d)
   int64_t bits, padded_k, blocks;
 };
 
@@ -358,7 +360,7 @@ at::Tensor int_dot_linear_impl(const at::Tensor& x, const at::Tensor& data,
                   scales.size(1) == B && scales.size(2) == kPanel,
               "int_dot_linear: float16 scales [P, ceil(K / 32), 32] expected");
   const bool has_mins = mins.has_value() && mins->defined() && mins->numel() > 0;
-  TORCH_CHECK(has_mins == (bits == 4), "int_dot_linear: 4-bit weights need mins, 8-bit none");
+  TORCH_CHECK(!has_mins || bits == 4, "int_dot_linear: 8-bit weights take no mins");
   if (has_mins) {
     TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes(),
                 "int_dot_linear: mins like scales");

@@ -144,9 +144,13 @@ void panels_to_bf16(const uint8_t* data, const uint16_t* scales, const uint16_t*
         const uint16_t* mn = mins + (p * blocks + kb) * 32;
         m_lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn)));
         m_hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16)));
+      } else if (bits == 4) {  // Q4_0 stores no mins: m = -8 d (int_dot_cpu.cpp)
+        m_lo = _mm512_mul_ps(s_lo, _mm512_set1_ps(-8.0f));
+        m_hi = _mm512_mul_ps(s_hi, _mm512_set1_ps(-8.0f));
       }
-      const __m512* ml = mins != nullptr ? &m_lo : nullptr;
-      const __m512* mh = mins != nullptr ? &m_hi : nullptr;
+      const bool has_min = mins != nullptr || bits == 4;
+      const __m512* ml = has_min ? &m_lo : nullptr;
+      const __m512* mh = has_min ? &m_hi : nullptr;
       for (int64_t kq = 0; kq < 8; ++kq) {
         const uint8_t* qd = d + (kb * 8 + kq) * quad_bytes;
         __builtin_prefetch(qd + 8 * quad_bytes, 0, 0);
