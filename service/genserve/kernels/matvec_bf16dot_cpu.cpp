@@ -128,7 +128,7 @@ void run_range_o(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int
 // all eight x rows (the block's x, 8 x K bf16, is 32 KB at K = 2,048: the whole L1D of this
 // Zen 4, so x came from L2 on every pass) streamed the 1B shape's matrices at 20-22 GB/s; four
 // W rows against x rows 0-3 and then 4-7 (16 KB of x in flight, each x vector serving four W
-// rows) at 22-26 GB/s, 12-20% faster on every matrix of the shape (2 threads, cold W).
+// rows) at 22-26 GB/s, 8-23% faster on every matrix of the shape (2 threads, cold W).
 // Every (W row, x row) sum is formed the same way whatever M is, so a row's outputs do not
 // depend on how many rows share its step (batch invariance).
 void run_range(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t N,
