@@ -231,7 +231,9 @@ def test_matvec_bf16_by_dot_products_agrees_with_the_fma_path(
 ) -> None:
     """bf16 x bf16 takes VDPBF16PS where the CPU has AVX512-BF16 (the float-FMA path where it
     has not): the same exact products summed in another order, so both are within one bf16
-    rounding of the float64 product and of each other; a float32 x stays on the FMA path."""
+    rounding of the float64 product and of each other.  A float32 x of bf16 values (the LM
+    head's) takes the same kernel with its float32 sums unrounded; any other float32 x stays
+    on the FMA path."""
     gen = torch.Generator().manual_seed(rows + out_features)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
@@ -241,9 +243,15 @@ def test_matvec_bf16_by_dot_products_agrees_with_the_fma_path(
     torch.testing.assert_close(fast.double(), expected, atol=8e-3, rtol=8e-3)
     torch.testing.assert_close(fast, fma, atol=8e-3, rtol=8e-3)
     x32 = x.float()
+    logits = torch.ops.genserve.matvec(x32, weight, None)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), expected, atol=1e-3, rtol=1e-4)
+    # The same sums as the bf16 x's, before its one rounding.
+    assert torch.equal(logits.to(torch.bfloat16), fast)
+    off_grid = x32 + 1e-3  # not bf16 values: the float path, as matvec_fma
     assert torch.equal(
-        torch.ops.genserve.matvec(x32, weight, None),
-        torch.ops.genserve.matvec_fma(x32, weight, None),
+        torch.ops.genserve.matvec(off_grid, weight, None),
+        torch.ops.genserve.matvec_fma(off_grid, weight, None),
     )
 
 
