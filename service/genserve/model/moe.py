@@ -216,9 +216,9 @@ class SparseMoeBlock(nn.Module):
 
     def move_streamed_experts(self, region: HugePageRegion) -> None:
         """Replace the routed experts' tensors by copies placed in ``region`` (2 MiB pages,
-        ``model/huge_pages.py``), as the decoder does for its dense projections.  Measured on
-        a 4-layer Qwen3-30B-A3B-shape Q8_0 GGUF (docs/models/moe.md): the four layers'
-        ``moe_experts_gguf`` in a one-stream step ~10 -> ~4 ms."""
+        ``model/huge_pages.py``), as the decoder does for its dense projections: a step
+        reads 8-50 experts' rows, each a separate stream that in 4 KiB pages stops the
+        prefetchers at every page (docs/models/moe.md has the measurements)."""
         if self.quantized_experts is not None:
             self.quantized_experts = self.quantized_experts.placed(region)
         elif self.w13.numel() > 0:
