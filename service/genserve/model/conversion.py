@@ -24,7 +24,7 @@ from tqdm import tqdm
 from genserve.logging import progress_bars
 from genserve.model import model_cache
 from genserve.model.file_identity import file_digest
-from genserve.model.gguf_config import apply_llama_cpp_hparams
+from genserve.model.gguf_config import apply_llama_cpp_hparams, mixtral_from_llama
 from genserve.model.gguf_metadata_reader import fast_config_reader
 
 log = structlog.get_logger("genserve.model")
@@ -45,7 +45,8 @@ def dir_fingerprint(model_dir: Path) -> str:
 # 3: and the expert widths of Qwen2/3-MoE files (moe_intermediate_size, shared expert's).
 # 4: entries record their files' sizes and digests (model_cache.entry_intact), keyed by the
 #    sampled digest (file_identity).
-GGUF_ENTRY_VERSION = 4
+# 5: a ``llama`` file with experts (Mixtral as llama.cpp converts it) keeps a MixtralConfig.
+GGUF_ENTRY_VERSION = 5
 
 
 def convert_gguf(gguf_file: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:
@@ -132,6 +133,7 @@ def _save_config_and_tokenizer(
         config = AutoConfig.from_pretrained(
             src, gguf_file=name, trust_remote_code=trust_remote_code
         )
+        config = mixtral_from_llama(gguf_file, config)
         if not getattr(config, "architectures", None):
             arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
             config.architectures = [arch] if arch else None

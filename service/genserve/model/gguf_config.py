@@ -7,6 +7,10 @@ says), a Gemma 2 file the default soft-caps, a Phi-3 file no sliding window and 
 rotary, and Gemma 2/3 the default ``query_pre_attn_scalar`` (256) where llama.cpp scales
 queries by ``head_dim`` (the hidden size per head for the 27B models: ``src/models/gemma2.cpp``),
 and a Qwen2/3-MoE file transformers' default expert widths (768 routed, 5632 shared).
+
+A Mixtral file is written by llama.cpp as ``llama`` with ``llama.expert_count``: transformers
+reads it as a dense ``LlamaConfig`` (its ``llama`` mapping has no expert keys), and
+:func:`mixtral_from_llama` turns that into the ``MixtralConfig`` llama.cpp runs.
 """
 
 from __future__ import annotations
@@ -21,6 +25,45 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 def _scalar(fields: Any, key: str) -> Any:
     field = fields.get(key)
     return None if field is None else field.contents()
+
+
+def mixtral_from_llama(gguf_file: Path, config: Any) -> Any:
+    """``config`` (transformers' reading of ``gguf_file``) as a ``MixtralConfig`` when the
+    file is a ``llama`` with experts (how ``convert_hf_to_gguf.py`` writes Mixtral), else
+    ``config`` itself.  The model is the one llama.cpp's ``llama`` graph runs: softmax top-k
+    of ``expert_count`` experts, renormalised, SiLU-gated experts of width
+    ``expert_feed_forward_length`` (else ``feed_forward_length``), full attention (the
+    ``llama`` graph has no sliding window, and the converter writes none for Mixtral).
+
+    Raises ValueError for an expert layout llama.cpp's ``llama`` graph runs but Mixtral's
+    does not (Granite-MoE's shared expert, ``expert_shared_feed_forward_length``)."""
+    from transformers import MixtralConfig
+
+    from genserve.model.gguf_index import GGUFIndex
+
+    fields = GGUFIndex(gguf_file).fields
+    experts = _scalar(fields, "llama.expert_count")
+    if _scalar(fields, "general.architecture") != "llama" or not experts:
+        return config
+    if _scalar(fields, "llama.expert_shared_feed_forward_length"):
+        raise ValueError("a llama GGUF with a shared expert (Granite-MoE) is not Mixtral")
+    width = _scalar(fields, "llama.expert_feed_forward_length") or config.intermediate_size
+    kept = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+        "rope_parameters", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+        "pad_token_id",
+    )  # fmt: skip
+    values = {k: getattr(config, k) for k in kept if getattr(config, k, None) is not None}
+    return MixtralConfig(
+        **values,
+        intermediate_size=int(width),
+        num_local_experts=int(experts),
+        num_experts_per_tok=int(_scalar(fields, "llama.expert_used_count") or 2),
+        sliding_window=None,
+        hidden_act="silu",
+        architectures=["MixtralForCausalLM"],
+    )
 
 
 def apply_llama_cpp_hparams(gguf_file: Path, config: Any) -> dict[str, Any]:

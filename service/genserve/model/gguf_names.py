@@ -16,6 +16,11 @@ reverse.
   ``mlp.experts.{gate,up,down}_proj`` without ``.weight`` as Hugging Face's stacked expert
   tensors are; Qwen2-MoE's shared expert ``ffn_*_shexp`` is ``mlp.shared_expert.*`` and its
   gate ``ffn_gate_inp_shexp`` is ``mlp.shared_expert_gate``.
+* Mixtral is written as ``llama`` (its Q/K rows permuted like Llama's) with the same stacks
+  (``w1`` → ``ffn_gate_exps``, ``w3`` → ``ffn_up_exps``, ``w2`` → ``ffn_down_exps``) and
+  router ``ffn_gate_inp``, read here under the Mixtral family's module names
+  (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{gate,up,down}_proj``); a dense
+  ``llama`` file has none of these tensors.
 * Gemma (1/2/3) norm weights are stored as ``w + 1`` (Gemma's RMSNorm multiplies by
   ``1 + w``; llama.cpp's by the weight), every tensor whose name ends in ``norm.weight``,
   the q/k norms and the final norm included.  transformers subtracts the 1 again when it
@@ -74,6 +79,13 @@ _EXPERTS = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Mixtral (``llama`` with experts): the same stacks under the Mixtral family's names.
+_MIXTRAL_VECTORS = {"ffn_gate_inp": "block_sparse_moe.gate"}
+_MIXTRAL_EXPERTS = {
+    "ffn_gate_exps": "block_sparse_moe.experts.gate_proj",
+    "ffn_up_exps": "block_sparse_moe.experts.up_proj",
+    "ffn_down_exps": "block_sparse_moe.experts.down_proj",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +105,7 @@ class GGUFLayout:
 
 
 LAYOUTS: dict[str, GGUFLayout] = {
-    "llama": GGUFLayout(permuted_qk=True),
+    "llama": GGUFLayout(permuted_qk=True, moe_vectors=_MIXTRAL_VECTORS, experts=_MIXTRAL_EXPERTS),
     "qwen2": GGUFLayout(),
     "qwen3": GGUFLayout(),
     "phi3": GGUFLayout(matrices=_PHI3_MATRICES),

@@ -117,9 +117,9 @@ def _check_native_weights(config: ModelConfig, model_dir: Path) -> None:
     weights, so the model goes to the fallback (transformers dequantizes the file) instead
     of failing at load: a GGUF of an architecture whose llama.cpp tensor layout
     ``gguf_names`` does not map (e.g. ``stablelm``, ``starcoder2``), a mixture-of-experts
-    GGUF of an architecture without an expert mapping (``qwen2moe`` and ``qwen3moe`` have
-    one), and a GGUF with experts (``{arch}.expert_count``) whose config transformers read
-    as a dense model (Mixtral written as ``llama``)."""
+    GGUF of an architecture without an expert mapping (``qwen2moe``, ``qwen3moe`` and
+    ``llama``, Mixtral's, have one), a GGUF with fused gate/up expert stacks, and a GGUF with
+    experts (``{arch}.expert_count``) whose config was read as a dense model."""
     from genserve.model import gguf_names
     from genserve.model.gguf_index import GGUFIndex
     from genserve.model.loader import transformers_weights_kwargs
@@ -127,7 +127,8 @@ def _check_native_weights(config: ModelConfig, model_dir: Path) -> None:
     gguf_file = transformers_weights_kwargs(model_dir).get("gguf_file")
     if gguf_file is None:
         return
-    fields = GGUFIndex(gguf_file).fields
+    index = GGUFIndex(gguf_file)
+    fields = index.fields
     field = fields.get("general.architecture")
     arch = None if field is None else field.contents()
     layout = gguf_names.layout(arch)
@@ -141,6 +142,11 @@ def _check_native_weights(config: ModelConfig, model_dir: Path) -> None:
     if config.moe is not None and not layout.experts:
         raise UnsupportedModelError(
             f"the native reader has no mixture-of-experts tensors for GGUF architecture {arch!r}"
+        )
+    if any(".ffn_gate_up_exps." in t.name for t in index.tensors):
+        raise UnsupportedModelError(
+            "the GGUF file's experts are fused gate/up stacks (ffn_gate_up_exps, the "
+            "converter's --fuse-gate-up-exps), which the native reader does not split"
         )
     if config.moe is None and isinstance(num_experts, int) and num_experts > 0:
         raise UnsupportedModelError(
