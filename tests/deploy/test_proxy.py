@@ -250,29 +250,41 @@ def test_sigterm_one_of_two_replicas_drains_and_traffic_moves(
         run_nginx([first.address, second.address], tmp_path_factory.mktemp("nginx2")) as proxy,
     ):
         channel, stub = _stub(proxy.address)
+        # Long enough to still be generating when SIGTERM lands (a 60-token stream of the
+        # tiny model can end before that on a fast machine, and then nothing drains).
         long_request = pb.GenerateStreamRequest(
             inputs=PROMPT,
-            parameters=pb.GenerateParameters(max_new_tokens=60),
+            parameters=pb.GenerateParameters(max_new_tokens=200, ignore_eos=True),
         )
         results: list[tuple[str, int | grpc.StatusCode]] = []
         lock = threading.Lock()
+        streaming = [threading.Event() for _ in range(6)]
 
-        def stream_one() -> None:
+        def stream_one(index: int) -> None:
             try:
-                messages = list(stub.GenerateStream(long_request, timeout=120))
+                messages = []
+                for message in stub.GenerateStream(long_request, timeout=120):
+                    messages.append(message)
+                    streaming[index].set()
                 finished = messages[-1].HasField("details")  # the last message of a stream
                 outcome: tuple[str, int | grpc.StatusCode] = ("ok", int(finished))
             except grpc.RpcError as exc:
                 outcome = ("error", exc.code())
+            finally:
+                streaming[index].set()  # a stream that failed first is reported below
             with lock:
                 results.append(outcome)
 
         with channel:
             # Round robin over two replicas: 6 streams put 3 on each.
-            threads = [threading.Thread(target=stream_one) for _ in range(6)]
+            threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(6)]
             for t in threads:
                 t.start()
-            time.sleep(1.5)  # streams are running
+            # Every stream has its first token, so it is admitted on its replica (a fixed
+            # pause was not enough on a loaded machine: a stream that reached the first
+            # replica after SIGTERM was refused, and "all six finish" failed).
+            for event in streaming:
+                assert event.wait(120), "a stream neither produced a token nor failed"
             first.proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             # Raw calls: nginx knows nothing of the drain and keeps sending every other call to

@@ -228,12 +228,15 @@ def test_second_signal_ends_the_drain_at_once(tiny_model_factory: TinyModelFacto
         assert server.proc.poll() is None, "the first signal should drain, not exit"
         sent = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
-        server.proc.wait(10)
+        server.proc.wait(60)
         elapsed = time.monotonic() - sent
-        worker.join(10)
+        worker.join(60)
         logs = server.logs()
-    assert elapsed < 1.0, f"exited {elapsed:.2f}s after the second signal"
+    # The stream was aborted, not drained: it would otherwise run its 4000 tokens (or the
+    # 60 s --shutdown-timeout).  The exit itself (abort, 1 s gRPC grace, stop) takes about a
+    # second idle and several on a loaded 2-core machine; 15 s is still far below the drain.
     assert outcome == [grpc.StatusCode.UNAVAILABLE]
+    assert elapsed < 15.0, f"exited {elapsed:.2f}s after the second signal"
     assert "shutdown_drain_ended" in logs
 
 

@@ -189,6 +189,40 @@ def test_each_row_is_batch_and_thread_invariant(mixed: KQuantWeight, path: int) 
     assert torch.equal(batched, one)
 
 
+@pytest.fixture(scope="module")
+def long_rows() -> KQuantWeight:
+    """Rows past the 256-bit paths' 4096-input limit for their several-weight-rows pass, so
+    one-row steps take their one-weight-row pass."""
+    parts = [_matrix("Q4_K", 6, 4352, 5), _matrix("Q6_K", 5, 4352, 6), _matrix("Q5_K", 3, 4352, 7)]
+    return cat_kquant(parts)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", [Isa.AVX2, Isa.AVX_VNNI, Isa.VNNI256_EVEX], ids=lambda i: i.name)
+@pytest.mark.parametrize("shape", ["short", "long"])
+def test_256_bit_paths_are_batch_invariant_and_agree(
+    mixed: KQuantWeight, long_rows: KQuantWeight, isa: Isa, shape: str
+) -> None:
+    """A one-row step (kquant_ymm_row.inc: quants unpacked in registers, 4 or 1 weight rows
+    per pass) gives each row exactly what a batched step (kquant_int_row.inc) gives it, and
+    every 256-bit path the same bits (the same exact integer lanes, the same float steps)."""
+    if isa not in _int_isas():
+        pytest.skip(f"this CPU has no {isa.name} path")
+    w = mixed if shape == "short" else long_rows
+    torch.manual_seed(7)
+    x = torch.randn(5, w.in_features) * torch.rand(5, 1) * 4
+    served = w.serving(int(isa))
+    batched = served.linear(x, None)
+    single = torch.cat([served.linear(x[i : i + 1], None) for i in range(5)])
+    assert torch.equal(batched, single)
+    q, d, _ = torch.ops.genserve.kquant_quantize(x)
+    xq = (q.double().view(5, -1, 256) * d.double()[..., None]).view(5, -1)
+    ref = _gguf_py(w).double()
+    assert ((single.double() - xq @ ref.T).abs() <= 2e-6 * _bound(xq, ref) + 1e-6).all()
+    avx2 = w.serving(int(Isa.AVX2))
+    assert torch.equal(single, torch.cat([avx2.linear(x[i : i + 1], None) for i in range(5)]))
+
+
 @needs_kernels
 def test_bad_inputs_are_refused(mixed: KQuantWeight) -> None:
     op = torch.ops.genserve.kquant_linear

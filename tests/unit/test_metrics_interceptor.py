@@ -33,7 +33,12 @@ PARENT_ID = "b7ad6b7169203331"
 
 
 class Behaviours(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
-    """Generate/GenerateStream end the way the prompt says."""
+    """Generate/GenerateStream end the way the prompt says; ``sleeping`` is set once a
+    ``sleep`` call is inside its handler (so a test cancels a call the server has, not one
+    still on its way: on a loaded machine that takes longer than any fixed pause)."""
+
+    def __init__(self) -> None:
+        self.sleeping = asyncio.Event()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -49,6 +54,7 @@ class Behaviours(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
             case "boom":
                 raise RuntimeError("kaboom")
             case "sleep":
+                self.sleeping.set()
                 await asyncio.sleep(30)
         return pb.GenerateResponse(results=[pb.GenerateResult(generated_text="done")])
 
@@ -62,9 +68,12 @@ class Behaviours(pb_grpc.TextGenerationServiceServicer):  # type: ignore[misc]
 
 
 class Server:
-    def __init__(self, metrics: Metrics, exporter: InMemorySpanExporter) -> None:
+    def __init__(
+        self, metrics: Metrics, exporter: InMemorySpanExporter, behaviours: Behaviours
+    ) -> None:
         self.metrics = metrics
         self.exporter = exporter
+        self.behaviours = behaviours
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         text = generate_latest(self.metrics.registry).decode()
@@ -79,8 +88,9 @@ class Server:
 
     async def until(self, name: str, labels: dict[str, str], want: float) -> None:
         """Server-side accounting of a failed or cancelled call may finish after the client
-        has its status."""
-        for _ in range(200):
+        has its status (within milliseconds; the 30 s deadline is for a loaded machine)."""
+        deadline = asyncio.get_running_loop().time() + 30
+        while asyncio.get_running_loop().time() < deadline:
             if self.value(name, labels) == want:
                 return
             await asyncio.sleep(0.01)
@@ -107,13 +117,17 @@ async def served(
     metrics = Metrics()
     interceptor = ObservabilityInterceptor(metrics, tracer_provider.get_tracer("test"))
     server = grpc.aio.server(interceptors=[interceptor])
-    pb_grpc.add_TextGenerationServiceServicer_to_server(Behaviours(), server)
+    behaviours = Behaviours()
+    pb_grpc.add_TextGenerationServiceServicer_to_server(behaviours, server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        # Connected before the test starts: a short deadline then measures the call, not the
+        # connection set-up.
+        await asyncio.wait_for(channel.channel_ready(), 60)
         yield (
-            Server(metrics, exporter),
+            Server(metrics, exporter, behaviours),
             pb_grpc.TextGenerationServiceStub(channel),
             health_pb2_grpc.HealthStub(channel),
         )
@@ -170,13 +184,18 @@ async def test_failures_by_reason(
 
 async def test_deadline_and_cancellation(served: Served) -> None:
     srv, stub, _ = served
+    # The deadline must pass while the handler runs (a call that expires on its way never
+    # reaches the interceptor): 1 s is ample on a connected channel, even loaded, and the
+    # handler sleeps 30 s.
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.Generate(_gen("sleep"), timeout=0.2)
+        await stub.Generate(_gen("sleep"), timeout=1.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert srv.behaviours.sleeping.is_set(), "the call expired before it reached the server"
     await srv.until("genserve_request_failure_total", {"err": "deadline"}, 1)
 
+    srv.behaviours.sleeping.clear()
     call = stub.Generate(_gen("sleep"))
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(srv.behaviours.sleeping.wait(), 60)  # the server has the call
     call.cancel()
     await srv.until("genserve_request_failure_total", {"err": "cancelled"}, 1)
 

@@ -11,6 +11,7 @@ file, started and stopped the way an operator would (signals).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,10 +37,40 @@ def genserve_command() -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (the server binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port that was free a moment ago on 127.0.0.1 (the server binds it right after).
+
+    Taken below the kernel's ephemeral range (where ``bind(0)`` and every outgoing
+    connection's local end are picked from): a port chosen there can be handed to any
+    process's next connection during the seconds before the server binds it, and on a busy
+    CI host (gRPC clients, nginx upstreams, other test runs) that happens.  Random among
+    thousands, so two test runs at once rarely meet either; a lost race of the gRPC port is
+    retried by ``start_server``."""
+    low, _ = _ephemeral_range()
+    first = max(1024, low - _OWN_PORTS)
+    for _ in range(100 if first < low else 0):
+        port = random.randrange(first, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: another one
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # below is all taken
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# How many ports under the ephemeral range free_port() draws from.
+_OWN_PORTS = 10_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's ip_local_port_range (its default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 # What genserve logs once its gRPC port is bound (cli.py's "listening" event, with the address).

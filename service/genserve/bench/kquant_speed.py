@@ -21,7 +21,10 @@ reads 16 layers' matrices before it meets the first one again).  Prints a markdo
 per call (best of ``--repeats``), the weight bytes streamed per second (GB/s) and that as a
 share of the read bandwidth ``machine_limits`` measures on the same threads (a buffer far
 past the L3, summed).  A one-row matvec at the bandwidth is as fast
-as that format can go; one well under it is compute- or overhead-bound.  ``--clock cpu`` times
+as that format can go; one well under it is compute- or overhead-bound.  ``--cpu-features-mask``
+(``GENSERVE_CPU_FEATURES_MASK`` by default) hides CPU features from the kernels' choices, as the
+server's flag does (e.g. ``avx2``: an AVX2-only CPU, the AVX2-level library; set
+``ATEN_CPU_CAPABILITY=avx2`` beside it).  ``--clock cpu`` times
 the process's CPU time instead of the wall clock (with ``--threads 1`` on a busy machine).
 Not a test: numbers depend on the machine and on what else runs on it
 (docs/cpu/quantization-formats.md and docs/benchmarks/cpu.md record runs).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -41,6 +45,7 @@ from gguf import GGMLQuantizationType
 from genserve.bench.int_dot_speed import _best_ms, cpu_name, q4_0, q8_0
 from genserve.bench.machine_limits import read_bandwidth_gb_s
 from genserve.kernels import cpu as cpu_kernels
+from genserve.kernels.cpu_features import parse_mask
 from genserve.kernels.int_dot import Isa
 from genserve.model.int_dot_panels import IntDotPanels
 from genserve.model.kquants import FLOAT_PATH, KQuantWeight
@@ -160,8 +165,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="rotate over copies of each matrix adding up to this many MiB, so that weights "
         "come from memory as in a decode step (0: one copy, cache-warm when it fits)",
     )
+    parser.add_argument(
+        "--cpu-features-mask",
+        default=os.environ.get("GENSERVE_CPU_FEATURES_MASK", ""),
+        help="CPU features the kernels treat as absent (kernels/cpu_features.py: e.g. avx2)",
+    )
     args = parser.parse_args(argv)
     cold = args.cold_mib << 20
+    try:
+        hidden = parse_mask(args.cpu_features_mask)
+    except ValueError as exc:
+        raise SystemExit(f"--cpu-features-mask: {exc}") from None
+    cpu_kernels.configure(hidden_features=hidden)
     best_ms = _best_cpu_ms if args.clock == "cpu" else _best_ms
     if not cpu_kernels.load():
         print("genserve CPU kernels unavailable")
@@ -177,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     read = read_bandwidth_gb_s()
     print(
         f"CPU: {cpu_name()}, {args.threads} threads, {args.clock} clock; integer paths "
-        f"timed: {[i.name for i in isas]}; read bandwidth {read:.1f} GB/s"
+        f"timed: {[i.name for i in isas]}; hidden features {list(hidden)}; read bandwidth "
+        f"{read:.1f} GB/s"
     )
     print("| format | N x K | rows | path | ms | GB/s | % of read |\n|---|---|---|---|---|---|---|")
     for n, k in SHAPES[args.shapes]:

@@ -73,6 +73,7 @@ _HEADERS += [
         "int_dot_ymm_vnni.inc",
         "kquant_decode.inc",
         "kquant_int_row.inc",
+        "kquant_ymm_row.inc",
         "kquant_zmm_row.inc",
         "kquant_rows.h",
         "moe_grouping.h",

@@ -225,7 +225,10 @@ RunRows run() { return &run_rows; }
                        _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b.sc, 1))};        \
     for (int c = 0; c < 8; ++c) out[c] = _mm256_permutevar8x32_epi32(half[c / 4], pair_index(c % 4)); \
   }                                                                                      \
-  inline I scaled_dot(I w, I x, I s) { return _mm256_mullo_epi32(DPBUSD(zero(), w, x), s); }
+  inline I scaled_dot(I w, I x, I s) { return _mm256_mullo_epi32(DPBUSD(zero(), w, x), s); } \
+  /* kquant_ymm_row.inc: int16 scale pairs as int32 lanes, sign-extended */              \
+  inline I ymm_scale_operand(I s16) { return _mm256_srai_epi32(s16, 16); }               \
+  inline I ymm_scaled_dot(I w, I x, I s) { return scaled_dot(w, x, s); }
 
 // ---- AVX-VNNI: 256-bit VPDPBUSD (VEX) -----------------------------------------------------
 #pragma GCC push_options
@@ -236,8 +239,9 @@ namespace {
 GENSERVE_KQ_YMM_COMMON
 GENSERVE_KQ_YMM_VNNI(_mm256_dpbusd_avx_epi32)
 #include "kquant_int_row.inc"
+#include "kquant_ymm_row.inc"
 }  // namespace
-RunRows run() { return &run_rows; }
+RunRows run() { return &run_rows_ymm; }
 }  // namespace kquant_avxvnni
 #pragma GCC pop_options
 
@@ -250,8 +254,9 @@ namespace {
 GENSERVE_KQ_YMM_COMMON
 GENSERVE_KQ_YMM_VNNI(_mm256_dpbusd_epi32)
 #include "kquant_int_row.inc"
+#include "kquant_ymm_row.inc"
 }  // namespace
-RunRows run() { return &run_rows; }
+RunRows run() { return &run_rows_ymm; }
 }  // namespace kquant_vnni256
 #pragma GCC pop_options
 
@@ -273,9 +278,12 @@ inline void scale_vectors(const KBlock& b, I* out) {
   for (int c = 0; c < 8; ++c) out[c] = _mm256_permutevar8x32_epi32(half[c / 4], pair_index(c % 4));
 }
 inline I scaled_dot(I w, I x, I s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s); }
+inline I ymm_scale_operand(I s16) { return s16; }  // VPMADDWD's pairs: the scale twice
+inline I ymm_scaled_dot(I w, I x, I s) { return scaled_dot(w, x, s); }
 #include "kquant_int_row.inc"
+#include "kquant_ymm_row.inc"
 }  // namespace
-RunRows run() { return &run_rows; }
+RunRows run() { return &run_rows_ymm; }
 }  // namespace kquant_avx2
 #pragma GCC pop_options
 
