@@ -136,6 +136,28 @@ def test_q8_0_experts_packed_in_groups_of_16_on_the_avx512_vnni_path() -> None:
 
 
 @needs_kernels
+def test_q8_0_pack_layout_is_the_documented_permutation() -> None:
+    """``moe_pack_q8_0_r16`` against the layout moe_q8_r16_row.inc documents, built
+    independently in numpy: per group of 16 rows, block b's quants at 512 b + 64 t + 4 r + i
+    (quad t, row r, input 4 t + i) as q + 128, then the 16 rows' float16 scales per block;
+    and ``unpack`` gives the file's bytes back (any bytes: the pack is a permutation)."""
+    rng = np.random.default_rng(7)
+    experts, rows, nb = 3, 32, 5
+    plain = rng.integers(0, 256, (experts, rows, nb * 34), dtype=np.uint8)
+    blocks = plain.reshape(experts, rows // 16, 16, nb, 34)
+    quants = blocks[..., 2:].reshape(experts, rows // 16, 16, nb, 8, 4) ^ 0x80
+    # [E, G, row, block, quad, i] -> [E, G, block, quad, row, i]
+    packed_q = quants.transpose(0, 1, 3, 4, 2, 5).reshape(experts, rows // 16, nb * 512)
+    # [E, G, row, block, 2] -> [E, G, block, row, 2]
+    scales = blocks[..., :2].transpose(0, 1, 3, 2, 4).reshape(experts, rows // 16, nb * 32)
+    expected = np.concatenate([packed_q, scales], axis=2).reshape(experts, rows, nb * 34)
+    got = torch.ops.genserve.moe_pack_q8_0_r16(torch.from_numpy(plain))
+    assert np.array_equal(got.numpy(), expected)
+    back = torch.ops.genserve.moe_pack_q8_0_r16(got, True)
+    assert np.array_equal(back.numpy(), plain)
+
+
+@needs_kernels
 def test_bad_inputs_are_refused() -> None:
     experts = _experts(("Q8_0",) * 3)
     x = torch.randn(2, 256)

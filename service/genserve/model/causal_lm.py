@@ -14,6 +14,7 @@ from genserve.model.fused_decode import FusedDecodeArgs, unsupported_reason
 from genserve.model.huge_pages import huge_page_region, release_freed_heap
 from genserve.model.layers import ParallelLMHead, VocabParallelEmbedding, _Packable
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
+from genserve.model.moe import SparseMoeBlock
 from genserve.model.norms import RMSNorm, make_norm
 from genserve.model.rotary import RotaryAngles, RotaryEmbedding, identity_cos_sin
 from genserve.model.spec import ModelConfig, UnsupportedModelError
@@ -257,11 +258,19 @@ class DecoderForCausalLM(nn.Module):
             linear for layer in self._layers for linear in self._linears(layer)
         ]
         holders.append(self.lm_head)
+        # A mixture-of-experts layer's routed experts are streamed too (the chosen ones'
+        # rows every step), in the layout they are served in by now (moe.py's `fused`).
+        moe_blocks = [layer.mlp for layer in self._layers if isinstance(layer.mlp, SparseMoeBlock)]
+        # (a megabyte each over their size: each tensor starts on a cache line)
+        sizes = [
+            _packed_bytes_bound(holders),
+            *(moe.streamed_bytes() + (1 << 20) for moe in moe_blocks),
+        ]
         embed, head = self.embed_tokens, self.lm_head
         tied = self.config.tie_word_embeddings
         with (
             torch.inference_mode(),
-            huge_page_region([_packed_bytes_bound(holders)], head.weight.device) as region,
+            huge_page_region(sizes, head.weight.device) as region,
         ):
             for holder in holders:
                 if holder is head and tied:
@@ -281,6 +290,11 @@ class DecoderForCausalLM(nn.Module):
                 holder.move_streamed_weights(region)
                 for attr in shared:
                     setattr(embed, attr, getattr(head, attr))
+            for moe in moe_blocks:
+                if region is None:
+                    break
+                release_freed_heap()
+                moe.move_streamed_experts(region)
 
     @staticmethod
     def _linears(layer: DecoderLayer) -> tuple[_Packable, ...]:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genserve.kernels import fused_gpu_ops, triton_moe
+from genserve.model.huge_pages import HugePageRegion
 from genserve.model.layers import _Packable
 from genserve.model.moe_gguf import QuantizedExperts, experts_gguf_torch
 from genserve.model.spec import ClampedSwiGLU, ModelConfig, MoeSpec, RouterSpec, Scoring
@@ -205,6 +206,24 @@ class SparseMoeBlock(nn.Module):
             choice = int_dot.choose() if value and int_dot.active() else None
             isa = FLOAT_PATH if choice is None or choice.isa is None else int(choice.isa)
             self.quantized_experts = self.quantized_experts.serving(isa)
+
+    def streamed_bytes(self) -> int:
+        """Bytes of the routed experts a CPU decode step streams from (the GGUF blocks, or
+        ``w13``/``w2``): what :meth:`move_streamed_experts` places."""
+        if self.quantized_experts is not None:
+            return self.quantized_experts.nbytes
+        return int(self.w13.nbytes + self.w2.nbytes)
+
+    def move_streamed_experts(self, region: HugePageRegion) -> None:
+        """Replace the routed experts' tensors by copies placed in ``region`` (2 MiB pages,
+        ``model/huge_pages.py``), as the decoder does for its dense projections: a step
+        reads 8-50 experts' rows, each a separate stream that in 4 KiB pages stops the
+        prefetchers at every page (docs/models/moe.md has the measurements)."""
+        if self.quantized_experts is not None:
+            self.quantized_experts = self.quantized_experts.placed(region)
+        elif self.w13.numel() > 0:
+            self.w13 = _param(region.place(self.w13.detach()))
+            self.w2 = _param(region.place(self.w2.detach()))
 
     def use_fused_gpu_ops(self) -> str | None:
         """Run the routed experts through the Triton kernels (``kernels/triton_moe.py``)

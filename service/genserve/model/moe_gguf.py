@@ -15,12 +15,15 @@ experts with gguf-py's own dequantizer and runs the torch loop: the reference.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from genserve.model.kquants import FLOAT_PATH
+
+if TYPE_CHECKING:
+    from genserve.model.huge_pages import HugePageRegion
 
 # Q8_0 expert rows interleaved in groups of 16 for the AVX512-VNNI path (one 512-bit
 # VPDPBUSD per 4 inputs of 16 rows): the same bytes rearranged by
@@ -69,6 +72,18 @@ class QuantizedExperts:
         projections = zip((self.gate, self.up, self.down), self.types, strict=True)
         (gate, tg), (up, tu), (down, td) = (_layout(b, t, pack) for b, t in projections)
         return replace(self, gate=gate, up=up, down=down, types=(tg, tu, td), isa=isa)
+
+    def placed(self, region: HugePageRegion) -> QuantizedExperts:
+        """The same blocks copied into ``region`` (2 MiB pages, ``model/huge_pages.py``):
+        a step reads 8-50 experts' rows, ~1.7 MB a projection each at Qwen3-30B-A3B's shape,
+        and in 4 KiB pages each of those streams stops the prefetchers at every page.
+        A projection the region has no room for stays where it is."""
+        return replace(
+            self,
+            gate=region.place(self.gate),
+            up=region.place(self.up),
+            down=region.place(self.down),
+        )
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed sum through ``genserve::moe_experts_gguf`` (CPU kernels loaded)."""
