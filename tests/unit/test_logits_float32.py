@@ -19,7 +19,8 @@ from tests.unit.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, Driver, random_
 
 
 class _Recording:
-    """Wraps the runner's sampler, keeping every logits tensor it is handed."""
+    """Wraps the runner's sampler, keeping every logits tensor it is handed (the runner
+    calls ``launch``, which queues the sampling; ``__call__`` is launch-and-wait)."""
 
     def __init__(self, sampler: Any) -> None:
         self.sampler = sampler
@@ -28,6 +29,10 @@ class _Recording:
     def __call__(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self.seen.append(logits.clone())
         return self.sampler(logits, *args, **kwargs)
+
+    def launch(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.seen.append(logits.clone())
+        return self.sampler.launch(logits, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sampler, name)
