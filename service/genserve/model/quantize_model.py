@@ -189,8 +189,7 @@ def _moe_plan(
     types), and its shared expert's matrices planned as a dense MLP's."""
     names = moe.spec.names
     stacked = None
-    plain = moe.b13 is None and moe.spec.activation is None and not moe.ctx.expert_parallel
-    if experts is not None and plain:
+    if experts is not None and not moe.ctx.expert_parallel:
         stacked = read_quantized_experts(
             experts, f"{prefix}.{names.experts}", moe.width_range, moe.spec.intermediate_size
         )
