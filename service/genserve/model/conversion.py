@@ -50,8 +50,9 @@ def dir_fingerprint(model_dir: Path) -> str:
 # 4: entries record their files' sizes and digests (model_cache.entry_intact), keyed by the
 #    sampled digest (file_identity).
 # 5: a ``llama`` file with experts (Mixtral as llama.cpp converts it) keeps a MixtralConfig.
-# 6: a ``gpt-oss`` file's YaRN keys are read by genserve (transformers' reader crashed on them).
-GGUF_ENTRY_VERSION = 6
+# (Not bumped for gpt-oss files' YaRN keys, now read by gguf_config: transformers' reader
+# failed on those files, so no entry of one with YaRN keys was ever written.)
+GGUF_ENTRY_VERSION = 5
 
 
 def convert_gguf(gguf_file: Path, cache_dir: Path, trust_remote_code: bool = False) -> Path:

@@ -125,7 +125,7 @@ def _quantize_routed_experts(
     CPU expert op; those the op cannot run stay in the model dtype, named with the reason."""
     width, hidden = moe.w2.shape[2], moe.w2.shape[1]
     # Under expert parallelism w13/w2 hold this shard's experts only: those are quantized.
-    reason = why_float(hidden, width, moe.b13 is not None, moe.spec.activation is not None)
+    reason = why_float(hidden, width)
     if reason is None and moe.w13.device.type != "cpu":
         reason = "the quantized expert op is CPU-only (CUDA runs float experts in Triton)"
     if reason is not None:
