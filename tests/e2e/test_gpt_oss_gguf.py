@@ -123,3 +123,30 @@ def test_gpt_oss_mxfp4_integer_path_agrees(tmp_path: Path) -> None:
           f"{MAX_NEW_TOKENS}, first logprobs {first}")  # fmt: skip
     assert first == pytest.approx([logprobs[0] for _, logprobs in expected], abs=0.1)
     assert sum(prefixes) >= 0.5 * MAX_NEW_TOKENS * len(PROMPTS), prefixes
+
+
+@needs_kernels
+def test_gpt_oss_released_mxfp4_checkpoint_is_native(tmp_path: Path) -> None:
+    """The released checkpoints' format (``quantization_config: mxfp4``, ``*_blocks`` /
+    ``*_scales``): served natively, its experts rearranged into GGML MXFP4 blocks at load
+    (``model/mxfp4.py``) and run by the quantized expert op; greedy tokens equal
+    transformers on the dequantized float checkpoint, logprobs within 1e-3 (float path)."""
+    from genserve.testing.gpt_oss_gguf import write_gpt_oss_mxfp4_checkpoint
+
+    model_dir, reference = write_gpt_oss_mxfp4_checkpoint(tmp_path / "mxfp4", _gpt_oss(tmp_path))
+    params = pb.GenerateParameters(max_new_tokens=MAX_NEW_TOKENS, details=True)
+    cache = fresh_cache(tmp_path)
+    args = (*PARITY_SERVER_ARGS, "--genserve-cache", str(cache))
+    with inproc_server(model_dir, *args) as server, grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.TextGenerationServiceStub(ch)
+        info = stub.Info(pb.InfoRequest())
+        served = [
+            list(stub.Generate(pb.GenerateRequest(inputs=[p], parameters=params)).results[0]
+                 .details.tokens)
+            for p in PROMPTS
+        ]  # fmt: skip
+    assert (info.architecture, info.implementation) == ("GptOssForCausalLM", "native")
+    expected = hf_greedy(reference, PROMPTS, MAX_NEW_TOKENS)
+    for prompt, tokens, (ids, logprobs) in zip(PROMPTS, served, expected, strict=True):
+        assert [t.id for t in tokens] == ids, prompt[:40]
+        assert [t.logprob for t in tokens] == pytest.approx(logprobs, abs=1e-3)

@@ -317,3 +317,23 @@ def _build(resolved, load_weights):  # type: ignore[no-untyped-def]
     model = DecoderForCausalLM(config, ParallelContext.single(), torch.float32, torch.device("cpu"))
     load_weights(model, resolved)
     return model
+
+
+def test_released_mxfp4_blocks_repack_exactly() -> None:
+    """gpt-oss's checkpoint MXFP4 (blocks [E, rows, K/32, 16], scales [E, rows, K/32]) as
+    GGML MXFP4 rows (model/mxfp4.py): gguf-py's dequantizer on the result gives exactly what
+    transformers' ``convert_moe_packed_tensors`` dequantizes from the checkpoint."""
+    from gguf import GGMLQuantizationType, dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from genserve.model.mxfp4 import ggml_blocks
+
+    gen = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 8, 4), generator=gen, dtype=torch.uint8)
+    ours = ggml_blocks(blocks, scales)
+    assert ours.shape == (3, 8, 4 * 17)
+    got = dequantize(ours.numpy(), GGMLQuantizationType.MXFP4).reshape(3, 8, 128)
+    # transformers hands the forward [E, in, out]
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    assert np.array_equal(got, expected.numpy())

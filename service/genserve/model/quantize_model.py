@@ -123,6 +123,9 @@ def _quantize_routed_experts(
 ) -> None:
     """A MoE layer's routed experts as Q8_0 / Q4_0 blocks (``model/moe_quant.py``) for the
     CPU expert op; those the op cannot run stay in the model dtype, named with the reason."""
+    if moe.quantized_experts is not None:  # already blocks (gpt-oss's released MXFP4)
+        summary.quantized += 3
+        return
     width, hidden = moe.w2.shape[2], moe.w2.shape[1]
     # Under expert parallelism w13/w2 hold this shard's experts only: those are quantized.
     reason = why_float(hidden, width)

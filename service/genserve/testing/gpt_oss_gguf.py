@@ -17,6 +17,9 @@ dequantizes it from the file, back in Hugging Face's layout: what the served mod
 compute with.
 
     python -m genserve.testing.gpt_oss_gguf OUT.gguf MODEL_DIR [--experts MXFP4]
+
+:func:`write_gpt_oss_mxfp4_checkpoint` writes the same model in the released Hugging Face
+checkpoints' MXFP4 format instead (``*_blocks`` / ``*_scales``, ``quantization_config``).
 """
 
 from __future__ import annotations
@@ -161,6 +164,53 @@ def write_gpt_oss_gguf(
     save_file({k: np.ascontiguousarray(v) for k, v in reference.items()},
               str(ref_dir / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
     return path, ref_dir
+
+
+def write_gpt_oss_mxfp4_checkpoint(out_dir: Path, model_dir: Path) -> tuple[Path, Path]:
+    """``model_dir`` (a float gpt-oss checkpoint) in the released checkpoints' format: each
+    layer's ``gate_up_proj``/``down_proj`` as ``*_blocks [E, rows, K/32, 16]`` and
+    ``*_scales [E, rows, K/32]`` (uint8; byte ``k`` of a block holds weights ``2k`` low and
+    ``2k + 1`` high; gate/up rows interleaved) made with gguf-py's MXFP4 quantizer, and
+    ``quantization_config: {quant_method: mxfp4}``.  Returns ``(out_dir, reference_dir)``:
+    the reference is the float checkpoint with the experts as gguf-py dequantizes them."""
+    import torch
+    from gguf import GGMLQuantizationType, dequantize
+    from gguf.quants import quantize
+    from safetensors.torch import load_file, save_file
+
+    mx = GGMLQuantizationType.MXFP4
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    packed, reference = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = tensors[name].float().transpose(1, 2).contiguous().numpy()  # [E, out, in]
+        ggml = np.asarray(quantize(rows, mx)).reshape(*rows.shape[:2], -1, 17)
+        nibbles = np.stack([ggml[..., 1:] & 0x0F, ggml[..., 1:] >> 4], axis=-2)  # [.., 2, 16]
+        weights = nibbles.reshape(*ggml.shape[:3], 32)  # weights 0..31 in order
+        blocks = weights[..., 0::2] | (weights[..., 1::2] << 4)
+        del packed[name]
+        packed[f"{name}_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+        packed[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(ggml[..., 0]))
+        values = np.asarray(dequantize(ggml.reshape(*rows.shape[:2], -1), mx), dtype=np.float32)
+        reference[name] = torch.from_numpy(values.reshape(rows.shape)).transpose(1, 2).contiguous()
+    ref_dir = out_dir.with_name(f"{out_dir.name}-reference")
+    for target, weights_out, quantized in ((out_dir, packed, True), (ref_dir, reference, False)):
+        target.mkdir(parents=True, exist_ok=True)
+        for item in model_dir.iterdir():
+            if item.suffix != ".safetensors" and item.is_file():
+                shutil.copy(item, target / item.name)
+        if quantized:
+            config_out = {**config, "quantization_config": {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"],
+            }}  # fmt: skip
+            (target / "config.json").write_text(json.dumps(config_out, indent=2))
+        save_file({k: v.contiguous() for k, v in weights_out.items()},
+                  str(target / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    return out_dir, ref_dir
 
 
 def main(argv: list[str] | None = None) -> None:
