@@ -3,13 +3,16 @@
 Everything here runs on the engine thread (:class:`~genserve.engine.engine_thread.
 EngineThread`), on that thread's own asyncio loop, except ``Runner.execute_model``, which
 runs in one more thread (the *step thread*) so that the next step can be prepared while a
-step computes.  The scheduler, the per-request detokenisers and the stream bookkeeping are
-owned by the engine thread and need no locks; requests and aborts arrive through the engine
-thread's inbox (:meth:`EngineLoop.add`, :meth:`EngineLoop.abort`, posted by the facade,
-``engine/async_engine.py``).  Each step's outputs leave in **one** batch (:class:`Delivery`)
-through the ``deliver`` callback, which the facade turns into one ``call_soon_threadsafe``
-to the gRPC event loop; that loop puts the outputs into the request streams and tells the
-step observers (metrics, traces).  The engine loop never waits for the gRPC loop.
+step computes — except without ``overlap`` on a runner that says ``steps_inline`` (the CPU),
+whose steps run on the engine thread itself: there the step thread overlapped nothing and
+cost two thread wake-ups a step.  The scheduler, the per-request detokenisers and the stream
+bookkeeping are owned by the engine thread and need no locks; requests and aborts arrive
+through the engine thread's inbox (:meth:`EngineLoop.add`, :meth:`EngineLoop.abort`, posted
+by the facade, ``engine/async_engine.py``).  Each step's outputs leave in **one** batch
+(:class:`Delivery`) through the ``deliver`` callback, which the facade turns into one
+``call_soon_threadsafe`` to the gRPC event loop; that loop puts the outputs into the request
+streams and tells the step observers (metrics, traces).  The engine loop never waits for the
+gRPC loop.
 
 Where detokenisation runs, and why: here, on the engine thread, because a stop string ends
 a request in the scheduler (freeing its KV blocks, keeping it out of the next batch) and
@@ -159,6 +162,10 @@ class EngineLoop:
         self._split: SplitRunner | None = None
         if self.schedule_ahead and callable(getattr(runner, "launch", None)):
             self._split = cast(SplitRunner, runner)
+        # Without overlap, a runner whose steps compute synchronously on the host's own
+        # cores (the CPU) runs them here, on the engine thread: a step thread would add two
+        # thread wake-ups per step and overlap nothing (docs/benchmarks/cpu.md).
+        self.inline = not overlap and bool(getattr(runner, "steps_inline", False))
         self.scheduler = scheduler
         self.runner = runner
         self._tokenizer = tokenizer
@@ -258,6 +265,8 @@ class EngineLoop:
         """Schedule and submit a step with nothing in flight; None after waiting (no
         request, or nothing runnable now)."""
         assert self._wake is not None
+        if self.inline:  # the last step ran on this thread: let arrivals and aborts in first
+            await asyncio.sleep(0)
         if not self.scheduler.has_unfinished_requests():
             self._wake.clear()
             await self._wake.wait()
@@ -277,8 +286,21 @@ class EngineLoop:
         if self._split is not None:
             launched = self.executor.submit(self._split.launch, step)
             return _Running(step, None, time.perf_counter(), launched)
+        if self.inline:
+            return self._run_inline(loop, step)
         future = loop.run_in_executor(self.executor, self.runner.execute_model, step)
         return _Running(step, future, time.perf_counter())
+
+    def _run_inline(self, loop: asyncio.AbstractEventLoop, step: SchedulerOutput) -> _Running:
+        """Run ``step`` now, on this thread (:attr:`inline`); its result (or the runner's
+        exception, raised again where the loop awaits it) in a completed future."""
+        started = time.perf_counter()
+        future: asyncio.Future[RunnerOutput] = loop.create_future()
+        try:
+            future.set_result(self.runner.execute_model(step))
+        except Exception as exc:
+            future.set_exception(exc)
+        return _Running(step, future, started)
 
     def _result(
         self, loop: asyncio.AbstractEventLoop, running: _Running

@@ -355,9 +355,13 @@ void add_tasks(std::vector<Task>& tasks, int proj, const Projection& p,
                const std::vector<int64_t>& counts) {
   // Each task streams ~64 KiB of one expert's blocks, in a whole number of the integer
   // path's groups of four weight rows (moe_quant_row.inc).
-  // kQ8_0R16 rows come in whole groups of 16.
+  // kQ8_0R16 rows come in whole groups of 16, ~192 KiB a task: with one group (34 KiB at
+  // Qwen3-30B-A3B's width) a task, a one-row layer read its experts ~7% slower (the same
+  // microbenchmark as moe_q8_r16_row.inc's prefetch; 8-9 tasks an expert and projection
+  // still split a one-row step's 8 experts evenly over the threads).
   const int64_t unit = p.fmt.r16 ? kR16Rows : 4;
-  const int64_t rows = (int64_t{1} << 16) / std::max<int64_t>(1, p.row_bytes);
+  const int64_t task_bytes = p.fmt.r16 ? int64_t{3} << 16 : int64_t{1} << 16;
+  const int64_t rows = task_bytes / std::max<int64_t>(1, p.row_bytes);
   const int64_t band = std::max<int64_t>(unit, rows / unit * unit);
   for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
     if (counts[e] == 0) continue;

@@ -418,6 +418,16 @@ class ModelRunner:
         only; shard workers never see rank 0's sampled ids."""
         return self.parallel.world_size == 1
 
+    @property
+    def steps_inline(self) -> bool:
+        """Whether a serial engine may call :meth:`execute_model` on its own thread instead
+        of a step thread: on the CPU a step computes synchronously on the cores the engine
+        shares, so a step thread buys no concurrency without overlap, only two thread
+        hand-offs per step (~0.3 ms each measured on 2 vCPUs; docs/benchmarks/cpu.md).
+        One rank only: a sharded step may never return, and a dead shard must still be able
+        to fail the requests on the engine thread."""
+        return self.device.type == "cpu" and self.parallel.world_size == 1
+
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> RunnerOutput:
         """Run one step as described by :class:`genserve.step.SchedulerOutput`:
