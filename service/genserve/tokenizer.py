@@ -68,10 +68,10 @@ class Tokenizer:
     def fim_tokens(self) -> tuple[str, str, str] | None:
         """The (prefix, suffix, middle) fill-in-the-middle tokens, when the vocabulary has a
         set: StarCoder's / SmolLM's ``<fim_prefix>`` or Qwen-Coder's ``<|fim_prefix|>``."""
-        vocab = self._tok.get_vocab(with_added_tokens=True)
+        # Six lookups, not the vocabulary as a dict (a 128k-entry dict built at every start).
         for left, right in (("<", ">"), ("<|", "|>")):
             names = tuple(f"{left}fim_{part}{right}" for part in ("prefix", "suffix", "middle"))
-            if all(n in vocab for n in names):
+            if all(self._tok.token_to_id(n) is not None for n in names):
                 return (names[0], names[1], names[2])
         return None
 

@@ -251,3 +251,86 @@ def test_an_entry_of_an_older_format_is_rebuilt(tiny_gguf: Path, tmp_path: Path)
     before = marker.stat().st_mtime_ns
     resolve_model(str(tiny_gguf), cache_dir=cache)
     assert marker.stat().st_mtime_ns == before
+
+
+def _stale_entry(tiny_gguf: Path, cache: Path) -> Path:
+    """The entry of ``tiny_gguf`` as an older genserve (another format version) left it."""
+    entry = resolve_model(str(tiny_gguf), cache_dir=cache).local_dir
+    record = model_cache.read_record(entry)
+    (entry / "config.json").write_text('{"stale": true}')
+    record["version"] = conversion.GGUF_ENTRY_VERSION - 1
+    record.pop("files", None)
+    (entry / model_cache.ENTRY_FILE).write_text(json.dumps(record))
+    return entry
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_replacing_an_entry_never_pulls_it_from_a_reader(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    """A process of another genserve version reading the old entry (by path, or through
+    files it has open) keeps a complete entry under it while this version replaces it: the
+    new one is built beside the old and swapped in, never after deleting the old."""
+    if not exchange:  # a filesystem without RENAME_EXCHANGE
+        monkeypatch.setattr(model_cache, "_exchange", lambda a, b: False)
+    cache = tmp_path / "models"
+    entry = _stale_entry(tiny_gguf, cache)
+    held = (entry / "config.json").open()  # the other process's open file
+    seen_during_build: list[str] = []
+    real_save = conversion._save_gguf_metadata
+
+    def save_and_look(gguf_file: Path, out: Path, trust_remote_code: bool = False) -> None:
+        # Mid-build, the old entry is still there, whole, under its name.
+        seen_during_build.append((entry / "config.json").read_text())
+        real_save(gguf_file, out, trust_remote_code)
+
+    monkeypatch.setattr(conversion, "_save_gguf_metadata", save_and_look)
+    again = resolve_model(str(tiny_gguf), cache_dir=cache)
+    assert seen_during_build == ['{"stale": true}']
+    assert again.local_dir == entry
+    assert model_cache.is_current(entry, conversion.GGUF_ENTRY_VERSION)
+    assert "stale" not in (entry / "config.json").read_text()
+    assert held.read() == '{"stale": true}'  # the open file still reads its old bytes
+    held.close()
+    # Nothing of the old entry is left behind.
+    assert list((cache / ".tmp").iterdir()) == []
+    assert [e.name for e in model_cache.list_entries(cache)] == [entry.name]
+
+
+def test_an_entry_stays_readable_by_path_while_replaced(tiny_gguf: Path, tmp_path: Path) -> None:
+    """A reader polling the entry's files by path while another process replaces the entry
+    (the stale-version case) never finds a file missing."""
+    cache = tmp_path / "models"
+    entry = _stale_entry(tiny_gguf, cache)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys, time
+                from pathlib import Path
+                p = Path({str(entry / "config.json")!r})
+                print("ready", flush=True)
+                reads = 0
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    if "stale" not in p.read_text():
+                        break
+                    reads += 1
+                # and once more after: the new entry
+                p.read_text()
+                print("ok", reads, flush=True)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdout is not None
+    assert reader.stdout.readline().strip() == "ready"
+    resolve_model(str(tiny_gguf), cache_dir=cache)
+    out, _ = reader.communicate(timeout=150)
+    assert reader.returncode == 0, out
+    assert out.startswith("ok")
+    assert model_cache.is_current(entry, conversion.GGUF_ENTRY_VERSION)

@@ -153,15 +153,16 @@ class GrammarCompiler:
         cache_size: int = DEFAULT_CACHE_SIZE,
         max_threads: int = 2,
     ) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(
-            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
-        )
         self.vocab_size = vocab_size
-        # xgrammar's own cache is off: ours is bounded by entries and keyed by the spec.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        # The vocabulary's xgrammar form is built in the compile thread, not in the start:
+        # it walks every token (0.25 s at a 49k vocabulary, more at Llama-3's 128k) and no
+        # request needs it before its first grammar, which queues behind it in that thread.
+        self._compiler_future = self._pool.submit(
+            _make_compiler, hf_tokenizer, vocab_size, sorted(stop_token_ids), max_threads
+        )
 
     def compile_sync(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile (or take from the cache); raises :class:`GrammarError`."""
@@ -188,17 +189,28 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, spec: GrammarSpec) -> Any:
+        compiler = self._compiler_future.result()
         try:
             if spec.reasoning is not None:
-                return self._compiler.compile_structural_tag(
+                return compiler.compile_structural_tag(
                     after_reasoning(spec.reasoning, str(_grammar(spec)))
                 )
-            return self._compiler.compile_grammar(_grammar(spec))
+            return compiler.compile_grammar(_grammar(spec))
         except json.JSONDecodeError as exc:
             raise GrammarError(f"grammar.{spec.kind.value} is not valid JSON: {exc}") from None
         except (RuntimeError, ValueError, TypeError) as exc:
             message = _LOG_PREFIX.sub("", str(exc)).strip()
             raise GrammarError(f"invalid grammar.{spec.kind.value}: {message}") from None
+
+
+def _make_compiler(
+    hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_threads: int
+) -> Any:
+    info = xgr.TokenizerInfo.from_huggingface(
+        hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+    )
+    # xgrammar's own cache is off: ours is bounded by entries and keyed by the spec.
+    return xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
 
 def _grammar(spec: GrammarSpec) -> Any:

@@ -115,14 +115,19 @@ inline float to_f32(float v) { return v; }
 inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_f32(c10::Half v) { return half_to_float(v); }
 
+// How far ahead (bytes) each W row's stream is prefetched, into L2 (PREFETCHT1): bringing
+// two rows ahead into L1 (PREFETCHT0) put more not-yet-used W in flight than the 32-48 KB L1D
+// holds beside x at 8 rows, so lines were evicted before their use (8 rows of the 1B shape's
+// bf16 matrices on the 2-vCPU Zen 4: 10-15 GB/s with the AVX-512 build, 8-10 with the AVX2
+// one, against 17 and 11 with this; one row unchanged; docs/benchmarks/cpu.md, w7-f16).
+constexpr int64_t kPrefetchBytes = 4096;
+
 // Rows o0, o0 + step, ..., o0 + (O - 1) step of W against all M rows of x (float32, [M, K]);
-// out is float32 [M, N].  Each row prefetches the row kStreamAhead ahead of it in its own
-// stream (step > 1: the caller walks O separate bands of W), or the next block (step 1).
+// out is float32 [M, N].  Each row prefetches its own stream kPrefetchBytes ahead (step > 1:
+// the caller walks O separate bands of W; step 1: consecutive rows).  Prefetches never fault.
 template <int M, int O, typename W>
 inline void dot_block(const float* x, const W* w, int64_t K, int64_t N, int64_t o0, float* out,
                       int64_t step = 1) {
-  constexpr int64_t kStreamAhead = 2;
-  const int64_t ahead = step == 1 ? O : kStreamAhead;
   f32v acc[O][M];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < M; ++r) acc[o][r] = f32v{};
@@ -132,7 +137,7 @@ inline void dot_block(const float* x, const W* w, int64_t K, int64_t N, int64_t 
     for (int r = 0; r < M; ++r) xv[r] = load16(x + r * K + k);
     for (int o = 0; o < O; ++o) {
       const W* row = w + (o0 + o * step) * K;
-      __builtin_prefetch(row + ahead * K + k);
+      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T1);
       const f32v wv = load16(row + k);
       for (int r = 0; r < M; ++r) acc[o][r] += xv[r] * wv;
     }

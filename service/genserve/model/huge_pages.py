@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 import mmap
 import sys
@@ -35,6 +36,10 @@ _TRIM_EVERY = 64 << 20
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # Linux's MAP_NORESERVE (the mmap module does not export it); 0 elsewhere.
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+# Linux 5.14's MADV_POPULATE_WRITE (Python 3.11's mmap does not export it); None elsewhere.
+_MADV_POPULATE_WRITE: int | None = getattr(
+    mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
+)
 
 
 def thp_mode() -> str:
@@ -65,6 +70,8 @@ class HugePageRegion:
         raw = torch.frombuffer(self._map, dtype=torch.uint8)  # shares the mapping
         offset = _round_up(raw.data_ptr(), _HUGE_PAGE) - raw.data_ptr()
         self._buffer = raw[offset : offset + self._size]
+        self._offset = offset  # of the buffer in the mapping
+        self._populate = _MADV_POPULATE_WRITE
         self._used = 0
         self._since_trim = 0
         try:
@@ -91,11 +98,28 @@ class HugePageRegion:
         if self._since_trim >= _TRIM_EVERY:  # the originals placed so far are freed by now
             _malloc_trim()
             self._since_trim = 0
+        start = self._used
         window = self.zeros(nbytes)
+        self._commit(start, nbytes)
         self._since_trim += nbytes
         out = window.view(tensor.dtype).view(tensor.shape)
         out.copy_(tensor)
         return out
+
+    def _commit(self, start: int, nbytes: int) -> None:
+        """Fault the pages of buffer bytes ``[start, start + nbytes)`` in with one
+        ``MADV_POPULATE_WRITE`` before the copy writes them: the copy then runs on mapped
+        memory.  Measured here (600 MiB in 10 MiB tensors, 2 Zen 4 cores, THP madvise): the
+        copy's own faults took 0.85-0.95 s, populate then copy 0.10-0.13 s, both all on
+        2 MiB pages.  Only the slice is committed, so the load's peak is unchanged; a kernel
+        without the advice (before Linux 5.14) leaves the faults to the copy."""
+        if self._populate is None:
+            return
+        first = (self._offset + start) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._map.madvise(self._populate, first, self._offset + start + nbytes - first)
+        except OSError:  # EINVAL: an older kernel; the copy faults the pages itself
+            self._populate = None
 
 
 @contextmanager
@@ -145,7 +169,11 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once: ``find_library`` runs ``ldconfig -p`` in a subprocess
+    (a fork of a process holding GBs of weights), and a load trims after every 64 MiB placed
+    and every layer (measured: 0.9 s of an F16 1B start's packing went to these lookups)."""
     name = ctypes.util.find_library("c")
     return None if name is None else ctypes.CDLL(name, use_errno=True)
 

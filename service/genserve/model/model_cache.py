@@ -12,10 +12,15 @@ Layout::
       .digests/             memoised file digests (path, size, mtime -> sha256)
 
 An entry directory under its final name is always complete: it is built in ``.tmp`` and
-appears with one atomic rename.  ``entry.json`` records the sources it was built from,
-when, and each file's size and sha256: an entry whose files no longer match (cut short,
-deleted, overwritten) is rebuilt at the next start, never served.  Its mtime is touched
-at every use (``genserve cache prune --older-than``).
+appears with one atomic rename.  An entry that must be replaced (another format version,
+damaged) stays in place, readable, while its successor is built beside it; the two are then
+swapped in one step (:func:`_install`), so a process still reading the old one (an older
+genserve sharing the cache) never finds the name missing or half deleted.
+
+``entry.json`` records the sources it was built from, when, and each file's size and
+sha256: an entry whose files no longer match (cut short, deleted, overwritten) is rebuilt
+at the next start, never served.  Its mtime is touched at every use
+(``genserve cache prune --older-than``).
 
 Interrupted work (a process killed while building) leaves a temporary directory and a lock
 file; :func:`clean_interrupted` removes both at the next start, but only when no live
@@ -28,6 +33,7 @@ removing one never lets two builders in at once.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -136,15 +142,16 @@ def build_once(entry: Path, build: Callable[[Path], None], source: str, version:
                         entry=str(entry),
                         version=version,
                     )
-                    _discard(entry)
+                # The old entry (if any) stays readable until the new one replaces it.
                 _build(entry, build, source, version)
     _record_use(entry, source)
     return entry
 
 
 def _discard(entry: Path) -> None:
-    """Move ``entry`` out of its final name, then delete it: a concurrent start never sees it
-    half deleted (it waits on the lock and finds no entry)."""
+    """Move ``entry`` out of its final name, then delete it (``genserve cache rm/prune`` only:
+    a start replaces an entry with :func:`_install` instead): a concurrent start never sees
+    it half deleted (it finds no entry and builds one)."""
     trash_root = entry.parent / _TMP
     trash_root.mkdir(exist_ok=True)
     trash = trash_root / f"{entry.name}.removed-{os.getpid()}"
@@ -165,15 +172,59 @@ def _build(entry: Path, build: Callable[[Path], None], source: str, version: int
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            # Someone not sharing our lock (another host on a network filesystem) won.
-            if not is_complete(entry):
-                raise
+        _install(tmp, entry)
         log.info("model_conversion_done", target=str(entry))
     finally:
+        # After a swap this is the replaced entry: a reader that still has its files open
+        # keeps reading them (unlinked files live while open); readers by path see the new.
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install(new: Path, entry: Path) -> None:
+    """Put the complete directory ``new`` under ``entry``'s name in one step.
+
+    No entry there: one rename.  An entry there (stale or damaged; the caller holds the
+    build lock): the two directories are exchanged atomically (``renameat2``
+    ``RENAME_EXCHANGE``), so at every instant ``entry`` names a complete directory and the
+    old one ends at ``new``'s path for the caller to delete.  Where the filesystem cannot
+    exchange, the old entry is renamed aside and the new one renamed in: a window of two
+    renames (microseconds), never the length of a build."""
+    try:
+        os.rename(new, entry)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+            raise
+    if _exchange(new, entry):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f"{entry.name}.replaced-", dir=new.parent))
+    os.rename(entry, aside / "old")
+    try:
+        os.rename(new, entry)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False
+    where the C library or the filesystem has no such call (then nothing moved)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    path, fd = ctypes.c_char_p, ctypes.c_int
+    renameat2.argtypes = [fd, path, fd, path, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _write_record(entry: Path, record: dict[str, object]) -> None:
