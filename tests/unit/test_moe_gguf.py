@@ -18,7 +18,13 @@ from genserve.model.moe_gguf import PACKED_Q8_0, QuantizedExperts, experts_gguf_
 from genserve.testing.tiny_gguf import random_blocks
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
-MIXES = [("Q8_0",) * 3, ("Q4_0",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q8_0")]
+MIXES = [
+    ("Q8_0",) * 3,
+    ("Q4_0",) * 3,
+    ("MXFP4",) * 3,
+    ("Q4_K", "Q4_K", "Q6_K"),
+    ("Q5_K", "Q5_K", "Q8_0"),
+]
 
 
 def _blocks(qtype: str, experts: int, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -26,7 +32,7 @@ def _blocks(qtype: str, experts: int, rows: int, cols: int, seed: int) -> torch.
     from gguf.quants import quantize
 
     q = GGMLQuantizationType[qtype]
-    if qtype in ("Q8_0", "Q4_0"):
+    if qtype in ("Q8_0", "Q4_0", "MXFP4"):
         rng = np.random.default_rng(seed)
         w = (0.1 * rng.standard_normal((experts, rows, cols))).astype(np.float32)
         return torch.from_numpy(np.array(quantize(w, q)))
@@ -83,7 +89,7 @@ def test_integer_paths_agree_with_each_other_and_near_the_float_path(
 
 @needs_kernels
 @pytest.mark.skipif(not int_dot.available_isas(), reason="no integer kernel path (no AVX2)")
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "MXFP4"])
 def test_integer_rows_do_not_depend_on_the_step(qtype: str) -> None:
     """A row's result is the same computed alone or in a step where its experts have other
     rows (the Q8_0/Q4_0 rows run four weight rows at a time, an expert's activation rows one
@@ -157,6 +163,71 @@ def test_q8_0_pack_layout_is_the_documented_permutation() -> None:
     assert np.array_equal(back.numpy(), plain)
 
 
+def _gpt_oss_extras(num: int, hidden: int, width: int):  # type: ignore[no-untyped-def]
+    """gpt-oss's expert biases, wide enough that the SwiGLU limit (2.0 here) clamps."""
+    from genserve.model.spec import ClampedSwiGLU
+
+    gen = torch.Generator().manual_seed(11)
+    b13 = 3.0 * torch.randn(num, 2 * width, generator=gen)
+    b2 = torch.randn(num, hidden, generator=gen)
+    return b13, b2, ClampedSwiGLU(1.702, 2.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("types", [("MXFP4",) * 3, ("Q8_0",) * 3, ("Q4_K", "Q4_K", "Q6_K")])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_gpt_oss_biases_and_clamp_equal_the_reference(types: tuple[str, ...], rows: int) -> None:
+    """The op's optional gpt-oss arguments (b13, b2, clamped SwiGLU) on the float path equal
+    the torch loop on the dequantized blocks; dropping the clamp or either bias changes the
+    result, so the comparison covers each; the integer paths stay near the float path."""
+    experts = _experts(types)
+    b13, b2, clamped = _gpt_oss_extras(8, 256, 256)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows + 20))
+    ids, weights = _routing(rows)
+    expected = experts_gguf_torch(x, ids, weights, experts, b13, b2, clamped)
+    got = experts.forward(x, ids, weights, b13, b2, clamped)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 * scale)
+    for variant in ((None, b2, clamped), (b13, None, clamped), (b13, b2, None)):
+        other = experts_gguf_torch(x, ids, weights, experts, *variant)
+        assert (other - expected).abs().max().item() > 1e-2 * scale
+    for isa in int_dot.available_isas():
+        integer = experts.serving(int(isa)).forward(x, ids, weights, b13, b2, clamped)
+        assert ((integer - expected).norm() / expected.norm()).item() < 0.05
+
+
+@needs_kernels
+def test_mxfp4_float_path_decodes_as_gguf_py() -> None:
+    """The op's MXFP4 float path decodes every nibble and exponent byte (0 and 1: the
+    subnormal 2^-128 / 2^-127 scales, up to 240) to gguf-py's dequantized value exactly.
+    Each call reads one column j of an MXFP4 down projection: gate/up weights zero, gate
+    bias 128 and up bias 0 at j only, no clamp reached (limit 1e9), so the activation is
+    exactly 128 at j (sigmoid(1.702 * 128) is 1 in float32) and 0 elsewhere, and the output
+    is 128 W[:, j], exact in float32."""
+    from gguf import GGMLQuantizationType, dequantize
+    from gguf.quants import quantize
+
+    from genserve.model.spec import ClampedSwiGLU
+
+    hidden, width = 32, 64
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (1, hidden, width // 32 * 17), dtype=np.uint8)
+    raw[0, :, 0] = np.arange(hidden) * 7  # exponent bytes 0, 7, ..., 217 (block 0)
+    raw[0, :, 17] = np.arange(hidden) % 2 + np.where(np.arange(hidden) < 16, 0, 224)
+    values = dequantize(raw[0], GGMLQuantizationType.MXFP4).reshape(hidden, width)
+    zero = np.asarray(quantize(np.zeros((1, width, hidden), np.float32), GGMLQuantizationType.Q8_0))
+    experts = QuantizedExperts(
+        torch.from_numpy(zero.copy()), torch.from_numpy(zero.copy()), torch.from_numpy(raw),
+        ("Q8_0", "Q8_0", "MXFP4"),
+    )  # fmt: skip
+    x, ids, weights = torch.zeros(1, hidden), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
+    for j in range(width):
+        b13 = torch.zeros(1, 2 * width)
+        b13[0, j] = 128.0
+        out = experts.forward(x, ids, weights, b13, None, ClampedSwiGLU(1.702, 1e9))
+        assert np.array_equal(out[0].numpy(), 128.0 * values[:, j]), j
+
+
 @needs_kernels
 def test_bad_inputs_are_refused() -> None:
     experts = _experts(("Q8_0",) * 3)
@@ -185,6 +256,17 @@ def test_gguf_names_of_moe_tensors() -> None:
     assert name("blk.0.ffn_gate_inp_shexp.weight", "qwen2moe") == (
         "model.layers.0.mlp.shared_expert_gate.weight"
     )
+    # gpt-oss (llama.cpp's converter): sinks without .weight, router with a bias, expert
+    # biases beside the stacks, the pre-MLP norm as post_attention_norm
+    assert name("blk.2.attn_sinks.weight", "gpt-oss") == "model.layers.2.self_attn.sinks"
+    assert name("blk.2.ffn_gate_inp.bias", "gpt-oss") == "model.layers.2.mlp.router.bias"
+    assert name("blk.2.ffn_up_exps.bias", "gpt-oss") == "model.layers.2.mlp.experts.up_proj_bias"
+    assert name("blk.2.ffn_up_exps.weight", "gpt-oss") == "model.layers.2.mlp.experts.up_proj"
+    assert name("blk.2.post_attention_norm.weight", "gpt-oss") == (
+        "model.layers.2.post_attention_layernorm.weight"
+    )
+    assert name("blk.2.attn_output.bias", "gpt-oss") == "model.layers.2.self_attn.o_proj.bias"
+    assert not gguf_names.is_expert_stack("blk.2.ffn_up_exps.bias", "gpt-oss")
     assert gguf_names.is_expert_stack("blk.1.ffn_gate_exps.weight", "qwen3moe")
     assert not gguf_names.is_expert_stack("blk.1.ffn_gate.weight", "qwen3moe")
     # the stacks are not dense matrices: --quantize gguf's dense plan never sees them
@@ -235,3 +317,23 @@ def _build(resolved, load_weights):  # type: ignore[no-untyped-def]
     model = DecoderForCausalLM(config, ParallelContext.single(), torch.float32, torch.device("cpu"))
     load_weights(model, resolved)
     return model
+
+
+def test_released_mxfp4_blocks_repack_exactly() -> None:
+    """gpt-oss's checkpoint MXFP4 (blocks [E, rows, K/32, 16], scales [E, rows, K/32]) as
+    GGML MXFP4 rows (model/mxfp4.py): gguf-py's dequantizer on the result gives exactly what
+    transformers' ``convert_moe_packed_tensors`` dequantizes from the checkpoint."""
+    from gguf import GGMLQuantizationType, dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from genserve.model.mxfp4 import ggml_blocks
+
+    gen = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 8, 4), generator=gen, dtype=torch.uint8)
+    ours = ggml_blocks(blocks, scales)
+    assert ours.shape == (3, 8, 4 * 17)
+    got = dequantize(ours.numpy(), GGMLQuantizationType.MXFP4).reshape(3, 8, 128)
+    # transformers hands the forward [E, in, out]
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    assert np.array_equal(got, expected.numpy())

@@ -2,8 +2,8 @@
 are byte for byte what gguf-py's quantizers write; a quantized MoE model holds its experts in
 those blocks at 34 / 18 bytes per 32 weights, and the CPU expert op on them gives the logits
 of the dequantized reference (the torch loop over gguf-py's dequantized blocks); experts the
-op cannot run (gpt-oss's biases and clamp, widths off the block) stay in the model dtype and
-are named."""
+op cannot run (widths off the block) stay in the model dtype and are named.  gpt-oss's
+experts are quantized too: their biases and clamped SwiGLU are the op's optional arguments."""
 
 from __future__ import annotations
 
@@ -56,10 +56,9 @@ def test_experts_stack_per_projection() -> None:
 
 
 def test_reasons_to_stay_float() -> None:
-    assert why_float(64, 32, False, False) is None
-    assert "gpt-oss" in str(why_float(64, 32, True, True))
-    assert "multiple of 32" in str(why_float(64, 48, False, False))
-    assert "multiple of 32" in str(why_float(40, 32, False, False))
+    assert why_float(64, 32) is None
+    assert "multiple of 32" in str(why_float(64, 48))
+    assert "multiple of 32" in str(why_float(40, 32))
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +103,11 @@ def _logits(model: object, model_dir: Path) -> torch.Tensor:
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_sigmoid_routed_shared_expert_model_on_the_op(
-    method: str, moe_dirs: dict[str, Path]
-) -> None:
-    model_dir = moe_dirs["glm4_moe"]
+@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss"])
+def test_quantized_experts_on_the_op(family: str, method: str, moe_dirs: dict[str, Path]) -> None:
+    """GLM-4-MoE (sigmoid routing, shared expert) and gpt-oss (expert biases, clamped
+    SwiGLU: its float biases stay beside the blocks)."""
+    model_dir = moe_dirs[family]
     with torch.inference_mode():
         fused, blocks = _model(model_dir, method, fused=True)
         assert blocks and all(b.quantized_experts is not None for b in blocks)
@@ -122,7 +122,7 @@ def test_sigmoid_routed_shared_expert_model_on_the_op(
         )
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral"])
 def test_experts_the_op_cannot_run_stay_float_and_are_named(
     family: str, moe_dirs: dict[str, Path]
 ) -> None:

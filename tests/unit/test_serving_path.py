@@ -48,10 +48,17 @@ def _config_dir(tmp_path: Path, model_type: str, **fields: Any) -> Path:
         ("qwen3_moe", {}, NATIVE, "Qwen3MoeForCausalLM"),
         ("gpt_oss", {}, NATIVE, "GptOssForCausalLM"),
         ("minimax_m2", {}, NATIVE, "MiniMaxM2ForCausalLM"),
-        # The released gpt-oss checkpoints' MXFP4 experts have no native reader.
+        # The released gpt-oss checkpoints' MXFP4 experts are read natively (model/mxfp4.py);
+        # another quantization method is not.
         (
             "gpt_oss",
             {"quantization_config": {"quant_method": "mxfp4"}},
+            NATIVE,
+            "GptOssForCausalLM",
+        ),
+        (
+            "gpt_oss",
+            {"quantization_config": {"quant_method": "fp8"}},
             TRANSFORMERS,
             "GptOssForCausalLM",
         ),
@@ -89,8 +96,9 @@ def test_sequential_path_switches_off_prefix_caching_and_speculation(tmp_path: P
 
 
 def _paged_fallback_dir(tmp_path: Path) -> Path:
-    """A released gpt-oss config (MXFP4 experts): the paged fallback serves it."""
-    return _config_dir(tmp_path, "gpt_oss", quantization_config={"quant_method": "mxfp4"})
+    """A gpt-oss config with FP8-quantized experts (no native reader; the released MXFP4
+    ones are native): the paged fallback serves it."""
+    return _config_dir(tmp_path, "gpt_oss", quantization_config={"quant_method": "fp8"})
 
 
 def test_paged_path_keeps_prefix_caching(tmp_path: Path) -> None:

@@ -78,6 +78,7 @@ _HEADERS += [
         "kquant_rows.h",
         "moe_grouping.h",
         "moe_quant_row.inc",
+        "moe_mxfp4_row.inc",
         "moe_q8_r16_row.inc",
     )
 ]

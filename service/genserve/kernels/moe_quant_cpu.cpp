@@ -3,9 +3,15 @@
 //
 //   out[t] = sum_k weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, k]
 //
+// or, for gpt-oss (optional b13 [E, 2L], b2 [E, H], swiglu_limit > 0), the clamped SwiGLU on
+// the biased projections, as moe_cpu.cpp computes it: gate = min(gate_e(x) + b_gate, limit),
+// up = clamp(up_e(x) + b_up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate), and
+// down_e(.) + b2[e] weighted.  The bias add and clamp sit in the activation pass and the
+// down bias in the weighted sum: the row kernels are the same for both.
+//
 // gate and up are [E, L, row bytes] and down [E, H, row bytes] uint8: each expert's rows as
 // llama.cpp stacks them in ffn_{gate,up,down}_exps, bytes untouched.  A projection's type is
-// one of Q8_0 and Q4_0 (blocks of 32) or Q4_K, Q5_K and Q6_K (super-blocks of 256: Q4_K_M
+// one of Q8_0, Q4_0 and MXFP4 (blocks of 32; MXFP4 in moe_mxfp4_row.inc) or Q4_K, Q5_K and Q6_K (super-blocks of 256: Q4_K_M
 // mixes them, Q6_K for some layers' down projection), or genserve's own kQ8_0R16: Q8_0 rows
 // repacked in groups of 16 (moe_q8_r16_row.inc, packed by moe_pack_q8_0_r16 when the experts
 // are served on the AVX512-VNNI path; same bytes, rearranged).
@@ -34,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "cpu_features.h"
@@ -55,6 +62,7 @@ namespace {
 // GGML type codes (gguf's GGMLQuantizationType).
 constexpr int64_t kQ4_0 = 2;
 constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kMXFP4 = 39;
 // Not a GGML code: Q8_0 rows interleaved in groups of 16 (moe_q8_r16_row.inc).
 constexpr int64_t kQ8_0R16 = 1008;
 constexpr int64_t kR16Rows = 16;
@@ -80,6 +88,8 @@ Format format_of(int64_t type) {
       return {32, 34, false};
     case kQ8_0R16:
       return {32, 34, false, true};
+    case kMXFP4:
+      return {32, 17, false};
     case 12:
       return {256, 144, true};  // Q4_K
     case 13:
@@ -135,6 +145,45 @@ void q_float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
   }
 }
 
+// ---- MXFP4, float path: w = 2^(e - 128) * doubled e2m1 value, as gguf-py computes -------
+void mxfp4_float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
+  static constexpr float kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  const KSegment& s = j.segments[0];
+  const int64_t nb = j.k / 32;
+  alignas(64) float w[32];
+  v16 acc[kTileRows];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = s.data + n * s.row_bytes;
+    for (int64_t m0 = 0; m0 < j.m; m0 += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, j.m - m0);
+      for (int64_t m = 0; m < rows; ++m) acc[m] = v16{};
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = row + b * s.block_bytes;
+        const uint32_t e = block[0];
+        const uint32_t bits = e < 2 ? (uint32_t{0x00200000} << e) : ((e - 1) << 23);
+        float d;
+        std::memcpy(&d, &bits, 4);
+        for (int i = 0; i < 16; ++i) {
+          w[i] = d * kValues[block[1 + i] & 0x0F];
+          w[i + 16] = d * kValues[block[1 + i] >> 4];
+        }
+        const v16 w0 = *reinterpret_cast<const v16*>(w);
+        const v16 w1 = *reinterpret_cast<const v16*>(w + 16);
+        for (int64_t m = 0; m < rows; ++m) {
+          const float* x = j.xf + (m0 + m) * j.k + b * 32;
+          acc[m] += w0 * *reinterpret_cast<const v16u*>(x) +
+                    w1 * *reinterpret_cast<const v16u*>(x + 16);
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        float sum = 0.0f;
+        for (int i = 0; i < 16; ++i) sum += acc[m][i];
+        j.store(m0 + m, n, sum);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 #if defined(__x86_64__)
@@ -148,9 +197,11 @@ inline __m256i dot32(__m256i w, __m256i x) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
 }
 #include "moe_quant_row.inc"
+#include "moe_mxfp4_row.inc"
 #include "moe_q8_r16_row.inc"
 }  // namespace
 RunRows run() { return &q_int_rows; }
+RunRows run_mxfp4() { return &mxfp4_int_rows; }
 RunRows run_r16() { return &r16_rows; }
 }  // namespace moeq_avx512vnni
 #pragma GCC pop_options
@@ -164,8 +215,10 @@ inline __m256i dot32(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
 #include "moe_quant_row.inc"
+#include "moe_mxfp4_row.inc"
 }  // namespace
 RunRows run() { return &q_int_rows; }
+RunRows run_mxfp4() { return &mxfp4_int_rows; }
 }  // namespace moeq_avx2
 #pragma GCC pop_options
 
@@ -185,16 +238,19 @@ bool has_avx512vnni() {
 
 bool has_avx2() { return genserve_cpu::has_avx2_fma_f16c(); }
 
-// The Q8_0/Q4_0 integer rows for `isa` (int_dot.h's codes; AVX-VNNI runs the AVX2 code).
-RunRows q_int_path(int64_t isa) {
+// The Q8_0/Q4_0 (or, with `mxfp4`, MXFP4) integer rows for `isa` (int_dot.h's codes;
+// AVX-VNNI runs the AVX2 code).
+RunRows q_int_path(int64_t isa, bool mxfp4 = false) {
 #if defined(__x86_64__)
   const bool vnni = has_avx512vnni();
   if ((isa == genserve_ops::kIntDotAuto || isa == genserve_ops::kIntDotAvx512Vnni ||
        isa == genserve_ops::kIntDotVnni256Evex) && vnni)
-    return moeq_avx512vnni::run();
-  if (isa != genserve_ops::kIntDotNone && has_avx2()) return moeq_avx2::run();
+    return mxfp4 ? moeq_avx512vnni::run_mxfp4() : moeq_avx512vnni::run();
+  if (isa != genserve_ops::kIntDotNone && has_avx2())
+    return mxfp4 ? moeq_avx2::run_mxfp4() : moeq_avx2::run();
 #endif
   (void)isa;
+  (void)mxfp4;
   return nullptr;
 }
 
@@ -273,8 +329,10 @@ RunRows runner_for(const Format& f, int64_t isa) {
 #endif
     return nullptr;
   }
-  if (isa == genserve_ops::kIntDotNone) return f.k_quant ? genserve_kquant::float_runner() : &q_float_rows;
-  return f.k_quant ? genserve_kquant::int_runner(isa) : q_int_path(isa);
+  const bool mxfp4 = f.bytes == 17;  // kMXFP4's blocks
+  if (isa == genserve_ops::kIntDotNone)
+    return f.k_quant ? genserve_kquant::float_runner() : mxfp4 ? &mxfp4_float_rows : &q_float_rows;
+  return f.k_quant ? genserve_kquant::int_runner(isa) : q_int_path(isa, mxfp4);
 }
 
 // One projection of every expert: weights [E, N, row bytes], its activations, its output.
@@ -345,7 +403,8 @@ void run_tasks(const std::vector<Task>& tasks, const Projection* projs,
 Format checked_format(const at::Tensor& w, int64_t type, int64_t K, const char* what) {
   const Format f = format_of(type);
   TORCH_CHECK(f.block > 0, "moe_experts_gguf: ", what, " has GGML type ", type,
-              ", not Q8_0, Q4_0, Q4_K, Q5_K, Q6_K or packed Q8_0 (", kQ8_0R16, ")");
+              ", not Q8_0, Q4_0, MXFP4, Q4_K, Q5_K, Q6_K or packed Q8_0 (", kQ8_0R16,
+              ")");
   TORCH_CHECK(K % f.block == 0, "moe_experts_gguf: ", what, "'s input width ", K,
               " is not a multiple of its block (", f.block, ")");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() &&
@@ -364,7 +423,9 @@ namespace genserve_ops {
 at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
                             const at::Tensor& expert_weights, const at::Tensor& gate,
                             const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types,
-                            int64_t isa) {
+                            int64_t isa, const std::optional<at::Tensor>& b13,
+                            const std::optional<at::Tensor>& b2, double swiglu_alpha,
+                            double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "moe_experts_gguf: x must be [tokens, hidden]");
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0),
               "moe_experts_gguf: expert_ids must be [tokens, top_k]");
@@ -377,6 +438,12 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
   const int64_t L = gate.size(1);
   TORCH_CHECK(up.size(0) == E && down.size(0) == E && up.size(1) == L && down.size(1) == H,
               "moe_experts_gguf: weight shapes do not match x");
+  TORCH_CHECK(!b13.has_value() || b13->sizes() == at::IntArrayRef({E, 2 * L}),
+              "moe_experts_gguf: b13 must be [E, 2L]");
+  TORCH_CHECK(!b2.has_value() || b2->sizes() == at::IntArrayRef({E, H}),
+              "moe_experts_gguf: b2 must be [E, H]");
+  TORCH_CHECK(swiglu_limit >= 0.0,
+              "moe_experts_gguf: swiglu_limit must be >= 0 (0: SiLU-gated)");
   const Format fg = checked_format(gate, types[0], H, "gate");
   const Format fu = checked_format(up, types[1], H, "up");
   const Format fd = checked_format(down, types[2], L, "down");
@@ -421,14 +488,35 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
   add_tasks(tasks, 1, gate_up[1], counts);
   run_tasks(tasks, gate_up, counts, starts);
 
-  // act = silu(gate) * up: [slots, L]
-  const float* gup = gu.data_ptr<float>();
+  // act = silu(gate) * up, or gpt-oss's clamped SwiGLU on the biased gate/up: [slots, L]
+  const at::Tensor b13f = b13.has_value() ? b13->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b13p = b13.has_value() ? b13f.data_ptr<float>() : nullptr;
+  std::vector<int64_t> expert_of;
+  if (b13p != nullptr) {
+    expert_of.resize(slots);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t s = starts[e]; s < starts[e] + counts[e]; ++s) expert_of[s] = e;
+  }
+  const float lim = static_cast<float>(swiglu_limit), alpha = static_cast<float>(swiglu_alpha);
+  float* gup = gu.data_ptr<float>();
   float* ap = act.data_ptr<float>();
   at::parallel_for(0, slots, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      const float* g = gup + r * 2 * L;
+      float* g = gup + r * 2 * L;
       const float* u = g + L;
       float* a = ap + r * L;
+      if (b13p != nullptr) {
+        const float* bias = b13p + expert_of[r] * 2 * L;
+        for (int64_t j = 0; j < 2 * L; ++j) g[j] += bias[j];
+      }
+      if (lim > 0.0f) {
+        for (int64_t j = 0; j < L; ++j) {
+          const float gj = std::min(g[j], lim);
+          const float uj = std::min(std::max(u[j], -lim), lim);
+          a[j] = (uj + 1.0f) * (gj / (1.0f + genserve::exp_approx(-alpha * gj)));
+        }
+        continue;
+      }
       for (int64_t j = 0; j < L; ++j) a[j] = g[j] / (1.0f + genserve::exp_approx(-g[j])) * u[j];
     }
   });
@@ -442,7 +530,9 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
   add_tasks(tasks, 0, down_p[0], counts);
   run_tasks(tasks, down_p, counts, starts);
 
-  // out[t] = sum over k, in k order, of weights[t, k] * ys[slot of (t, k)]
+  // out[t] = sum over k, in k order, of weights[t, k] * (ys[slot of (t, k)] + b2[expert])
+  const at::Tensor b2f = b2.has_value() ? b2->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b2p = b2.has_value() ? b2f.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({T, H}, f32);
   float* op = out.data_ptr<float>();
   const float* yp = ys.data_ptr<float>();
@@ -454,6 +544,11 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
       for (int64_t k = 0; k < K; ++k) {
         const float w = wp[t * K + k];
         const float* y = yp + slot_of[t * K + k] * H;
+        if (b2p != nullptr) {
+          const float* bias = b2p + id[t * K + k] * H;
+          for (int64_t h = 0; h < H; ++h) o[h] += w * (y[h] + bias[h]);
+          continue;
+        }
         for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
       }
     }
@@ -515,7 +610,8 @@ at::Tensor moe_pack_q8_0_r16(const at::Tensor& blocks, bool unpack) {
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("moe_experts_gguf(Tensor x, Tensor expert_ids, Tensor expert_weights, Tensor gate, "
-        "Tensor up, Tensor down, int[] types, int isa=-1) -> Tensor");
+        "Tensor up, Tensor down, int[] types, int isa=-1, Tensor? b13=None, Tensor? b2=None, "
+        "float swiglu_alpha=0.0, float swiglu_limit=0.0) -> Tensor");
   m.def("moe_pack_q8_0_r16(Tensor blocks, bool unpack=False) -> Tensor");
 }
 

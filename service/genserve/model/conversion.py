@@ -24,7 +24,11 @@ from tqdm import tqdm
 from genserve.logging import progress_bars
 from genserve.model import model_cache
 from genserve.model.file_identity import file_digest
-from genserve.model.gguf_config import apply_llama_cpp_hparams, mixtral_from_llama
+from genserve.model.gguf_config import (
+    HIDDEN_FROM_TRANSFORMERS,
+    apply_llama_cpp_hparams,
+    mixtral_from_llama,
+)
 from genserve.model.gguf_metadata_reader import fast_config_reader
 
 log = structlog.get_logger("genserve.model")
@@ -46,6 +50,8 @@ def dir_fingerprint(model_dir: Path) -> str:
 # 4: entries record their files' sizes and digests (model_cache.entry_intact), keyed by the
 #    sampled digest (file_identity).
 # 5: a ``llama`` file with experts (Mixtral as llama.cpp converts it) keeps a MixtralConfig.
+# (Not bumped for gpt-oss files' YaRN keys, now read by gguf_config: transformers' reader
+# failed on those files, so no entry of one with YaRN keys was ever written.)
 GGUF_ENTRY_VERSION = 5
 
 
@@ -117,7 +123,7 @@ def _save_gguf_metadata(gguf_file: Path, out_dir: Path, trust_remote_code: bool)
     progress = _Progress(2, gguf_file.name)
     # transformers reads the config (twice: again under AutoTokenizer) with gguf.GGUFReader;
     # the fast reader gives it the same fields without a numpy view per vocabulary string.
-    with fast_config_reader():
+    with fast_config_reader(HIDDEN_FROM_TRANSFORMERS):
         _save_config_and_tokenizer(gguf_file, out_dir, trust_remote_code, progress)
 
 

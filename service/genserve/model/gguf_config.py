@@ -8,6 +8,11 @@ rotary, and Gemma 2/3 the default ``query_pre_attn_scalar`` (256) where llama.cp
 queries by ``head_dim`` (the hidden size per head for the 27B models: ``src/models/gemma2.cpp``),
 and a Qwen2/3-MoE file transformers' default expert widths (768 routed, 5632 shared).
 
+A ``gpt-oss`` file's YaRN keys (``gpt-oss.rope.scaling.*``) are hidden from transformers
+(:data:`HIDDEN_FROM_TRANSFORMERS`): its gpt-oss branch of ``load_gguf_checkpoint`` (5.24)
+reads each value as ``field.parts[0]``, the key's length, and fails on it; they are read here
+instead (:func:`apply_llama_cpp_hparams`).
+
 A Mixtral file is written by llama.cpp as ``llama`` with ``llama.expert_count``: transformers
 reads it as a dense ``LlamaConfig`` (its ``llama`` mapping has no expert keys), and
 :func:`mixtral_from_llama` turns that into the ``MixtralConfig`` llama.cpp runs.
@@ -17,6 +22,10 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+# Metadata transformers' GGUF config reader must not see (see the module docstring): without
+# the type key its gpt-oss branch reads nothing, and _gpt_oss_rope restores the rope.
+HIDDEN_FROM_TRANSFORMERS = frozenset({"gpt-oss.rope.scaling.type"})
 
 # llama.cpp's layer counts of the 27B Gemma 2 / Gemma 3 (its LLM_TYPE_27B).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -110,6 +119,33 @@ def apply_llama_cpp_hparams(gguf_file: Path, config: Any) -> dict[str, Any]:
             out.update(_phi3_rope(reader, fields, config, params, head_dim))
         elif arch == "gemma3":
             out.update(_gemma3_rope(fields, params))
+        elif arch == "gpt-oss":
+            out.update(_gpt_oss_rope(fields, params))
+    return out
+
+
+def _gpt_oss_rope(fields: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's YaRN (``rope.scaling.type``, ``factor``, ``original_context_length``,
+    ``yarn_beta_fast``/``yarn_beta_slow``, as ``convert_hf_to_gguf.py`` writes them) into
+    ``rope_parameters``.  ``truncate`` keeps ``GptOssConfig``'s default, False, as the
+    released checkpoints have it (the file does not record it); llama.cpp's YaRN rounds the
+    correction range to whole dimensions (``ggml_rope_yarn_corr_dims``' floor/ceil), i.e.
+    computes gpt-oss's rotary slightly otherwise than transformers does."""
+    kind = _scalar(fields, "gpt-oss.rope.scaling.type")
+    if kind != "yarn":
+        return {}
+    out: dict[str, Any] = {"rope_type": "yarn"}
+    keys = {
+        "factor": "factor",
+        "original_max_position_embeddings": "original_context_length",
+        "beta_fast": "yarn_beta_fast",
+        "beta_slow": "yarn_beta_slow",
+    }
+    for name, key in keys.items():
+        value = _scalar(fields, f"gpt-oss.rope.scaling.{key}")
+        if value is not None:
+            out[name] = int(value) if name.startswith("original") else float(value)
+    params.update(out)
     return out
 
 

@@ -202,15 +202,22 @@ _SWAP_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def fast_config_reader() -> Iterator[None]:
+def fast_config_reader(hidden: frozenset[str] = frozenset()) -> Iterator[None]:
     """Within the block, ``gguf.GGUFReader`` is :func:`open_reader` (transformers' GGUF config
-    reader imports the name from ``gguf`` at each call).  One swap at a time: the lock keeps
-    two loading threads from restoring each other's swap."""
+    reader imports the name from ``gguf`` at each call), without the metadata keys
+    ``hidden`` (ones transformers misreads: ``gguf_config.HIDDEN_FROM_TRANSFORMERS``).  One
+    swap at a time: the lock keeps two loading threads from restoring each other's swap."""
     import gguf
+
+    def reader(path: str | PathLike[str], mode: str = "r") -> Any:
+        opened = open_reader(path, mode)
+        for key in hidden:
+            opened.fields.pop(key, None)
+        return opened
 
     with _SWAP_LOCK:
         original = gguf.GGUFReader
-        gguf.GGUFReader = open_reader  # type: ignore[assignment,misc]
+        gguf.GGUFReader = reader  # type: ignore[assignment,misc]
         try:
             yield
         finally:

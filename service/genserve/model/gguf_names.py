@@ -21,6 +21,13 @@ reverse.
   router ``ffn_gate_inp``, read here under the Mixtral family's module names
   (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{gate,up,down}_proj``); a dense
   ``llama`` file has none of these tensors.
+* gpt-oss (``gpt-oss``, ``conversion/gpt_oss.py``): the interleaved ``gate_up_proj`` split
+  into the same ``ffn_{gate,up}_exps`` stacks (MXFP4 blocks from the released checkpoints,
+  else the output type), with their biases ``ffn_{gate,up,down}_exps.bias`` ``[E, I]`` /
+  ``[E, H]`` (read here as ``mlp.experts.{gate,up,down}_proj_bias``), the router
+  ``ffn_gate_inp`` with a bias (``mlp.router``), q/k/v/o biases, the pre-MLP norm as
+  ``post_attention_norm`` and the sinks as ``attn_sinks.weight`` (HF's bare
+  ``self_attn.sinks``).
 * Gemma (1/2/3) norm weights are stored as ``w + 1`` (Gemma's RMSNorm multiplies by
   ``1 + w``; llama.cpp's by the weight), every tensor whose name ends in ``norm.weight``,
   the q/k norms and the final norm included.  transformers subtracts the 1 again when it
@@ -88,6 +95,11 @@ _MIXTRAL_EXPERTS = {
 }
 
 
+# gpt-oss: the pre-MLP norm is ``post_attention_norm``; the router has a bias.
+_GPT_OSS_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+_GPT_OSS_VECTORS = {"ffn_gate_inp": "mlp.router"}
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFLayout:
     """One GGUF architecture's tensor conventions (see the module docstring)."""
@@ -102,6 +114,8 @@ class GGUFLayout:
     # Mixture-of-experts tensors: routers and gates (with suffix), stacked experts (without).
     moe_vectors: Mapping[str, str] = field(default_factory=dict)
     experts: Mapping[str, str] = field(default_factory=dict)
+    # Tensors whose Hugging Face name has no ``.weight`` (gpt-oss's ``self_attn.sinks``).
+    bare: Mapping[str, str] = field(default_factory=dict)
 
 
 LAYOUTS: dict[str, GGUFLayout] = {
@@ -114,6 +128,12 @@ LAYOUTS: dict[str, GGUFLayout] = {
     "gemma3": GGUFLayout(norms=_SANDWICH_NORMS, norm_shift=1.0),
     "qwen2moe": GGUFLayout(matrices=_MOE_MATRICES, moe_vectors=_MOE_VECTORS, experts=_EXPERTS),
     "qwen3moe": GGUFLayout(matrices=_MOE_MATRICES, moe_vectors=_MOE_VECTORS, experts=_EXPERTS),
+    "gpt-oss": GGUFLayout(
+        norms=_GPT_OSS_NORMS,
+        moe_vectors=_GPT_OSS_VECTORS,
+        experts=_EXPERTS,
+        bare={"attn_sinks": "self_attn.sinks"},
+    ),
 }
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -152,9 +172,11 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return None
     layer, kind, suffix = match.groups()
     conventions = LAYOUTS[arch]
-    if kind in conventions.experts:
+    if kind in conventions.experts:  # the stack, or its per-expert biases (gpt-oss)
         stacked = conventions.experts[kind]
-        return f"model.layers.{layer}.{stacked}" if suffix == "weight" else None
+        return f"model.layers.{layer}.{stacked}" + ("" if suffix == "weight" else "_bias")
+    if kind in conventions.bare:
+        return f"model.layers.{layer}.{conventions.bare[kind]}" if suffix == "weight" else None
     module = (
         conventions.matrices.get(kind)
         or conventions.norms.get(kind)
@@ -166,7 +188,9 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
 def is_expert_stack(gguf_name: str, arch: str) -> bool:
     """Whether ``gguf_name`` is a layer's stacked routed experts (``ffn_*_exps``)."""
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    return match is not None and match.group(2) in LAYOUTS[arch].experts
+    return (
+        match is not None and match.group(2) in LAYOUTS[arch].experts and match.group(3) == "weight"
+    )
 
 
 def norm_shift(gguf_name: str, arch: str) -> float:

@@ -105,6 +105,7 @@ _BLOCK_BYTES = {"Q8_0": 2 + _BLOCK, "Q4_1": 4 + _BLOCK // 2, "Q4_0": 2 + _BLOCK 
 EXPERT_TYPES = {
     "Q8_0": (_BLOCK, 2 + _BLOCK),
     "Q4_0": (_BLOCK, 2 + _BLOCK // 2),
+    "MXFP4": (_BLOCK, 1 + _BLOCK // 2),  # gpt-oss: an E8M0 exponent, 16 bytes of e2m1
     **{name: (256, size) for name, (_, size) in K_TYPES.items()},
 }
 # Rows of a matrix copied out of the file mapping at a time (see _copy_in_chunks).

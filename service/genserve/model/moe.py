@@ -239,10 +239,9 @@ class SparseMoeBlock(nn.Module):
     def set_quantized_experts(self, experts: QuantizedExperts) -> None:
         """Serve the routed experts from ``experts`` (a GGUF file's blocks, or the Q8_0 /
         Q4_0 blocks ``--quantize int8|int4`` makes: ``model/moe_quant.py``) and drop the
-        float ``w13``/``w2`` (never written: they cost no memory until then).  Plain
-        SiLU-gated experts only (the op has no expert biases or clamped activation)."""
-        if self.b13 is not None or self.spec.activation is not None:
-            raise ValueError("quantized experts run plain SiLU-gated experts without biases")
+        float ``w13``/``w2`` (never written: they cost no memory until then).  gpt-oss's
+        expert biases ``b13``/``b2`` stay float beside the blocks and, with its clamped
+        SwiGLU, go to the op as its optional arguments."""
         # This shard's experts: every expert, or its range under expert parallelism (a GGUF
         # file's stacks hold every expert, so those are not set under expert parallelism).
         num_experts = self.expert_range[1] - self.expert_range[0]
@@ -284,11 +283,12 @@ class SparseMoeBlock(nn.Module):
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed sum over ``ids`` ``[T, K]`` (indices into this shard's ``w13``/``w2``,
         or into the GGUF blocks of ``quantized_experts``, which hold every expert)."""
-        if self.quantized_experts is not None:  # plain SiLU-gated experts (set_quantized_experts)
-            if self._fused and x.device.type == "cpu":
-                return self.quantized_experts.forward(x, ids, weights)
-            return experts_gguf_torch(x, ids, weights, self.quantized_experts)
         clamped = self.spec.activation
+        if self.quantized_experts is not None:  # the file's blocks (set_quantized_experts)
+            how = (self.b13, self.b2, clamped)
+            if self._fused and x.device.type == "cpu":
+                return self.quantized_experts.forward(x, ids, weights, *how)
+            return experts_gguf_torch(x, ids, weights, self.quantized_experts, *how)
         if self._fused and x.device.type == "cpu":
             out: torch.Tensor = torch.ops.genserve.moe_experts(
                 x, ids, weights, self.w13, self.w2, self.b13, self.b2,
@@ -338,7 +338,9 @@ class SparseMoeBlock(nn.Module):
         experts = f"{prefix}.{n.experts}"
         if self.quantized_experts is not None:  # kept as the GGUF file's blocks
             pass
-        elif n.interleaved_gate_up:
+        elif weights.has(f"{experts}.gate_up_proj_blocks"):  # gpt-oss's released MXFP4
+            self._load_mxfp4(weights, experts)
+        elif n.interleaved_gate_up and not weights.has(f"{experts}.gate_proj"):
             self._load_interleaved(weights, experts)
         elif weights.has(f"{experts}.gate_proj"):  # GGUF stacks: [E, I, H] twice, [E, H, I]
             gate, up, down = (
@@ -364,10 +366,28 @@ class SparseMoeBlock(nn.Module):
                 self.w13[mine, :width].copy_(rows(f"{at}.{n.gate}.weight", 0, start, stop))
                 self.w13[mine, width:].copy_(rows(f"{at}.{n.up}.weight", 0, start, stop))
                 self.w2[mine].copy_(rows(f"{at}.{n.down}.weight", 1, start, stop))
+        if self.b13 is not None and weights.has(f"{experts}.gate_proj_bias"):
+            self._load_split_biases(weights, experts)
+        elif self.b13 is not None and weights.has(f"{experts}.gate_up_proj_bias"):
+            self._load_interleaved_biases(weights, experts)
         if self.shared is not None:
             self.shared.load(weights, prefix)
         if self.shared_gate is not None:
             self.shared_gate.copy_(weights.get(f"{prefix}.{n.shared_gate}.weight"))
+
+    def _load_split_biases(self, weights: WeightSource, experts: str) -> None:
+        """gpt-oss's expert biases from a GGUF file, split as its converter splits the
+        interleaved ``gate_up_proj_bias``: ``gate_proj_bias``/``up_proj_bias`` ``[E, I]``
+        and ``down_proj_bias`` ``[E, H]``."""
+        assert self.b13 is not None and self.b2 is not None
+        start, stop = self.width_range
+        first, last = self.expert_range
+        width = stop - start
+        self.b13[:, :width].copy_(weights.get(f"{experts}.gate_proj_bias")[first:last, start:stop])
+        self.b13[:, width:].copy_(weights.get(f"{experts}.up_proj_bias")[first:last, start:stop])
+        self.b2.copy_(weights.get(f"{experts}.down_proj_bias")[first:last])
+        if self.ctx.rank != 0 and not self.ctx.expert_parallel:  # see _load_interleaved_biases
+            self.b2.zero_()
 
     def _load_interleaved(self, weights: WeightSource, experts: str) -> None:
         """gpt-oss's layout (``MoeNames.interleaved_gate_up``): this shard's gate columns
@@ -383,6 +403,37 @@ class SparseMoeBlock(nn.Module):
             self.w13[e - first, width:].copy_(gate_up[:, gate_cols + 1].t())
             down = weights.get_slice(f"{experts}.down_proj", 0, e, e + 1)[0]  # [I, H]
             self.w2[e - first].copy_(down[start:stop].t())
+
+    def _load_mxfp4(self, weights: WeightSource, experts: str) -> None:
+        """gpt-oss's released checkpoints: the experts' MXFP4 blocks and scales rearranged
+        into GGML MXFP4 stacks (``model/mxfp4.py``, lossless) and served by the quantized
+        expert op, or — where this shard holds a slice of the expert width, which would cut
+        the down projection's blocks — dequantized into ``w13``/``w2``."""
+        from genserve.model.moe_gguf import dequantize_expert
+        from genserve.model.mxfp4 import MXFP4, expert_stacks
+
+        parts = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                 "down_proj_scales")  # fmt: skip
+        gate, up, down = expert_stacks(*(weights.get(f"{experts}.{p}") for p in parts))
+        start, stop = self.width_range
+        first, last = self.expert_range
+        if (start, stop) == (0, self.spec.intermediate_size):
+            mine = slice(first, last)
+            stacks = (gate[mine].contiguous(), up[mine].contiguous(), down[mine].contiguous())
+            self.set_quantized_experts(QuantizedExperts(*stacks, (MXFP4,) * 3))
+            return
+        width = stop - start
+        for e in range(first, last):
+            self.w13[e - first, :width].copy_(dequantize_expert(gate, MXFP4, e)[start:stop])
+            self.w13[e - first, width:].copy_(dequantize_expert(up, MXFP4, e)[start:stop])
+            self.w2[e - first].copy_(dequantize_expert(down, MXFP4, e)[:, start:stop])
+
+    def _load_interleaved_biases(self, weights: WeightSource, experts: str) -> None:
+        """gpt-oss's ``gate_up_proj_bias`` (gate ``2j``, up ``2j + 1``) and ``down_proj_bias``."""
+        start, stop = self.width_range
+        first, last = self.expert_range
+        width = stop - start
+        gate_cols = torch.arange(start, stop) * 2
         if self.b13 is not None and self.b2 is not None:
             bias = weights.get(f"{experts}.gate_up_proj_bias")[first:last]  # [E, 2I]
             self.b13[:, :width].copy_(bias[:, gate_cols])

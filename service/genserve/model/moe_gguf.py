@@ -1,6 +1,8 @@
 """Routed experts kept in a GGUF file's quantized blocks (``--quantize gguf``, the default
 for a ``.gguf`` model on CPU): what a mixture-of-experts layer holds instead of float
-``w13``/``w2`` when its ``ffn_{gate,up,down}_exps`` are Q8_0, Q4_0, Q4_K, Q5_K or Q6_K.
+``w13``/``w2`` when its ``ffn_{gate,up,down}_exps`` are Q8_0, Q4_0, MXFP4 (gpt-oss), Q4_K,
+Q5_K or Q6_K.  gpt-oss's expert biases and clamped SwiGLU are the op's optional arguments
+(the layer's ``b13``/``b2`` stay float beside the blocks).
 
 Each projection is the file's stack ``[E, rows, row bytes]`` (uint8, bytes as stored, read
 by ``GGUFWeights.expert_blocks``), so a Q4_K_M model's experts take the file's 4.5-6.6 bits
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from genserve.model.kquants import FLOAT_PATH
+from genserve.model.spec import ClampedSwiGLU
 
 if TYPE_CHECKING:
     from genserve.model.huge_pages import HugePageRegion
@@ -33,7 +36,15 @@ PACK_ROWS = 16
 
 # GGML type codes (gguf's GGMLQuantizationType) of the expert types the op runs, and
 # genserve's own code for Q8_0 rows repacked in groups of 16 (kernels/moe_q8_r16_row.inc).
-GGML_CODES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, PACKED_Q8_0: 1008}
+GGML_CODES = {
+    "Q4_0": 2,
+    "Q8_0": 8,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+    "MXFP4": 39,
+    PACKED_Q8_0: 1008,
+}
 
 
 class ExpertBlockSource(Protocol):
@@ -85,11 +96,22 @@ class QuantizedExperts:
             down=region.place(self.down),
         )
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed sum through ``genserve::moe_experts_gguf`` (CPU kernels loaded)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+        clamped: ClampedSwiGLU | None = None,
+    ) -> torch.Tensor:
+        """The routed sum through ``genserve::moe_experts_gguf`` (CPU kernels loaded), with
+        gpt-oss's biases ``b13 [E, 2L]``, ``b2 [E, H]`` and clamped SwiGLU where given."""
         out: torch.Tensor = torch.ops.genserve.moe_experts_gguf(
-            x, ids, weights, self.gate, self.up, self.down, self.codes, self.isa
-        )
+            x, ids, weights, self.gate, self.up, self.down, self.codes, self.isa, b13, b2,
+            0.0 if clamped is None else clamped.alpha,
+            0.0 if clamped is None else clamped.limit,
+        )  # fmt: skip
         return out
 
 
@@ -140,19 +162,37 @@ def dequantize_expert(blocks: torch.Tensor, qtype: str, expert: int) -> torch.Te
 
 
 def experts_gguf_torch(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: QuantizedExperts
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: QuantizedExperts,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    clamped: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """The routed experts in torch on the dequantized blocks of the chosen experts (the
-    portable path and the kernel's reference): ``model.moe.experts_torch``'s loop."""
+    portable path and the kernel's reference): ``model.moe.experts_torch``'s loop, biases
+    and clamped SwiGLU included where given."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     xf = x.float()
     tg, tu, td = experts.types
+    width = experts.gate.shape[1]
     for expert in torch.unique(ids).tolist():
         token_idx, k_pos = torch.where(ids == expert)
         rows = xf[token_idx]
         gate = rows @ dequantize_expert(experts.gate, tg, expert).t()
         up = rows @ dequantize_expert(experts.up, tu, expert).t()
-        act = torch.nn.functional.silu(gate) * up
+        if b13 is not None:
+            gate = gate + b13[expert, :width].float()
+            up = up + b13[expert, width:].float()
+        if clamped is None:
+            act = torch.nn.functional.silu(gate) * up
+        else:
+            gate = gate.clamp(max=clamped.limit)
+            up = up.clamp(-clamped.limit, clamped.limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * clamped.alpha)
         y = act @ dequantize_expert(experts.down, td, expert).t()
+        if b2 is not None:
+            y = y + b2[expert].float()
         out.index_add_(0, token_idx, y * weights[token_idx, k_pos, None].float())
     return out.to(x.dtype)

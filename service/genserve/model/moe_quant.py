@@ -62,12 +62,10 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, method: str) -> Quanti
     return QuantizedExperts(gate, up, down, (qtype, qtype, qtype))
 
 
-def why_float(hidden: int, width: int, biased: bool, clamped: bool) -> str | None:
+def why_float(hidden: int, width: int) -> str | None:
     """Why a layer's routed experts stay in the model dtype under ``--quantize int8|int4``
-    (the op runs plain SiLU-gated experts over whole blocks), or None.  ``width``: this
-    shard's slice of the expert width."""
-    if biased or clamped:
-        return "expert biases / clamped SwiGLU (gpt-oss): the quantized op has neither"
+    (the op runs whole blocks; gpt-oss's biases and clamped SwiGLU are its optional
+    arguments), or None.  ``width``: this shard's slice of the expert width."""
     if hidden % BLOCK or width % BLOCK:
         return f"hidden size {hidden} or this shard's expert width {width} not a multiple of 32"
     return None

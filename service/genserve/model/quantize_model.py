@@ -123,9 +123,12 @@ def _quantize_routed_experts(
 ) -> None:
     """A MoE layer's routed experts as Q8_0 / Q4_0 blocks (``model/moe_quant.py``) for the
     CPU expert op; those the op cannot run stay in the model dtype, named with the reason."""
+    if moe.quantized_experts is not None:  # already blocks (gpt-oss's released MXFP4)
+        summary.quantized += 3
+        return
     width, hidden = moe.w2.shape[2], moe.w2.shape[1]
     # Under expert parallelism w13/w2 hold this shard's experts only: those are quantized.
-    reason = why_float(hidden, width, moe.b13 is not None, moe.spec.activation is not None)
+    reason = why_float(hidden, width)
     if reason is None and moe.w13.device.type != "cpu":
         reason = "the quantized expert op is CPU-only (CUDA runs float experts in Triton)"
     if reason is not None:
@@ -189,8 +192,7 @@ def _moe_plan(
     types), and its shared expert's matrices planned as a dense MLP's."""
     names = moe.spec.names
     stacked = None
-    plain = moe.b13 is None and moe.spec.activation is None and not moe.ctx.expert_parallel
-    if experts is not None and plain:
+    if experts is not None and not moe.ctx.expert_parallel:
         stacked = read_quantized_experts(
             experts, f"{prefix}.{names.experts}", moe.width_range, moe.spec.intermediate_size
         )

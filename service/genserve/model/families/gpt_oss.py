@@ -1,7 +1,8 @@
 """gpt-oss: attention with q/k/v and o biases and a learned sink logit per head, sliding and
 full layers alternating (``layer_types``), YaRN rotary; every MLP a mixture of experts whose
 router is affine (a bias) and weighs its top-k logits by a softmax over those k, each expert
-a clamped SwiGLU with biases, stacked transposed with gate and up columns interleaved."""
+a clamped SwiGLU with biases, stacked transposed with gate and up columns interleaved (or, in
+the released checkpoints, MXFP4 blocks and scales: ``model/mxfp4.py``)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,13 @@ _NAMES = MoeNames(router="mlp.router", experts="mlp.experts", interleaved_gate_u
 def config(hf: Any, architecture: str) -> ModelConfig:
     quantization = getattr(hf, "quantization_config", None)
     if quantization:
-        # The released checkpoints keep experts as MXFP4 blocks and scales, which have no
-        # native reader: transformers dequantizes them on the fallback.
+        # The released checkpoints keep experts as MXFP4 blocks and scales: rearranged into
+        # GGML's MXFP4 blocks at load (model/mxfp4.py) and served by the quantized expert op.
         method = quantization.get("quant_method") if isinstance(quantization, dict) else "?"
-        raise UnsupportedModelError(f"gpt-oss experts quantized as {method!r}: not read natively")
+        if method != "mxfp4":
+            raise UnsupportedModelError(
+                f"gpt-oss experts quantized as {method!r}: not read natively"
+            )
     bias = bool(getattr(hf, "attention_bias", True))
     layers = int(hf.num_hidden_layers)
     router = RouterSpec(
