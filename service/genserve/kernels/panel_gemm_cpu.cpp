@@ -28,6 +28,13 @@
 // one row dequantizes in registers.  A weight is rebuilt exactly as the reference does
 // (scale * q + min, exact products of small integers and float16 values), so results differ
 // from a float32 matmul on the dequantized matrix only in the order of float32 sums.
+//
+// Float16 panels ([P, K, 32] float16, kBits 16): a float32 model whose weights are all
+// float16 values (an F16 GGUF served in float32 where the CPU has no native bfloat16, e.g.
+// AVX2-only parts) keeps them at half the bytes.  They take the quantized panels' road (a
+// chunk widened into the L1 scratch by F16C, one row widened in registers) and widen
+// exactly, so every sum is the float32 panels' own, in the same order: the same results at
+// half the memory traffic (weight_panels.pack_half_exact; docs/cpu-avx2.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -66,6 +73,12 @@ constexpr int kTileRows = 1;
 #endif
 
 inline void store(float* p, f32v v) { std::memcpy(p, &v, sizeof(v)); }
+
+// How many k-steps ahead a streamed row prefetches its panel, per segment: float32 (128
+// bytes a k-step) and float16 (64 bytes a k-step: one line, so more steps for the same
+// lines in flight; tuned on the 1B shape's matrices, AVX2 build, docs/cpu-avx2.md).
+constexpr int64_t kStreamAheadSteps = 16;
+constexpr int64_t kHalfStreamAheadSteps = 32;
 
 // The L2 prefetch of a float32 panel's weights, a cursor kAheadSteps k-steps ahead of the
 // chunk being multiplied.  Each of a chunk's `every` row tiles walks the chunk's k-steps, so
@@ -127,10 +140,14 @@ void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
   }
 }
 
-// One row: four k-segments streamed side by side, four independent accumulator sets.
-inline void stream_row(const float* x, int64_t K, const float* panel, float* out) {
+// One row: four k-segments streamed side by side, four independent accumulator sets.  T:
+// float (float32 panels) or c10::Half (float16 panels, widened exactly by load16: the
+// same sums in the same order).
+template <typename T>
+inline void stream_row(const float* x, int64_t K, const T* panel, float* out) {
   constexpr int kSegments = 4;
-  constexpr int64_t kAhead = 16;
+  constexpr bool kHalf = sizeof(T) == 2;
+  constexpr int64_t kAhead = kHalf ? kHalfStreamAheadSteps : kStreamAheadSteps;
   f32v acc[kSegments][kVecs];
   for (int s = 0; s < kSegments; ++s)
     for (int j = 0; j < kVecs; ++j) acc[s][j] = f32v{};
@@ -139,7 +156,7 @@ inline void stream_row(const float* x, int64_t K, const float* panel, float* out
     for (int s = 0; s < kSegments; ++s) {
       const int64_t kk = s * seg + k;
       __builtin_prefetch(panel + (kk + kAhead) * kPanel);
-      __builtin_prefetch(panel + (kk + kAhead) * kPanel + 16);
+      if constexpr (!kHalf) __builtin_prefetch(panel + (kk + kAhead) * kPanel + 16);
       const f32v b = f32v{} + x[kk];
       for (int j = 0; j < kVecs; ++j) acc[s][j] += b * load16(panel + kk * kPanel + j * kLanes);
     }
@@ -160,7 +177,8 @@ struct QPanels {
   int64_t bits, group, K, groups;
 };
 
-// kBits: 8 (int8, w = scale * q) or 4 (w = scale * q + min); 0 stands for float32 panels.
+// kBits: 8 (int8, w = scale * q) or 4 (w = scale * q + min); 0 stands for float32 panels,
+// 16 for float16 panels (no scales: the values are the weights).
 template <int kBits>
 constexpr int64_t bytes_per_k() {
   return kBits == 0 ? kPanel * 4 : kPanel * kBits / 8;
@@ -175,7 +193,10 @@ inline const uint8_t* q_at(const QPanels& q, int64_t p, int64_t k) {
 // kScaled false: 8-bit values as they are (one scale per row, applied to the sums instead).
 template <int kBits, bool kScaled = true>
 inline void weights(const uint8_t* at, const f32v* scale, const f32v* min, f32v* w) {
-  if constexpr (kBits == 8) {
+  if constexpr (kBits == 16) {
+    const auto* half = reinterpret_cast<const c10::Half*>(at);
+    for (int j = 0; j < kVecs; ++j) w[j] = load_f16(half + j * kLanes);
+  } else if constexpr (kBits == 8) {
     for (int j = 0; j < kVecs; ++j) {
       w[j] = load_i8(reinterpret_cast<const int8_t*>(at) + j * kLanes);
       if constexpr (kScaled) w[j] *= scale[j];
@@ -194,6 +215,7 @@ inline void weights(const uint8_t* at, const f32v* scale, const f32v* min, f32v*
 
 template <int kBits>
 inline void group_params(const QPanels& q, int64_t p, int64_t g, f32v* scale, f32v* min) {
+  if constexpr (kBits == 16) return;  // float16 panels: no scales
   const int64_t at = (p * q.groups + g) * kPanel;
   for (int j = 0; j < kVecs; ++j) {
     scale[j] = load_f16(q.scales + at + j * kLanes);
@@ -279,6 +301,9 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       }
     } else if constexpr (kBits == 4) {
       stream_row_q<4, true>(x + m0 * K, *quant, p, scratch);
+    } else if constexpr (kBits == 16) {  // the float32 row's order of sums, widened loads
+      stream_row(x + m0 * K, K, static_cast<const c10::Half*>(quant->data) + p * K * kPanel,
+                 scratch);
     } else {
       stream_row(x + m0 * K, K, panel, scratch);
     }
@@ -377,8 +402,9 @@ bool can_accumulate(const at::Tensor* into, const at::Tensor& x, int64_t N) {
 at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                              const c10::optional<at::Tensor>& bias, at::Tensor* into) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
-              "panel_linear: float32 x and panels expected");
+  const bool half = panels.scalar_type() == at::kHalf;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (half || panels.scalar_type() == at::kFloat),
+              "panel_linear: float32 x and float32 or float16 panels expected");
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel &&
                   panels.size(1) == x.size(1) && N <= panels.size(0) * kPanel &&
                   N > (panels.size(0) - 1) * kPanel,
@@ -394,16 +420,21 @@ at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int6
   }
   const bool accumulate = can_accumulate(into, x, N);
   if (M > kGemmMinRows && !batch_invariant()) {
-    auto product = gemm_on_panels(xc, pc, N, b);
+    // float16 panels widened for the GEMM: a copy of W per call, small beside its M rows.
+    auto product = gemm_on_panels(xc, half ? pc.to(at::kFloat) : pc, N, b);
     return accumulate ? into->add_(product) : product;
   }
   auto out = accumulate ? *into : at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = xc.data_ptr<float>();
-  const float* wp = pc.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  run_panels<0>(xp, M, K, P, N, wp, nullptr, bp, op, accumulate);
+  if (half) {
+    const QPanels q{pc.data_ptr(), nullptr, nullptr, 16, K, K, 1};
+    run_panels<16>(xp, M, K, P, N, nullptr, &q, bp, op, accumulate);
+  } else {
+    run_panels<0>(xp, M, K, P, N, pc.data_ptr<float>(), nullptr, bp, op, accumulate);
+  }
   return out;
 }
 
