@@ -31,10 +31,10 @@
 //
 // Float16 panels ([P, K, 32] float16, kBits 16): a float32 model whose weights are all
 // float16 values (an F16 GGUF served in float32 where the CPU has no native bfloat16, e.g.
-// AVX2-only parts) keeps them at half the bytes.  They take the quantized panels' road (a
-// chunk widened into the L1 scratch by F16C, one row widened in registers) and widen
-// exactly, so every sum is the float32 panels' own, in the same order: the same results at
-// half the memory traffic (weight_panels.pack_half_exact; docs/cpu-avx2.md).
+// AVX2-only parts) keeps them at half the bytes.  One row widens them in registers (F16C),
+// more rows a chunk at a time into the L1 scratch the row tiles read; widening is exact, so
+// every sum is the float32 panels' own, in the same order: the same results at half the
+// memory traffic (weight_panels.pack_half_exact; docs/cpu-avx2.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -90,29 +90,30 @@ constexpr int64_t kHalfStreamAheadSteps = 32;
 // The cursor runs on past the panel into the next one, which is the next task's (a thread's
 // panels are contiguous); past the band's end it touches nothing (prefetches do not fault).
 struct Ahead {
-  const float* next;  // the next k-step to prefetch
+  const char* next;   // the next k-step to prefetch
   int64_t fire;       // loop index of the current tile at which it is prefetched
   int64_t every;      // row tiles per chunk
 };
 
 // Rows [0, R) of x (row stride ldx) against k-steps [k0, k1) of a panel chunk (chunk[0] is
 // k-step k0), accumulated into acc (R × 32, row stride kPanel); `first` starts the sums from
-// zero; kFetchAhead advances `ahead` (float32 weights in memory).
-template <int R, bool kFetchAhead>
+// zero; kFetchBytes (the bytes of a k-step of the weights in memory: 128 for float32 panels,
+// 64 for float16 ones; 0: none) advances `ahead`.
+template <int R, int kFetchBytes>
 inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* chunk,
                  float* acc_out, bool first, Ahead* ahead) {
+  constexpr bool kFetchAhead = kFetchBytes > 0;
   f32v acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j)
       acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + j * kLanes);
   int64_t fire = kFetchAhead ? ahead->fire : 0;
-  const float* next = kFetchAhead ? ahead->next : nullptr;
+  const char* next = kFetchAhead ? ahead->next : nullptr;
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = chunk + (k - k0) * kPanel;
     if (kFetchAhead && k - k0 == fire) {
-      __builtin_prefetch(next, 0, 2);
-      __builtin_prefetch(next + 16, 0, 2);
-      next += kPanel;
+      for (int b = 0; b < kFetchBytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+      next += kFetchBytes;
       fire += ahead->every;
     }
     f32v w[kVecs];
@@ -131,12 +132,12 @@ inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const floa
 }
 
 // The last rows of a block, fewer than kTileRows: R chosen at run time.
-template <int R, bool kFetchAhead>
+template <int R, int kFetchBytes>
 void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
                const float* chunk, float* acc, bool first, Ahead* ahead) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kFetchAhead>(x, ldx, k0, k1, chunk, acc, first, ahead);
-    tail_tile<R - 1, kFetchAhead>(rows, x, ldx, k0, k1, chunk, acc, first, ahead);
+    if (rows == R) return tile<R, kFetchBytes>(x, ldx, k0, k1, chunk, acc, first, ahead);
+    tail_tile<R - 1, kFetchBytes>(rows, x, ldx, k0, k1, chunk, acc, first, ahead);
   }
 }
 
@@ -178,7 +179,7 @@ struct QPanels {
 };
 
 // kBits: 8 (int8, w = scale * q) or 4 (w = scale * q + min); 0 stands for float32 panels,
-// 16 for float16 panels (no scales: the values are the weights).
+// 16 for float16 panels (no scales: the values are the weights, read by tile / stream_row).
 template <int kBits>
 constexpr int64_t bytes_per_k() {
   return kBits == 0 ? kPanel * 4 : kPanel * kBits / 8;
@@ -193,10 +194,7 @@ inline const uint8_t* q_at(const QPanels& q, int64_t p, int64_t k) {
 // kScaled false: 8-bit values as they are (one scale per row, applied to the sums instead).
 template <int kBits, bool kScaled = true>
 inline void weights(const uint8_t* at, const f32v* scale, const f32v* min, f32v* w) {
-  if constexpr (kBits == 16) {
-    const auto* half = reinterpret_cast<const c10::Half*>(at);
-    for (int j = 0; j < kVecs; ++j) w[j] = load_f16(half + j * kLanes);
-  } else if constexpr (kBits == 8) {
+  if constexpr (kBits == 8) {
     for (int j = 0; j < kVecs; ++j) {
       w[j] = load_i8(reinterpret_cast<const int8_t*>(at) + j * kLanes);
       if constexpr (kScaled) w[j] *= scale[j];
@@ -215,7 +213,6 @@ inline void weights(const uint8_t* at, const f32v* scale, const f32v* min, f32v*
 
 template <int kBits>
 inline void group_params(const QPanels& q, int64_t p, int64_t g, f32v* scale, f32v* min) {
-  if constexpr (kBits == 16) return;  // float16 panels: no scales
   const int64_t at = (p * q.groups + g) * kPanel;
   for (int j = 0; j < kVecs; ++j) {
     scale[j] = load_f16(q.scales + at + j * kLanes);
@@ -308,25 +305,41 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       stream_row(x + m0 * K, K, panel, scratch);
     }
   } else {
-    // Float32 panels are prefetched (quantized ones: by dequant_chunk, a chunk ahead).
-    constexpr bool fetch = kBits == 0;
-    Ahead ahead{fetch ? panel + kAheadSteps * kPanel : nullptr, 0,
+    // Float32 and float16 panels are prefetched by the row tiles (quantized ones by
+    // dequant_chunk, a chunk ahead).  Float16 k-steps are widened once per chunk into
+    // wchunk, shared by every row tile: widening in each tile instead (F16C beside the
+    // FMAs) ran 8 rows 1.4x and 32 rows 1.8x slower than float32 panels (AVX2 build).
+    constexpr int kFetchBytes = kBits == 0 ? kPanel * 4 : kBits == 16 ? kPanel * 2 : 0;
+    const c10::Half* half = nullptr;
+    const char* stream = reinterpret_cast<const char*>(panel);
+    if constexpr (kBits == 16) {
+      half = static_cast<const c10::Half*>(quant->data) + p * K * kPanel;
+      stream = reinterpret_cast<const char*>(half);
+    }
+    Ahead ahead{kFetchBytes > 0 ? stream + kAheadSteps * kFetchBytes : nullptr, 0,
                 (rows + kTileRows - 1) / kTileRows};
     for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
       const int64_t k1 = std::min(K, k0 + kKChunk);
-      const float* chunk = panel + k0 * kPanel;
-      if constexpr (kBits != 0) {
+      const float* chunk = wchunk;
+      if constexpr (kBits == 0) {
+        chunk = panel + k0 * kPanel;
+      } else if constexpr (kBits == 16) {
+        const c10::Half* src = half + k0 * kPanel;
+        for (int64_t i = 0; i < (k1 - k0) * kPanel; i += kLanes) {
+          store(wchunk + i, load_f16(src + i));
+        }
+      } else {
         dequant_chunk<kBits>(*quant, p, k0, k1, wchunk);
-        chunk = wchunk;
       }
       int64_t r = 0;
       for (; r + kTileRows <= rows; r += kTileRows) {
-        tile<kTileRows, fetch>(x + (m0 + r) * K, K, k0, k1, chunk, scratch + r * kPanel,
-                               k0 == 0, &ahead);
+        tile<kTileRows, kFetchBytes>(x + (m0 + r) * K, K, k0, k1, chunk, scratch + r * kPanel,
+                                     k0 == 0, &ahead);
       }
       if (r < rows) {
-        tail_tile<kTileRows - 1, fetch>(static_cast<int>(rows - r), x + (m0 + r) * K, K, k0,
-                                        k1, chunk, scratch + r * kPanel, k0 == 0, &ahead);
+        tail_tile<kTileRows - 1, kFetchBytes>(static_cast<int>(rows - r), x + (m0 + r) * K, K,
+                                              k0, k1, chunk, scratch + r * kPanel, k0 == 0,
+                                              &ahead);
       }
     }
   }
