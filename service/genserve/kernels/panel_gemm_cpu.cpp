@@ -76,7 +76,7 @@ inline void store(float* p, f32v v) { std::memcpy(p, &v, sizeof(v)); }
 
 // How many k-steps ahead a streamed row prefetches its panel, per segment: float32 (128
 // bytes a k-step) and float16 (64 bytes a k-step: one line, so more steps for the same
-// lines in flight; tuned on the 1B shape's matrices, AVX2 build, docs/cpu-avx2.md).
+// lines in flight; set by that reasoning, not swept: docs/cpu-avx2.md).
 constexpr int64_t kStreamAheadSteps = 16;
 constexpr int64_t kHalfStreamAheadSteps = 32;
 
