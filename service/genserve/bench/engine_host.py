@@ -14,9 +14,9 @@ reports per decode step:
 * ``step_ms`` — wall time per step.
 
 Usage: ``python -m genserve.bench.engine_host --rows 1 64 [--overlap [--split]] [--tokens 48]
-[--freeze-gc] [--no-cpu-kernels]`` (``--split``: the runner's launch/collect, so the step thread launches
-step n + 1 before it collects step n; ``gap_ms`` then counts the thread's idle time between
-all its calls).  Uses
+[--freeze-gc] [--no-cpu-kernels]`` (``--split``: the runner's launch/collect, so the step
+thread launches step n + 1 before it collects step n; ``gap_ms`` then counts the thread's
+idle time between all its calls).  Uses
 only APIs that existed before overlapped scheduling, so the same module measures an older
 checkout (``PYTHONPATH`` pointing at it) for a before/after comparison.
 """
