@@ -21,6 +21,11 @@ off for them, ``Scheduler._speculative_chunk``); drafts are not checked against 
 
 The vocabulary is the model's logits width, which may exceed the tokenizer's (padding rows of
 the embedding): xgrammar is told that size, and ids the tokenizer lacks are never allowed.
+
+xgrammar is imported inside the functions that call it, not with this module: its import
+takes 0.4-0.8 s on a 2-vCPU machine (its tokenizer module imports transformers' tokenizer
+and chat-template machinery), and the server builds its :class:`GrammarCompiler` at start.
+So the first import happens in the compile thread, with the vocabulary, after the start.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import xgrammar as xgr
 
 from genserve.engine.grammar_spec import (
     GrammarError,
@@ -57,6 +61,8 @@ class CompiledGrammar:
         self._compiled = compiled
 
     def new_state(self) -> GrammarState:
+        import xgrammar as xgr  # lazy: see the module docstring
+
         return GrammarState(
             xgr.GrammarMatcher(self._compiled), self._compiled.tokenizer_info.vocab_size
         )
@@ -87,6 +93,8 @@ class GrammarState:
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """A packed int32 bitmask ``[num_rows, ceil(vocab / 32)]`` (bit set: token allowed)."""
+    import xgrammar as xgr  # lazy: see the module docstring
+
     return xgr.allocate_token_bitmask(num_rows, vocab_size)
 
 
@@ -111,6 +119,8 @@ class BitmaskFiller:
     while step N+1's is being filled)."""
 
     def __init__(self, max_threads: int = 2) -> None:
+        import xgrammar as xgr  # lazy: see the module docstring
+
         self._batch = xgr.BatchGrammarMatcher(max_threads)
         self._buffers: list[torch.Tensor] = []
         self._next = 0
@@ -206,6 +216,8 @@ class GrammarCompiler:
 def _make_compiler(
     hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_threads: int
 ) -> Any:
+    import xgrammar as xgr  # lazy, in the compile thread: see the module docstring
+
     info = xgr.TokenizerInfo.from_huggingface(
         hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
     )
@@ -215,6 +227,8 @@ def _make_compiler(
 
 def _grammar(spec: GrammarSpec) -> Any:
     """The grammar ``spec`` asks for, not yet compiled (raises as :meth:`_compile` catches)."""
+    import xgrammar as xgr  # lazy: see the module docstring
+
     if spec.kind is GrammarKind.JSON_SCHEMA:
         json.loads(spec.text)  # a clear message for text that is not JSON at all
         return xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)

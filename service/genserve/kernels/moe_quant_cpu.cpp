@@ -101,13 +101,56 @@ Format format_of(int64_t type) {
   }
 }
 
-// ---- Q8_0 / Q4_0, float path: w = d * q (Q8_0), d * (q - 8) (Q4_0), as gguf-py computes -----
+// ---- Q8_0 / Q4_0 / MXFP4, float path ------------------------------------------------------
+// One block of 32 weights dequantized into w[32] as gguf-py computes it, per format; the
+// row loop below (float_rows) is the same for all of them.
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
-void q_float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
+// Q8_0: w = d * q.
+struct DecodeQ8_0 {
+  static void block(const uint8_t* p, float* w) {
+    const float d = half_at(p);
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+    for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]);
+  }
+};
+
+// Q4_0: w = d * (q - 8), low nibbles the first 16 weights, high nibbles the next 16.
+struct DecodeQ4_0 {
+  static void block(const uint8_t* p, float* w) {
+    const float d = half_at(p);
+    for (int i = 0; i < 16; ++i) {
+      w[i] = d * static_cast<float>((p[2 + i] & 0x0F) - 8);
+      w[i + 16] = d * static_cast<float>((p[2 + i] >> 4) - 8);
+    }
+  }
+};
+
+// MXFP4: w = 2^(e - 128) * doubled e2m1 value, e the block's scale byte (e < 2: the
+// subnormal scales 2^-128, 2^-127, built from their bits).
+struct DecodeMxfp4 {
+  static void block(const uint8_t* p, float* w) {
+    static constexpr float kValues[16] = {0,  1,  2,  3,  4,  6,  8,  12,
+                                          0, -1, -2, -3, -4, -6, -8, -12};
+    const uint32_t e = p[0];
+    const uint32_t bits = e < 2 ? (uint32_t{0x00200000} << e) : ((e - 1) << 23);
+    float d;
+    std::memcpy(&d, &bits, 4);
+    for (int i = 0; i < 16; ++i) {
+      w[i] = d * kValues[p[1 + i] & 0x0F];
+      w[i + 16] = d * kValues[p[1 + i] >> 4];
+    }
+  }
+};
+
+// Weight rows [n0, n1) of j's one segment against its float activations, tiles of up to
+// kTileRows activation rows per pass over a row: each block decoded once per tile (by
+// Decode, a template argument so the decode inlines into the loop), its 32 weights
+// multiplied into 16-lane accumulators, the lanes summed in order at the end.
+template <typename Decode>
+void float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
   const KSegment& s = j.segments[0];
-  const bool q4 = s.type == kQ4_0;
   const int64_t nb = j.k / 32;
   alignas(64) float w[32];
   v16 acc[kTileRows];
@@ -117,17 +160,7 @@ void q_float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
       const int64_t rows = std::min<int64_t>(kTileRows, j.m - m0);
       for (int64_t m = 0; m < rows; ++m) acc[m] = v16{};
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = row + b * s.block_bytes;
-        const float d = half_at(block);
-        if (q4) {
-          for (int i = 0; i < 16; ++i) {
-            w[i] = d * static_cast<float>((block[2 + i] & 0x0F) - 8);
-            w[i + 16] = d * static_cast<float>((block[2 + i] >> 4) - 8);
-          }
-        } else {
-          const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-          for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]);
-        }
+        Decode::block(row + b * s.block_bytes, w);
         const v16 w0 = *reinterpret_cast<const v16*>(w);
         const v16 w1 = *reinterpret_cast<const v16*>(w + 16);
         for (int64_t m = 0; m < rows; ++m) {
@@ -145,42 +178,17 @@ void q_float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
   }
 }
 
-// ---- MXFP4, float path: w = 2^(e - 128) * doubled e2m1 value, as gguf-py computes -------
-void mxfp4_float_rows(const KRowJob& j, int64_t n0, int64_t n1) {
-  static constexpr float kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-  const KSegment& s = j.segments[0];
-  const int64_t nb = j.k / 32;
-  alignas(64) float w[32];
-  v16 acc[kTileRows];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = s.data + n * s.row_bytes;
-    for (int64_t m0 = 0; m0 < j.m; m0 += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, j.m - m0);
-      for (int64_t m = 0; m < rows; ++m) acc[m] = v16{};
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = row + b * s.block_bytes;
-        const uint32_t e = block[0];
-        const uint32_t bits = e < 2 ? (uint32_t{0x00200000} << e) : ((e - 1) << 23);
-        float d;
-        std::memcpy(&d, &bits, 4);
-        for (int i = 0; i < 16; ++i) {
-          w[i] = d * kValues[block[1 + i] & 0x0F];
-          w[i + 16] = d * kValues[block[1 + i] >> 4];
-        }
-        const v16 w0 = *reinterpret_cast<const v16*>(w);
-        const v16 w1 = *reinterpret_cast<const v16*>(w + 16);
-        for (int64_t m = 0; m < rows; ++m) {
-          const float* x = j.xf + (m0 + m) * j.k + b * 32;
-          acc[m] += w0 * *reinterpret_cast<const v16u*>(x) +
-                    w1 * *reinterpret_cast<const v16u*>(x + 16);
-        }
-      }
-      for (int64_t m = 0; m < rows; ++m) {
-        float sum = 0.0f;
-        for (int i = 0; i < 16; ++i) sum += acc[m][i];
-        j.store(m0 + m, n, sum);
-      }
-    }
+// The float rows of a block-of-32 type (Q8_0, Q4_0, MXFP4), or nullptr.
+RunRows float_rows_for(int64_t type) {
+  switch (type) {
+    case kQ8_0:
+      return &float_rows<DecodeQ8_0>;
+    case kQ4_0:
+      return &float_rows<DecodeQ4_0>;
+    case kMXFP4:
+      return &float_rows<DecodeMxfp4>;
+    default:
+      return nullptr;
   }
 }
 
@@ -320,7 +328,7 @@ Acts by_slot(const Acts& a, const at::Tensor& slot_token) {
   return out;
 }
 
-RunRows runner_for(const Format& f, int64_t isa) {
+RunRows runner_for(int64_t type, const Format& f, int64_t isa) {
   if (f.r16) {  // packed for the AVX512-VNNI path only (moe_pack_q8_0_r16)
 #if defined(__x86_64__)
     if ((isa == genserve_ops::kIntDotAuto || isa == genserve_ops::kIntDotAvx512Vnni) &&
@@ -329,10 +337,9 @@ RunRows runner_for(const Format& f, int64_t isa) {
 #endif
     return nullptr;
   }
-  const bool mxfp4 = f.bytes == 17;  // kMXFP4's blocks
   if (isa == genserve_ops::kIntDotNone)
-    return f.k_quant ? genserve_kquant::float_runner() : mxfp4 ? &mxfp4_float_rows : &q_float_rows;
-  return f.k_quant ? genserve_kquant::int_runner(isa) : q_int_path(isa, mxfp4);
+    return f.k_quant ? genserve_kquant::float_runner() : float_rows_for(type);
+  return f.k_quant ? genserve_kquant::int_runner(isa) : q_int_path(isa, type == kMXFP4);
 }
 
 // One projection of every expert: weights [E, N, row bytes], its activations, its output.
@@ -448,7 +455,8 @@ at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
   const Format fu = checked_format(up, types[1], H, "up");
   const Format fd = checked_format(down, types[2], L, "down");
   const bool integer = isa != genserve_ops::kIntDotNone;
-  const RunRows run_g = runner_for(fg, isa), run_u = runner_for(fu, isa), run_d = runner_for(fd, isa);
+  const RunRows run_g = runner_for(types[0], fg, isa), run_u = runner_for(types[1], fu, isa),
+                run_d = runner_for(types[2], fd, isa);
   TORCH_CHECK(run_g != nullptr && run_u != nullptr && run_d != nullptr,
               "moe_experts_gguf: this CPU has no integer path ", isa,
               " (or Q8_0 packed in groups of 16 on a path other than AVX512-VNNI)");

@@ -24,14 +24,20 @@ checkpoints' MXFP4 format instead (``*_blocks`` / ``*_scales``, ``quantization_c
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from genserve.testing import gguf_reference
+from genserve.testing.gguf_reference import (
+    add_tensor,
+    copy_side_files,
+    finish_gguf,
+    float_tensors,
+    write_reference,
+)
 from genserve.testing.tiny_gguf import _copy_tokenizer
 
 ARCH = "gpt-oss"
@@ -96,47 +102,32 @@ def write_gpt_oss_gguf(
     in ``expert_type`` (F32, Q8_0 or MXFP4) and its attention, embedding and head matrices
     in ``matrix_type``; returns ``(path, reference_dir)`` (``{stem}-reference`` beside
     ``path``: the checkpoint with the file's dequantized values)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, dequantize
-    from gguf.quants import quantize
-    from safetensors.numpy import load_file, save_file
+    from gguf import GGUFWriter
 
     from genserve.model.loader import default_gguf_path
 
     config = json.loads((model_dir / "config.json").read_text())
-    tensors: dict[str, np.ndarray] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        tensors.update({k: v.astype(np.float32) for k, v in load_file(str(file)).items()})
+    tensors = float_tensors(model_dir)
     writer = GGUFWriter(path, ARCH)
     _hparams(writer, config)
     _copy_tokenizer(writer, default_gguf_path())
-
-    def add(gguf: str, w: np.ndarray, type_name: str) -> np.ndarray:
-        """Write ``w`` (rows along the last axis) in ``type_name``; returns its values as
-        the file holds them."""
-        qtype = GGMLQuantizationType[type_name]
-        if w.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
-            qtype = GGMLQuantizationType.F32
-        w = np.ascontiguousarray(w)
-        if qtype == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf, w)
-            return w
-        blocks = np.asarray(quantize(w, qtype))
-        writer.add_tensor(gguf, blocks, raw_dtype=qtype)
-        return np.asarray(dequantize(blocks, qtype), dtype=np.float32).reshape(w.shape)
 
     reference: dict[str, np.ndarray] = {}
     for name, w in tensors.items():
         if ".mlp.experts." in name:
             continue
         is_matrix = w.ndim == 2 and "mlp.router" not in name
-        reference[name] = add(_gguf_name(name), w, matrix_type if is_matrix else "F32")
+        reference[name] = add_tensor(
+            writer, _gguf_name(name), w, matrix_type if is_matrix else "F32"
+        )
     for layer in range(config["num_hidden_layers"]):
         at = f"model.layers.{layer}.mlp.experts"
         blk = f"blk.{layer}"
         gate_up = tensors[f"{at}.gate_up_proj"].transpose(0, 2, 1)  # [E, 2I, H]
-        gate = add(f"{blk}.ffn_gate_exps.weight", gate_up[:, 0::2], expert_type)
-        up = add(f"{blk}.ffn_up_exps.weight", gate_up[:, 1::2], expert_type)
-        down = add(
+        gate = add_tensor(writer, f"{blk}.ffn_gate_exps.weight", gate_up[:, 0::2], expert_type)
+        up = add_tensor(writer, f"{blk}.ffn_up_exps.weight", gate_up[:, 1::2], expert_type)
+        down = add_tensor(
+            writer,
             f"{blk}.ffn_down_exps.weight",
             tensors[f"{at}.down_proj"].transpose(0, 2, 1),
             expert_type,
@@ -151,19 +142,8 @@ def write_gpt_oss_gguf(
         reference[f"{at}.down_proj"] = np.ascontiguousarray(down.transpose(0, 2, 1))
         reference[f"{at}.gate_up_proj_bias"] = bias
         reference[f"{at}.down_proj_bias"] = tensors[f"{at}.down_proj_bias"]
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-    ref_dir = path.with_name(f"{path.stem}-reference")
-    ref_dir.mkdir(parents=True, exist_ok=True)
-    for item in model_dir.iterdir():
-        if item.suffix != ".safetensors" and item.is_file():
-            shutil.copy(item, ref_dir / item.name)
-    save_file({k: np.ascontiguousarray(v) for k, v in reference.items()},
-              str(ref_dir / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
-    return path, ref_dir
+    finish_gguf(writer)
+    return path, write_reference(path, model_dir, reference)
 
 
 def write_gpt_oss_mxfp4_checkpoint(out_dir: Path, model_dir: Path) -> tuple[Path, Path]:
@@ -197,10 +177,7 @@ def write_gpt_oss_mxfp4_checkpoint(out_dir: Path, model_dir: Path) -> tuple[Path
         reference[name] = torch.from_numpy(values.reshape(rows.shape)).transpose(1, 2).contiguous()
     ref_dir = out_dir.with_name(f"{out_dir.name}-reference")
     for target, weights_out, quantized in ((out_dir, packed, True), (ref_dir, reference, False)):
-        target.mkdir(parents=True, exist_ok=True)
-        for item in model_dir.iterdir():
-            if item.suffix != ".safetensors" and item.is_file():
-                shutil.copy(item, target / item.name)
+        copy_side_files(model_dir, target)
         if quantized:
             config_out = {**config, "quantization_config": {
                 "quant_method": "mxfp4",
@@ -214,13 +191,7 @@ def write_gpt_oss_mxfp4_checkpoint(out_dir: Path, model_dir: Path) -> tuple[Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("model_dir", type=Path)
-    parser.add_argument("--experts", default="F32")
-    parser.add_argument("--matrices", default="F32")
-    args = parser.parse_args(argv)
-    print(*write_gpt_oss_gguf(args.out, args.model_dir, args.experts, args.matrices))
+    gguf_reference.main(write_gpt_oss_gguf, __doc__.split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":

@@ -13,26 +13,26 @@ The experts take the preset's type: F32 (the comparison is then against transfor
 the checkpoint itself), Q8_0 / Q4_0 (gguf-py's own quantizers), or K-quants (random valid
 blocks: gguf-py 0.19 has no K-quant quantizer).  Router, norms and biases stay F32, as
 ``llama-quantize`` leaves them.  :func:`write_moe_gguf` also writes the *reference*
-checkpoint: the Hugging Face directory with every weight replaced by what gguf-py
-dequantizes from the file, which is what the served model must compute with.
+checkpoint (:mod:`genserve.testing.gguf_reference`): the Hugging Face directory with every
+weight replaced by what gguf-py dequantizes from the file, which is what the served model
+must compute with.
 
     python -m genserve.testing.moe_gguf OUT.gguf MODEL_DIR [--experts Q8_0]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import shutil
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from genserve.testing.tiny_gguf import _copy_tokenizer, random_blocks
+from genserve.testing import gguf_reference
+from genserve.testing.gguf_reference import add_tensor, finish_gguf, float_tensors, write_reference
+from genserve.testing.tiny_gguf import _copy_tokenizer
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 _PER_LAYER = {
@@ -107,18 +107,6 @@ def _hparams(writer: Any, config: Mapping[str, Any], arch: str) -> None:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
-def _blocks(w: np.ndarray, qtype: Any, name: str) -> np.ndarray:
-    """``w`` (float32, rows along the last axis) in ``qtype``'s blocks (uint8)."""
-    from gguf.quants import quantize
-
-    try:
-        return np.asarray(quantize(w, qtype))
-    except NotImplementedError:  # K-quants: random valid blocks of the same shape
-        rows = int(np.prod(w.shape[:-1]))
-        raw = random_blocks(qtype, rows, w.shape[-1], seed=zlib.crc32(name.encode()))
-        return raw.reshape(*w.shape[:-1], -1)
-
-
 def write_moe_gguf(
     path: Path, model_dir: Path, expert_type: str = "F32", matrix_type: str = "F32"
 ) -> tuple[Path, Path]:
@@ -129,27 +117,24 @@ def write_moe_gguf(
     returns ``(path, reference_dir)``, the reference being ``model_dir``'s checkpoint
     with every weight as gguf-py dequantizes it from the file (beside ``path``, named
     ``{stem}-reference``)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, dequantize
-    from safetensors.numpy import load_file, save_file
+    from gguf import GGUFWriter
 
     from genserve.model.loader import default_gguf_path
 
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
-    tensors: dict[str, np.ndarray] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
+    tensors = float_tensors(model_dir)
     # (layer, projection) -> {expert: (HF name, matrix)}
     stacks: dict[tuple[int, str], dict[int, tuple[str, np.ndarray]]] = {}
     plain: dict[str, np.ndarray] = {}
     for name, array in tensors.items():
         match = _EXPERT.fullmatch(name)
         if match is None:
-            plain[name] = np.ascontiguousarray(array, dtype=np.float32)
+            plain[name] = np.ascontiguousarray(array)
         else:
             layer, expert = int(match.group(1)), int(match.group(2))
             proj = _PROJ.get(match.group(3), match.group(3).removesuffix("_proj"))
-            stacks.setdefault((layer, proj), {})[expert] = (name, array.astype(np.float32))
+            stacks.setdefault((layer, proj), {})[expert] = (name, array)
     # ``llama``: the converter permutes Q/K rows (the reference keeps Hugging Face's order;
     # rows are independent in every block format, so row order commutes with quantizing).
     row_orders: dict[str, np.ndarray] = {}
@@ -164,56 +149,27 @@ def write_moe_gguf(
     _hparams(writer, config, arch)
     _copy_tokenizer(writer, default_gguf_path())
     reference: dict[str, np.ndarray] = {}
-
-    def add(gguf: str, w: np.ndarray, type_name: str) -> np.ndarray:
-        qtype = GGMLQuantizationType[type_name]
-        if w.shape[-1] % GGML_QUANT_SIZES[qtype][0]:  # rows not whole blocks: F32, as
-            qtype = GGMLQuantizationType.F32  # llama-quantize falls back for such shapes
-        if qtype == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf, w)
-            return w
-        blocks = _blocks(w, qtype, gguf)
-        writer.add_tensor(gguf, blocks, raw_dtype=qtype)
-        return np.asarray(dequantize(blocks, qtype), dtype=np.float32).reshape(w.shape)
-
     for name, w in plain.items():
         gguf = _gguf_name(name)
         is_matrix = w.ndim == 2 and "ffn_gate_inp" not in gguf
         order = row_orders.get(name)
         if order is None:
-            reference[name] = add(gguf, w, matrix_type if is_matrix else "F32")
+            reference[name] = add_tensor(writer, gguf, w, matrix_type if is_matrix else "F32")
         else:  # file row i is HF row order[i]
             reference[name] = np.empty_like(w)
-            reference[name][order] = add(gguf, w[order], matrix_type)
+            reference[name][order] = add_tensor(writer, gguf, w[order], matrix_type)
     for (layer, proj), experts in sorted(stacks.items()):
         stacked = np.stack([experts[e][1] for e in sorted(experts)])  # [E, rows, cols]
         qtype = EXPERT_MIXES.get(expert_type, {}).get(proj, expert_type)
-        values = add(f"blk.{layer}.{_STACK[proj]}.weight", stacked, qtype)
+        values = add_tensor(writer, f"blk.{layer}.{_STACK[proj]}.weight", stacked, qtype)
         for e in sorted(experts):
             reference[experts[e][0]] = values[e]
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-    ref_dir = path.with_name(f"{path.stem}-reference")
-    ref_dir.mkdir(parents=True, exist_ok=True)
-    for item in model_dir.iterdir():
-        if item.suffix != ".safetensors" and item.is_file():
-            shutil.copy(item, ref_dir / item.name)
-    save_file({k: np.ascontiguousarray(v) for k, v in reference.items()},
-              str(ref_dir / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
-    return path, ref_dir
+    finish_gguf(writer)
+    return path, write_reference(path, model_dir, reference)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("model_dir", type=Path)
-    parser.add_argument("--experts", default="F32")
-    parser.add_argument("--matrices", default="F32")
-    args = parser.parse_args(argv)
-    print(*write_moe_gguf(args.out, args.model_dir, args.experts, args.matrices))
+    gguf_reference.main(write_moe_gguf, __doc__.split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":
