@@ -41,3 +41,4 @@ class BenchConfig:
     launch: bool
     launch_timeout_s: float
     server_args: tuple[str, ...]
+    client_processes: int = 1  # load levels split over this many processes (load_processes)

@@ -28,6 +28,7 @@ from genserve.bench.grpc_load import (
     server_token_counter,
 )
 from genserve.bench.launch import LaunchedServer
+from genserve.bench.load_processes import run_level_processes
 from genserve.bench.prompts import Prompt, TokenCounter, make_prefix_scenario, make_prompts
 from genserve.bench.records import RunResult
 from genserve.bench.stats import summarise
@@ -109,8 +110,20 @@ async def _load_levels(
                 unit="req",
                 disable=not config.progress,
             ) as bar:
-                results.append(
-                    await run_level(
+                if config.client_processes > 1:
+                    level = run_level_processes(
+                        config.address,
+                        prompts,
+                        concurrency=concurrency,
+                        num_requests=num_requests,
+                        max_duration_s=config.max_duration_s,
+                        request_timeout_s=config.request_timeout_s,
+                        processes=config.client_processes,
+                        on_done=lambda _record: bar.update(1),
+                        stagger=config.stagger,
+                    )
+                else:
+                    level = run_level(
                         channels,
                         prompts,
                         concurrency=concurrency,
@@ -120,7 +133,7 @@ async def _load_levels(
                         on_done=lambda _record: bar.update(1),
                         stagger=config.stagger,
                     )
-                )
+                results.append(await level)
         return results
     finally:
         for channel in channels:

@@ -94,6 +94,7 @@ _OPS = (
     "panel_linear",
     "qpanel_linear",
     "decode_layer",
+    "decode_attention",
     "greedy_stats",
     "int_dot_linear",
     "kquant_linear",

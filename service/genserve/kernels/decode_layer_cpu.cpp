@@ -164,37 +164,30 @@ at::Tensor activation(const at::Tensor& x, int64_t kind) {
   return at::gelu(x, kind == 2 ? "tanh" : "none");
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& norm_list,
-                        at::IntArrayRef options, at::ArrayRef<double> scalars,
-                        const at::Tensor& cos, const at::Tensor& signed_sin,
-                        const at::Tensor& kv_cache, const at::Tensor& slots,
-                        const at::Tensor& block_table, const at::Tensor& context_lens,
-                        int64_t window, int64_t num_heads, int64_t num_kv_heads,
-                        at::TensorList weights, at::IntArrayRef bits, at::IntArrayRef groups,
-                        at::IntArrayRef outs, const c10::List<c10::optional<at::Tensor>>& biases,
+// The attention half of a layer (projections 0 qkv and 1 o), shared by decode_layer and
+// decode_attention: returns (the attention block's input after its pre-norm, its output o).
+struct Attended {
+  at::Tensor attn_in;
+  at::Tensor o;
+};
+
+Attended attention_half(const at::Tensor& x, const Norms& norms, at::IntArrayRef options,
+                        at::ArrayRef<double> scalars, const at::Tensor& cos,
+                        const at::Tensor& signed_sin, const at::Tensor& kv_cache,
+                        const at::Tensor& slots, const at::Tensor& block_table,
+                        const at::Tensor& context_lens, int64_t window, int64_t num_heads,
+                        int64_t num_kv_heads, at::TensorList weights, at::IntArrayRef bits,
+                        at::IntArrayRef groups, at::IntArrayRef outs,
+                        const c10::List<c10::optional<at::Tensor>>& biases,
                         int64_t matvec_rows) {
-  TORCH_CHECK(weights.size() == 12 && bits.size() == 4 && groups.size() == 4 &&
-                  outs.size() == 4 && biases.size() == 4,
-              "decode_layer: four projections (qkv, o, gate_up, down) expected");
-  TORCH_CHECK(options.size() == kNumOptions && scalars.size() == kNumScalars &&
-                  norm_list.size() == 2 * kNumNorms,
-              "decode_layer: options, scalars or norms of the wrong length");
-  TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 5, "decode_layer: x [tokens, hidden] expected");
-  const Norms norms{norm_list};
   const int64_t norm_kind = options[kNormKind], qk_norm = options[kQKNorm];
-  const double eps = scalars[kEps];
-  const double multiplier = scalars[kResidualMultiplier];
   const int64_t tokens = x.size(0), head_dim = kv_cache.size(4);
   const int64_t h = num_heads, kvh = num_kv_heads;
-  const auto proj = [&](int64_t i, const at::Tensor& in, at::Tensor* residual = nullptr) {
-    return project(i, in, weights, bits, groups, outs, biases, matvec_rows, residual);
+  const auto proj = [&](int64_t i, const at::Tensor& in) {
+    return project(i, in, weights, bits, groups, outs, biases, matvec_rows);
   };
-  const auto norm = [&](const at::Tensor& t, int64_t slot) {
-    return apply_norm(t, norms, slot, norm_kind, eps);
-  };
-
-  // Attention.
-  const auto attn_in = norms.has(kPreAttn) ? norm(x, kPreAttn) : x;
+  const auto attn_in =
+      norms.has(kPreAttn) ? apply_norm(x, norms, kPreAttn, norm_kind, scalars[kEps]) : x;
   const auto qkv = proj(0, attn_in);
   TORCH_CHECK(qkv.size(1) == (h + 2 * kvh) * head_dim, "decode_layer: qkv width");
   at::Tensor qk_in = qkv.narrow(1, 0, (h + kvh) * head_dim).view({tokens, h + kvh, head_dim});
@@ -217,7 +210,42 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
   const auto attn = genserve_ops::paged_decode_attention(
       qk.narrow(1, 0, h), kv_cache, block_table, context_lens, scalars[kScale], window,
       scalars[kSoftcap]);
-  auto o = proj(1, attn.view({tokens, h * head_dim}));
+  return {attn_in, proj(1, attn.view({tokens, h * head_dim}))};
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& norm_list,
+                        at::IntArrayRef options, at::ArrayRef<double> scalars,
+                        const at::Tensor& cos, const at::Tensor& signed_sin,
+                        const at::Tensor& kv_cache, const at::Tensor& slots,
+                        const at::Tensor& block_table, const at::Tensor& context_lens,
+                        int64_t window, int64_t num_heads, int64_t num_kv_heads,
+                        at::TensorList weights, at::IntArrayRef bits, at::IntArrayRef groups,
+                        at::IntArrayRef outs, const c10::List<c10::optional<at::Tensor>>& biases,
+                        int64_t matvec_rows) {
+  TORCH_CHECK(weights.size() == 12 && bits.size() == 4 && groups.size() == 4 &&
+                  outs.size() == 4 && biases.size() == 4,
+              "decode_layer: four projections (qkv, o, gate_up, down) expected");
+  TORCH_CHECK(options.size() == kNumOptions && scalars.size() == kNumScalars &&
+                  norm_list.size() == 2 * kNumNorms,
+              "decode_layer: options, scalars or norms of the wrong length");
+  TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 5, "decode_layer: x [tokens, hidden] expected");
+  const Norms norms{norm_list};
+  const int64_t norm_kind = options[kNormKind];
+  const double eps = scalars[kEps];
+  const double multiplier = scalars[kResidualMultiplier];
+  const auto proj = [&](int64_t i, const at::Tensor& in, at::Tensor* residual = nullptr) {
+    return project(i, in, weights, bits, groups, outs, biases, matvec_rows, residual);
+  };
+  const auto norm = [&](const at::Tensor& t, int64_t slot) {
+    return apply_norm(t, norms, slot, norm_kind, eps);
+  };
+
+  const auto attended = attention_half(x, norms, options, scalars, cos, signed_sin, kv_cache,
+                                       slots, block_table, context_lens, window, num_heads,
+                                       num_kv_heads, weights, bits, groups, outs, biases,
+                                       matvec_rows);
+  const auto& attn_in = attended.attn_in;
+  auto o = attended.o;
 
   // MLP: act(gate) * up (SiLU by genserve's op) or act(up), then down with the residual.
   const auto mlp_hidden = [&](const at::Tensor& in) {
@@ -248,6 +276,38 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
   return x2.add_(multiplier == 1.0 ? m : m.mul(multiplier));
 }
 
+// The attention half of a Llama-block layer whose MLP runs outside the op (a mixture of
+// experts: model/moe.py routes and runs genserve::moe_experts on the second output).
+// Returns (x2, normed2) = add_rms_norm(o, x), exactly as the Python layer's
+// pre_mlp_norm.add_forward(h, x) does, so the layer's output is x2 + mlp(normed2) either way.
+std::tuple<at::Tensor, at::Tensor> decode_attention(
+    const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& norm_list,
+    at::IntArrayRef options, at::ArrayRef<double> scalars, const at::Tensor& cos,
+    const at::Tensor& signed_sin, const at::Tensor& kv_cache, const at::Tensor& slots,
+    const at::Tensor& block_table, const at::Tensor& context_lens, int64_t window,
+    int64_t num_heads, int64_t num_kv_heads, at::TensorList weights, at::IntArrayRef bits,
+    at::IntArrayRef groups, at::IntArrayRef outs,
+    const c10::List<c10::optional<at::Tensor>>& biases, int64_t matvec_rows) {
+  TORCH_CHECK(weights.size() == 6 && bits.size() == 2 && groups.size() == 2 &&
+                  outs.size() == 2 && biases.size() == 2,
+              "decode_attention: two projections (qkv, o) expected");
+  TORCH_CHECK(options.size() == kNumOptions && scalars.size() == kNumScalars &&
+                  norm_list.size() == 2 * kNumNorms,
+              "decode_attention: options, scalars or norms of the wrong length");
+  TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 5,
+              "decode_attention: x [tokens, hidden] expected");
+  const Norms norms{norm_list};
+  TORCH_CHECK(options[kNormKind] != kLayerNorm && options[kParallel] == 0 &&
+                  norms.has(kPreMlp) && !norms.has(kPostAttn) && !norms.has(kPostMlp) &&
+                  scalars[kResidualMultiplier] == 1.0,
+              "decode_attention: a sequential RMSNorm block (Llama's) expected");
+  const auto attended = attention_half(x, norms, options, scalars, cos, signed_sin, kv_cache,
+                                       slots, block_table, context_lens, window, num_heads,
+                                       num_kv_heads, weights, bits, groups, outs, biases,
+                                       matvec_rows);
+  return genserve_ops::add_rms_norm(attended.o, x, norms.weight(kPreMlp), scalars[kEps]);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
@@ -256,6 +316,14 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
         "Tensor context_lens, int window, int num_heads, int num_kv_heads, "
         "Tensor[] weights, int[] bits, int[] groups, int[] outs, Tensor?[] biases, "
         "int matvec_rows) -> Tensor");
+  m.def("decode_attention(Tensor x, Tensor?[] norms, int[] options, float[] scalars, "
+        "Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slots, "
+        "Tensor block_table, Tensor context_lens, int window, int num_heads, "
+        "int num_kv_heads, Tensor[] weights, int[] bits, int[] groups, int[] outs, "
+        "Tensor?[] biases, int matvec_rows) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_attention", &decode_attention);
+}

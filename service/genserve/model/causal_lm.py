@@ -208,7 +208,10 @@ class DecoderForCausalLM(nn.Module):
             reason = "sharded: each layer all-reduces between its projections"
         if reason is None:
             for layer in self._layers:
-                layer.set_fused_decode(FusedDecodeArgs.of(self._linears(layer)))
+                # A MoE layer's op is its attention half (qkv, o): the experts run after it.
+                moe = isinstance(layer.mlp, SparseMoeBlock)
+                linears = layer.self_attn.linears() if moe else self._linears(layer)
+                layer.set_fused_decode(FusedDecodeArgs.of(linears))
             self._decode_layers_fused = all(layer.fused_decode for layer in self._layers)
             if not self._decode_layers_fused:
                 reason = "a projection's weight layout (oneDNN-packed)"

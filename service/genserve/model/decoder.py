@@ -439,12 +439,18 @@ class DecoderLayer(nn.Module):
         block_table: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`forward` of a decode-only CPU step as one C++ op (the same ops in the same
-        order, minus their Python: kernels/decode_layer_cpu.cpp)."""
+        order, minus their Python: kernels/decode_layer_cpu.cpp); a mixture-of-experts
+        layer as its attention half in one op, then the experts as :meth:`forward` runs
+        them (the same sums in the same order either way)."""
         op, head, tail = self._fused_decode_call
-        out: torch.Tensor = op(
+        out = op(
             x, *head, cos, sin, kv_cache, meta.slots, block_table, meta.decode_context_lens, *tail
         )
-        return out
+        if isinstance(out, torch.Tensor):
+            return out
+        summed, normed = out  # decode_attention: (x + h, pre_mlp_norm(x + h))
+        moe_out: torch.Tensor = summed + self.mlp.forward(normed)
+        return moe_out
 
     def set_fused_decode(self, args: FusedDecodeArgs | None) -> None:
         """Use ``genserve::decode_layer`` with ``args`` (None: not at all).  The arguments
@@ -466,7 +472,10 @@ class DecoderLayer(nn.Module):
                 args.weights, args.bits, args.groups, args.outs, args.biases,
                 args.matvec_rows)  # fmt: skip
         # The overload itself: torch.ops' packet would resolve it again on every call.
-        self._fused_decode_call = (torch.ops.genserve.decode_layer.default, head, tail)
+        ops = torch.ops.genserve
+        whole = isinstance(self.mlp, MLP)  # else its attention half (fused_decode.py)
+        op = ops.decode_layer.default if whole else ops.decode_attention.default
+        self._fused_decode_call = (op, head, tail)
 
     def load(self, weights: WeightSource, prefix: str) -> None:
         n = self.config.names

@@ -14,6 +14,7 @@ from genserve.model.spec import Activation, ModelConfig, NormKind, QKNorm
 # The op's option codes (decode_layer_cpu.cpp's Option enum documents each).
 _NORM_KINDS = {NormKind.RMS: 0, NormKind.RMS_ONE_PLUS: 0, NormKind.LAYER: 1}
 _QK_NORMS = {QKNorm.NONE: 0, QKNorm.PER_HEAD: 1, QKNorm.FULL_WIDTH: 2}
+_RMS = (NormKind.RMS, NormKind.RMS_ONE_PLUS)
 _ACTIVATIONS = {Activation.SILU: 0, Activation.GELU: 1, Activation.GELU_TANH: 2}
 # A projection's ``bits`` for GGUF K-quant rows (decode_layer_cpu.cpp's kKQuantBits).
 _KQUANT_BITS = 200
@@ -27,13 +28,17 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     block norms, per-head or full-width q/k norm, soft-capping, scales and multipliers,
     parallel blocks, SiLU/GELU MLPs gated or not, biases.  Rotary over whole heads serves
     partial and interleaved rotary too (permuted into that form at load; no-rope layers get
-    identity angles).  A part added to the spec later lands here as a reason until the op
-    learns it, and the model keeps its per-op path."""
+    identity angles).  A mixture-of-experts layer runs its attention half as one op
+    (``genserve::decode_attention``, Llama blocks only) and its experts after it; the
+    model's dense layers run whole.  A part added to the spec later lands here as a reason
+    until the op learns it, and the model keeps its per-op path."""
     attn, mlp, block = config.attention, config.mlp, config.block
     if config.mla is not None:
         return "multi-head latent attention (model/mla.py)"
-    if config.moe is not None:
-        return "mixture-of-experts MLP (its experts run as genserve::moe_experts)"
+    if config.moe is not None and not (config.block.is_llama and config.norm.kind in _RMS):
+        # Its MoE layers run the attention half as genserve::decode_attention, which ends
+        # in the Llama block's add + RMSNorm (the experts run as genserve::moe_experts).
+        return "mixture-of-experts MLP in a block other than Llama's"
     if attn.sinks:  # the op's attention call passes none (so far only MoE models have them)
         return "attention sinks"
     if config.norm.kind not in _NORM_KINDS or attn.qk_norm_spec.kind not in _NORM_KINDS:

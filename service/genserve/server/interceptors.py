@@ -14,12 +14,14 @@ for every RPC of ``genserve.v1.TextGenerationService``.
   else CANCELLED; any other exception → UNKNOWN (an internal error).
 
 Health checks and reflection pass through untouched: probes every few seconds would bury the
-traces that matter.  Wrapping costs one extra coroutine (unary) or async-generator hop per
-streamed message; nothing per call blocks."""
+traces that matter.  Wrapping costs one extra coroutine per call for unary handlers and for
+streaming handlers that write with ``context.write`` (GenerateStream), one async-generator
+hop per streamed message for async-generator handlers; nothing per call blocks."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -147,8 +149,13 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
     def _wrap_stream(
         self,
         method: str,
-        behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
-    ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
+        if inspect.iscoroutinefunction(behavior):
+            # A handler that streams with context.write (GenerateStream): one coroutine
+            # per call wraps it, nothing per message (#29).
+            return self._wrap_unary(method, behavior)
+
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call = self._begin(method, context)
             try:

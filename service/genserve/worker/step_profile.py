@@ -26,6 +26,8 @@ _PARTS: dict[str, str] = {
     # A decode-only CPU step runs each layer as one op (kernels/decode_layer_cpu.cpp), whose
     # parts the profiler does not see.
     "decode_layer": "decoder layers (one op each)",
+    # A MoE layer's attention half (one op; its router and experts are profiled as ops).
+    "decode_attention": "attention halves of MoE layers (one op each)",
     **dict.fromkeys(
         ("mm", "addmm", "matvec", "panel_linear", "qpanel_linear", "_linear_pointwise", "bmm"),
         "projections",
