@@ -267,6 +267,10 @@ class EngineLoop:
         assert self._wake is not None
         if self.inline:  # the last step ran on this thread: let arrivals and aborts in first
             await asyncio.sleep(0)
+            # A die() let in by that yield has set and spent its wake-up: waiting for
+            # another would hang the loop (run() checks dead_reason on return).
+            if self.dead_reason is not None:
+                return None
         if not self.scheduler.has_unfinished_requests():
             self._wake.clear()
             await self._wake.wait()
