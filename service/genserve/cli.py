@@ -30,6 +30,7 @@ from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
 from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
+from genserve.engine.heap import freeze_startup_heap, unfreeze_heap
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
 from genserve.limits import LimitsError, ServingLimits, derive_limits, token_limits
@@ -540,8 +541,11 @@ class Service:
         self.engine, self.loaded = engine, loaded
         await self.app.set_serving(True)
         self._health_watch = asyncio.ensure_future(self._follow_engine(engine))
+        # Start-up is done: keep the collector's full passes off the model's objects.
+        frozen = freeze_startup_heap()
         log.info(
             "serving",
+            gc_frozen_objects=frozen,
             model_id=loaded.info.model_id,
             dtype=loaded.info.model_dtype,
             max_input_tokens=loaded.limits.max_input_tokens,
@@ -600,6 +604,7 @@ class Service:
             await asyncio.to_thread(self.tracing.shutdown)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
+        unfreeze_heap()  # a process that goes on (in-process tests) collects it again
         log.info("shutdown_complete")
 
 

@@ -172,11 +172,10 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None or (ends_generation and not self._include_stop):
             return ""
         piece = self._stream.step(self._tok, token_id)
+        if not self._stop:  # nothing is ever held back: no text search, no copy
+            return piece or ""
         if piece:
             self._pending += piece
-        if not self._stop:
-            released, self._pending = self._pending, ""
-            return released
         first: tuple[int, str] | None = None
         for s in self._stop:
             at = self._pending.find(s)

@@ -14,9 +14,9 @@ reports per decode step:
 * ``step_ms`` — wall time per step.
 
 Usage: ``python -m genserve.bench.engine_host --rows 1 64 [--overlap [--split]] [--tokens 48]
-[--no-cpu-kernels]`` (``--split``: the runner's launch/collect, so the step thread launches
-step n + 1 before it collects step n; ``gap_ms`` then counts the thread's idle time between
-all its calls).  Uses
+[--freeze-gc] [--no-cpu-kernels]`` (``--split``: the runner's launch/collect, so the step
+thread launches step n + 1 before it collects step n; ``gap_ms`` then counts the thread's
+idle time between all its calls).  Uses
 only APIs that existed before overlapped scheduling, so the same module measures an older
 checkout (``PYTHONPATH`` pointing at it) for a before/after comparison.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import json
 import tempfile
@@ -163,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per row count (best kept)")
     parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="gc.freeze() after start-up, as the server does since issue #29's engine work",
+    )
+    parser.add_argument(
         "--no-cpu-kernels",
         action="store_true",
         help="torch's ops only (no kernel build: compares checkouts whose builds differ)",
@@ -177,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = make_tiny_model(Path(tmp), "llama", 0)
         runner = ModelRunner(ResolvedModel(model_dir, "tiny"), torch.float32, torch.device("cpu"))
         tokenizer = Tokenizer(model_dir)
+        if args.freeze_gc:  # plain gc calls: the flag works on older checkouts too
+            gc.collect()
+            gc.freeze()
         for rows in args.rows:
             runs = [
                 asyncio.run(

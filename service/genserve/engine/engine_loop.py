@@ -267,6 +267,10 @@ class EngineLoop:
         assert self._wake is not None
         if self.inline:  # the last step ran on this thread: let arrivals and aborts in first
             await asyncio.sleep(0)
+            # A die() let in by that yield has set and spent its wake-up: waiting for
+            # another would hang the loop (run() checks dead_reason on return).
+            if self.dead_reason is not None:
+                return None
         if not self.scheduler.has_unfinished_requests():
             self._wake.clear()
             await self._wake.wait()
@@ -353,8 +357,9 @@ class EngineLoop:
 
     def _process_outputs(self, outputs: list[EngineCoreOutput]) -> int:
         num_finished = 0
+        streams = self._streams
         for out in outputs:
-            stream = self._streams.get(out.req_id)
+            stream = streams.get(out.req_id)
             if stream is None:  # aborted while its step was running
                 continue
             if out.prompt_logprobs is not None:
@@ -369,31 +374,33 @@ class EngineLoop:
         return num_finished
 
     def _emit_token(self, stream: _Stream, out: EngineCoreOutput) -> bool:
-        assert out.new_token is not None
+        """Detokenise one sampled token and queue its output; True when it ended the
+        request.  Runs once per row a step: kept to plain local work (no per-token objects
+        beyond the output itself, no text search for a request without stop strings)."""
         sampled = out.new_token
+        assert sampled is not None
+        token_id = sampled.token_id
         detok = stream.detokenizer
         finish = out.finish_reason
         # EOS / a stop token id that ended generation (vLLM leaves its text out by default).
-        ends = finish in (FinishReason.EOS_TOKEN, FinishReason.STOP_SEQUENCE)
-        text = detok.add(sampled.token_id, ends_generation=ends)
+        ends = finish is FinishReason.EOS_TOKEN or finish is FinishReason.STOP_SEQUENCE
+        text = detok.add(token_id, ends_generation=ends)
         if detok.stopped_by is not None:
             if finish is None:
                 self.scheduler.finish_requests([out.req_id], FinishReason.STOP_SEQUENCE)
             finish = FinishReason.STOP_SEQUENCE
         elif finish is not None:
             text += detok.flush()
-        token = token_info(self._tokenizer, sampled.token_id, sampled.logprob, text)
-        top = top_infos(self._tokenizer, sampled.top_tokens)
+        token = token_info(self._tokenizer, token_id, sampled.logprob, text)
+        top = top_infos(self._tokenizer, sampled.top_tokens) if sampled.top_tokens else ()
         index = stream.num_generated
-        stream.num_generated += 1
+        stream.num_generated = index + 1
         stream.texts.append(text)
         final = None
         if finish is not None:
             final = self._final_info(stream, finish, out.num_cached_tokens, out.num_preemptions)
             del self._streams[out.req_id]
-        self._outbox.append(
-            (out.req_id, TokenOutput(index=index, token=token, top_tokens=top, final=final))
-        )
+        self._outbox.append((out.req_id, TokenOutput(index, token, top, final)))
         return final is not None
 
     def _end_stream(

@@ -29,7 +29,10 @@ class GenerationRequest:
     fork_of: str | None = None  # best_of / n follower: shares this request's prompt KV
 
 
-@dataclass(frozen=True, slots=True)
+# TokenInfo and TokenOutput are not frozen: the engine thread makes one of each per generated
+# token, and a frozen dataclass's __init__ (object.__setattr__ per field) costs about four
+# times as much.  Nothing changes them after they are made; treat them as immutable.
+@dataclass(slots=True)
 class TokenInfo:
     token_id: int
     text: str
@@ -53,7 +56,7 @@ class FinalInfo:
     error: str | None = None  # set when finish_reason is ERROR or ABORTED
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenOutput:
     """One generated token (``token`` may be None only on an ended-without-token message).
 

@@ -534,33 +534,43 @@ class Scheduler:
         if not self._in_flight or self._in_flight[0].step_id != step.step_id:
             raise RuntimeError(f"step {step.step_id} is not the oldest step in flight")
         scheduled = self._in_flight[0].requests
+        # One pass over the batch each, locals for what every row reads: this runs on the
+        # engine thread once per step for every row (docs/overlap-scheduling.md).
         sampled: dict[str, list[SampledToken]] = {}
         for token in result.sampled:
-            sampled.setdefault(token.req_id, []).append(token)
+            tokens_of = sampled.get(token.req_id)
+            if tokens_of is None:
+                sampled[token.req_id] = [token]
+            else:
+                tokens_of.append(token)
         prompt_logprobs = {p.req_id: p for p in result.prompt_logprobs}
-        live: list[tuple[ScheduledChunk, Request]] = []
+        running = RequestStatus.RUNNING
+        no_tokens: list[SampledToken] = []
+        live: list[tuple[ScheduledChunk, Request, list[SampledToken]]] = []
         for chunk in step.chunks:
             req = scheduled[chunk.req_id]
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # finished (e.g. aborted, stopped a step late) while the step ran
             if req.num_computed_tokens != chunk.start_pos:
                 self.abandon_step(step)
                 raise RuntimeError(f"{chunk.req_id}: step {step.step_id} is stale")
-            num_tokens = len(sampled.get(chunk.req_id, ()))
+            tokens = sampled.get(chunk.req_id, no_tokens)
+            num_tokens = len(tokens)
             if not chunk.sample <= num_tokens <= chunk.sample + chunk.num_draft_tokens:
                 self.abandon_step(step)
                 raise RuntimeError(
                     f"{chunk.req_id}: runner returned {num_tokens} tokens for a chunk with "
                     f"{chunk.num_draft_tokens} drafts in step {step.step_id}"
                 )
-            live.append((chunk, req))
+            live.append((chunk, req, tokens))
         del self._in_flight[0]
 
         outputs: list[EngineCoreOutput] = []
-        for chunk, req in live:
-            req.num_in_flight_tokens -= len(chunk.token_ids)
+        cache_blocks = self.kv.cache_blocks
+        for chunk, req, tokens in live:
+            num_chunk_tokens = len(chunk.token_ids)
+            req.num_in_flight_tokens -= num_chunk_tokens
             req.num_pending_outputs -= chunk.sample
-            tokens = sampled.get(req.req_id, [])
             reason: FinishReason | None = None
             kept = 0
             for token in tokens:
@@ -578,13 +588,29 @@ class Scheduler:
                 # The last token and the drafts that were kept have their KV now.
                 req.num_computed_tokens += kept
             else:
-                req.num_computed_tokens += len(chunk.token_ids)
-            logprobs = self._new_prompt_logprobs(req, prompt_logprobs.get(req.req_id))
-            self.kv.cache_blocks(req)
-            num_preemptions = req.num_preemptions
+                req.num_computed_tokens += num_chunk_tokens
+            logprobs = (
+                self._new_prompt_logprobs(req, prompt_logprobs.get(req.req_id))
+                if prompt_logprobs
+                else None
+            )
+            cache_blocks(req)
             if reason is not None:
                 self._running.remove(req)
                 self._finish(req, reason)
+            if kept == 1:  # the usual case: one token, the request's newest
+                outputs.append(
+                    EngineCoreOutput(
+                        req.req_id,
+                        tokens[0],
+                        logprobs,
+                        reason,
+                        req.num_cached_tokens,
+                        len(req.output_token_ids),
+                        req.num_preemptions,
+                    )
+                )
+                continue
             first_output = req.num_output_tokens - kept
             for j, token in enumerate(tokens[:kept]):
                 last = j == kept - 1
@@ -596,7 +622,7 @@ class Scheduler:
                         finish_reason=reason if last else None,
                         num_cached_tokens=req.num_cached_tokens,
                         num_output_tokens=first_output + j + 1,
-                        num_preemptions=num_preemptions,
+                        num_preemptions=req.num_preemptions,
                     )
                 )
             if not kept and (logprobs is not None or reason is not None):
@@ -608,7 +634,7 @@ class Scheduler:
                         finish_reason=reason,
                         num_cached_tokens=req.num_cached_tokens,
                         num_output_tokens=req.num_output_tokens,
-                        num_preemptions=num_preemptions,
+                        num_preemptions=req.num_preemptions,
                     )
                 )
         return outputs

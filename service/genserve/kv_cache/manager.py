@@ -225,6 +225,14 @@ class KVCacheManager:
         the needed blocks plus ``num_reserved_blocks`` are free: the caller preempts or waits.
         """
         blocks = self._req_blocks.get(req.req_id, [])
+        if blocks and not new_computed_blocks and self._pending_lookup is None:
+            # A decode step's usual case, once per running request a step (the engine
+            # thread's hot path): the table already covers the new positions.
+            num_tokens = req.num_computed_tokens + num_new_tokens
+            if -(-num_tokens // self.block_size) <= len(blocks) and (
+                num_reserved_blocks <= 0 or num_reserved_blocks <= self.pool.num_free_blocks
+            ):
+                return []
         if new_computed_blocks and blocks:
             raise ValueError(f"{req.req_id}: prefix hits are only for a request without blocks")
         num_tokens = (
