@@ -139,3 +139,35 @@ def test_k_quants_on_the_integer_path_agree_with_transformers(
     print(f"integer path: agreeing prefixes {prefixes} of {new_tokens}")
     assert sum(prefixes) >= 0.5 * new_tokens * len(prompts), prefixes
     assert prefixes.count(new_tokens) >= len(prompts) // 2, prefixes  # most agree throughout
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
+def test_f16_gguf_in_float32_keeps_float16_panels_and_matches_transformers(
+    tmp_path: Path,
+) -> None:
+    """An F16 file served in float32 (``--dtype float32``, as CPUs without native bfloat16
+    are by default): its matrices go to float16 panels (``weight_panels.pack_half_exact``),
+    so the weights take about 2 bytes a parameter instead of 4, and greedy tokens and
+    logprobs still equal transformers' float32 ones (the panels widen exactly)."""
+    model = make_tiny_gguf(tmp_path / "tiny-F16.gguf", "F16", seed=7)
+    cache = fresh_cache(tmp_path)
+    prompts = varied_prompts(4, seed=3)
+    params = pb.GenerateParameters(max_new_tokens=12, details=True)
+    with (
+        inproc_server(model, *PARITY_SERVER_ARGS, "--genserve-cache", str(cache)) as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        info = stub.Info(pb.InfoRequest())
+        served = [
+            stub.Generate(pb.GenerateRequest(inputs=[p], parameters=params)).results[0]
+            for p in prompts
+        ]
+    # float32 panels would be >= 4 bytes a parameter; the norms stay float32 (a few KB)
+    assert info.model_weight_bytes < 2.5 * _parameter_count(model)
+    entry = resolve_model(str(model), cache_dir=cache / "models").local_dir
+    expected = hf_greedy(entry, prompts, 12)
+    for prompt, result, (ids, logprobs) in zip(prompts, served, expected, strict=True):
+        assert [t.id for t in result.details.tokens] == ids, f"prompt {prompt[:40]!r}"
+        got = [t.logprob for t in result.details.tokens]
+        assert got == pytest.approx(logprobs, abs=1e-3)

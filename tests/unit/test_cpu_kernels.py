@@ -287,6 +287,55 @@ def test_panel_linear_matches_a_float64_product(
     torch.testing.assert_close(no_bias.double(), expected - bias.double(), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 13, 129, 257, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 1536), (33, 100)])
+def test_float16_panels_give_the_float32_panels_results_bit_for_bit(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """A float32 weight whose values are all float16 values (an F16 GGUF served in float32)
+    packed as float16 panels: every path (one streamed row, row tiles with remainders, more
+    than one row block, the torch GEMM past 256 rows) gives exactly the float32 panels'
+    results, with and without bias, and the rows look up exactly.  Run with the native library
+    and the AVX2-level one (``ATEN_CPU_CAPABILITY=avx2``) to cover both builds."""
+    from genserve.model.weight_panels import float_panel_rows, pack_float, pack_half_exact
+
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen).half().float()
+    bias = torch.randn(out_features, generator=gen)
+    half = pack_half_exact(weight)
+    assert half is not None and half.dtype == torch.float16
+    assert half.shape == (-(-out_features // 32), in_features, 32)
+    looked_up = float_panel_rows(half, torch.arange(out_features))
+    assert looked_up.dtype == torch.float32 and torch.equal(looked_up, weight)
+    full = pack_float(weight)
+    for b in (bias, None):
+        expected = torch.ops.genserve.panel_linear(x, full, out_features, b)
+        actual = torch.ops.genserve.panel_linear(x, half, out_features, b)
+        assert actual.dtype == torch.float32 and torch.equal(actual, expected)
+    reference = x.double() @ weight.double().t() + bias.double()
+    actual = torch.ops.genserve.panel_linear(x, half, out_features, bias)
+    torch.testing.assert_close(actual.double(), reference, atol=1e-4, rtol=1e-5)
+
+
+def test_only_float16_valued_weights_get_float16_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from genserve.model import weight_panels
+
+    exact = torch.randn(40, 64).half().float()
+    assert weight_panels.is_exact_half(exact)
+    assert weight_panels.pack_half_exact(exact) is not None
+    for inexact in (
+        torch.randn(40, 64),  # float32 values
+        torch.cat([exact[:39], torch.full((1, 64), 1e-6)]),  # below float16's range: last row
+        torch.cat([exact[:39], torch.full((1, 64), 1e5)]),  # above it
+        exact.to(torch.bfloat16),  # not float32
+    ):
+        assert weight_panels.pack_half_exact(inexact) is None
+    assert weight_panels.half_panels_enabled()
+    monkeypatch.setenv(weight_panels.ENV_HALF_PANELS, "0")
+    assert not weight_panels.half_panels_enabled()
+
+
 def test_panel_linear_rejects_what_it_does_not_serve() -> None:
     from genserve.model.weight_panels import pack_float
 

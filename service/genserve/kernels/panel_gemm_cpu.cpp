@@ -28,6 +28,13 @@
 // one row dequantizes in registers.  A weight is rebuilt exactly as the reference does
 // (scale * q + min, exact products of small integers and float16 values), so results differ
 // from a float32 matmul on the dequantized matrix only in the order of float32 sums.
+//
+// Float16 panels ([P, K, 32] float16, kBits 16): a float32 model whose weights are all
+// float16 values (an F16 GGUF served in float32 where the CPU has no native bfloat16, e.g.
+// AVX2-only parts) keeps them at half the bytes.  One row widens them in registers (F16C),
+// more rows a chunk at a time into the L1 scratch the row tiles read; widening is exact, so
+// every sum is the float32 panels' own, in the same order: the same results at half the
+// memory traffic (weight_panels.pack_half_exact; docs/cpu-avx2.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,6 +74,12 @@ constexpr int kTileRows = 1;
 
 inline void store(float* p, f32v v) { std::memcpy(p, &v, sizeof(v)); }
 
+// How many k-steps ahead a streamed row prefetches its panel, per segment: float32 (128
+// bytes a k-step) and float16 (64 bytes a k-step: one line, so more steps for the same
+// lines in flight; set by that reasoning, not swept: docs/cpu-avx2.md).
+constexpr int64_t kStreamAheadSteps = 16;
+constexpr int64_t kHalfStreamAheadSteps = 32;
+
 // The L2 prefetch of a float32 panel's weights, a cursor kAheadSteps k-steps ahead of the
 // chunk being multiplied.  Each of a chunk's `every` row tiles walks the chunk's k-steps, so
 // the cursor moves one k-step (128 bytes) every `every` k-steps of those loops: the fills
@@ -77,29 +90,30 @@ inline void store(float* p, f32v v) { std::memcpy(p, &v, sizeof(v)); }
 // The cursor runs on past the panel into the next one, which is the next task's (a thread's
 // panels are contiguous); past the band's end it touches nothing (prefetches do not fault).
 struct Ahead {
-  const float* next;  // the next k-step to prefetch
+  const char* next;   // the next k-step to prefetch
   int64_t fire;       // loop index of the current tile at which it is prefetched
   int64_t every;      // row tiles per chunk
 };
 
 // Rows [0, R) of x (row stride ldx) against k-steps [k0, k1) of a panel chunk (chunk[0] is
 // k-step k0), accumulated into acc (R × 32, row stride kPanel); `first` starts the sums from
-// zero; kFetchAhead advances `ahead` (float32 weights in memory).
-template <int R, bool kFetchAhead>
+// zero; kFetchBytes (the bytes of a k-step of the weights in memory: 128 for float32 panels,
+// 64 for float16 ones; 0: none) advances `ahead`.
+template <int R, int kFetchBytes>
 inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* chunk,
                  float* acc_out, bool first, Ahead* ahead) {
+  constexpr bool kFetchAhead = kFetchBytes > 0;
   f32v acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j)
       acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + j * kLanes);
   int64_t fire = kFetchAhead ? ahead->fire : 0;
-  const float* next = kFetchAhead ? ahead->next : nullptr;
+  const char* next = kFetchAhead ? ahead->next : nullptr;
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = chunk + (k - k0) * kPanel;
     if (kFetchAhead && k - k0 == fire) {
-      __builtin_prefetch(next, 0, 2);
-      __builtin_prefetch(next + 16, 0, 2);
-      next += kPanel;
+      for (int b = 0; b < kFetchBytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+      next += kFetchBytes;
       fire += ahead->every;
     }
     f32v w[kVecs];
@@ -118,19 +132,23 @@ inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const floa
 }
 
 // The last rows of a block, fewer than kTileRows: R chosen at run time.
-template <int R, bool kFetchAhead>
+template <int R, int kFetchBytes>
 void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
                const float* chunk, float* acc, bool first, Ahead* ahead) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kFetchAhead>(x, ldx, k0, k1, chunk, acc, first, ahead);
-    tail_tile<R - 1, kFetchAhead>(rows, x, ldx, k0, k1, chunk, acc, first, ahead);
+    if (rows == R) return tile<R, kFetchBytes>(x, ldx, k0, k1, chunk, acc, first, ahead);
+    tail_tile<R - 1, kFetchBytes>(rows, x, ldx, k0, k1, chunk, acc, first, ahead);
   }
 }
 
-// One row: four k-segments streamed side by side, four independent accumulator sets.
-inline void stream_row(const float* x, int64_t K, const float* panel, float* out) {
+// One row: four k-segments streamed side by side, four independent accumulator sets.  T:
+// float (float32 panels) or c10::Half (float16 panels, widened exactly by load16: the
+// same sums in the same order).
+template <typename T>
+inline void stream_row(const float* x, int64_t K, const T* panel, float* out) {
   constexpr int kSegments = 4;
-  constexpr int64_t kAhead = 16;
+  constexpr bool kHalf = sizeof(T) == 2;
+  constexpr int64_t kAhead = kHalf ? kHalfStreamAheadSteps : kStreamAheadSteps;
   f32v acc[kSegments][kVecs];
   for (int s = 0; s < kSegments; ++s)
     for (int j = 0; j < kVecs; ++j) acc[s][j] = f32v{};
@@ -139,7 +157,7 @@ inline void stream_row(const float* x, int64_t K, const float* panel, float* out
     for (int s = 0; s < kSegments; ++s) {
       const int64_t kk = s * seg + k;
       __builtin_prefetch(panel + (kk + kAhead) * kPanel);
-      __builtin_prefetch(panel + (kk + kAhead) * kPanel + 16);
+      if constexpr (!kHalf) __builtin_prefetch(panel + (kk + kAhead) * kPanel + 16);
       const f32v b = f32v{} + x[kk];
       for (int j = 0; j < kVecs; ++j) acc[s][j] += b * load16(panel + kk * kPanel + j * kLanes);
     }
@@ -160,7 +178,8 @@ struct QPanels {
   int64_t bits, group, K, groups;
 };
 
-// kBits: 8 (int8, w = scale * q) or 4 (w = scale * q + min); 0 stands for float32 panels.
+// kBits: 8 (int8, w = scale * q) or 4 (w = scale * q + min); 0 stands for float32 panels,
+// 16 for float16 panels (no scales: the values are the weights, read by tile / stream_row).
 template <int kBits>
 constexpr int64_t bytes_per_k() {
   return kBits == 0 ? kPanel * 4 : kPanel * kBits / 8;
@@ -279,29 +298,48 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       }
     } else if constexpr (kBits == 4) {
       stream_row_q<4, true>(x + m0 * K, *quant, p, scratch);
+    } else if constexpr (kBits == 16) {  // the float32 row's order of sums, widened loads
+      stream_row(x + m0 * K, K, static_cast<const c10::Half*>(quant->data) + p * K * kPanel,
+                 scratch);
     } else {
       stream_row(x + m0 * K, K, panel, scratch);
     }
   } else {
-    // Float32 panels are prefetched (quantized ones: by dequant_chunk, a chunk ahead).
-    constexpr bool fetch = kBits == 0;
-    Ahead ahead{fetch ? panel + kAheadSteps * kPanel : nullptr, 0,
+    // Float32 and float16 panels are prefetched by the row tiles (quantized ones by
+    // dequant_chunk, a chunk ahead).  Float16 k-steps are widened once per chunk into
+    // wchunk, shared by every row tile: widening in each tile instead (F16C beside the
+    // FMAs) ran 8 rows 1.4x and 32 rows 1.8x slower than float32 panels (AVX2 build).
+    constexpr int kFetchBytes = kBits == 0 ? kPanel * 4 : kBits == 16 ? kPanel * 2 : 0;
+    const c10::Half* half = nullptr;
+    const char* stream = reinterpret_cast<const char*>(panel);
+    if constexpr (kBits == 16) {
+      half = static_cast<const c10::Half*>(quant->data) + p * K * kPanel;
+      stream = reinterpret_cast<const char*>(half);
+    }
+    Ahead ahead{kFetchBytes > 0 ? stream + kAheadSteps * kFetchBytes : nullptr, 0,
                 (rows + kTileRows - 1) / kTileRows};
     for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
       const int64_t k1 = std::min(K, k0 + kKChunk);
-      const float* chunk = panel + k0 * kPanel;
-      if constexpr (kBits != 0) {
+      const float* chunk = wchunk;
+      if constexpr (kBits == 0) {
+        chunk = panel + k0 * kPanel;
+      } else if constexpr (kBits == 16) {
+        const c10::Half* src = half + k0 * kPanel;
+        for (int64_t i = 0; i < (k1 - k0) * kPanel; i += kLanes) {
+          store(wchunk + i, load_f16(src + i));
+        }
+      } else {
         dequant_chunk<kBits>(*quant, p, k0, k1, wchunk);
-        chunk = wchunk;
       }
       int64_t r = 0;
       for (; r + kTileRows <= rows; r += kTileRows) {
-        tile<kTileRows, fetch>(x + (m0 + r) * K, K, k0, k1, chunk, scratch + r * kPanel,
-                               k0 == 0, &ahead);
+        tile<kTileRows, kFetchBytes>(x + (m0 + r) * K, K, k0, k1, chunk, scratch + r * kPanel,
+                                     k0 == 0, &ahead);
       }
       if (r < rows) {
-        tail_tile<kTileRows - 1, fetch>(static_cast<int>(rows - r), x + (m0 + r) * K, K, k0,
-                                        k1, chunk, scratch + r * kPanel, k0 == 0, &ahead);
+        tail_tile<kTileRows - 1, kFetchBytes>(static_cast<int>(rows - r), x + (m0 + r) * K, K,
+                                              k0, k1, chunk, scratch + r * kPanel, k0 == 0,
+                                              &ahead);
       }
     }
   }
@@ -377,8 +415,9 @@ bool can_accumulate(const at::Tensor* into, const at::Tensor& x, int64_t N) {
 at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                              const c10::optional<at::Tensor>& bias, at::Tensor* into) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
-              "panel_linear: float32 x and panels expected");
+  const bool half = panels.scalar_type() == at::kHalf;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (half || panels.scalar_type() == at::kFloat),
+              "panel_linear: float32 x and float32 or float16 panels expected");
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel &&
                   panels.size(1) == x.size(1) && N <= panels.size(0) * kPanel &&
                   N > (panels.size(0) - 1) * kPanel,
@@ -394,16 +433,21 @@ at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int6
   }
   const bool accumulate = can_accumulate(into, x, N);
   if (M > kGemmMinRows && !batch_invariant()) {
-    auto product = gemm_on_panels(xc, pc, N, b);
+    // float16 panels widened for the GEMM: a copy of W per call, small beside its M rows.
+    auto product = gemm_on_panels(xc, half ? pc.to(at::kFloat) : pc, N, b);
     return accumulate ? into->add_(product) : product;
   }
   auto out = accumulate ? *into : at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = xc.data_ptr<float>();
-  const float* wp = pc.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  run_panels<0>(xp, M, K, P, N, wp, nullptr, bp, op, accumulate);
+  if (half) {
+    const QPanels q{pc.data_ptr(), nullptr, nullptr, 16, K, K, 1};
+    run_panels<16>(xp, M, K, P, N, nullptr, &q, bp, op, accumulate);
+  } else {
+    run_panels<0>(xp, M, K, P, N, pc.data_ptr<float>(), nullptr, bp, op, accumulate);
+  }
   return out;
 }
 

@@ -33,7 +33,13 @@ from genserve.model.int_dot_panels import IntDotPanels
 from genserve.model.kquants import FLOAT_PATH, AnyQuantized, KQuantWeight
 from genserve.model.lora import LoraHook
 from genserve.model.spec import UnsupportedModelError
-from genserve.model.weight_panels import QuantizedPanels, float_panel_rows, pack_float
+from genserve.model.weight_panels import (
+    QuantizedPanels,
+    float_panel_rows,
+    half_panels_enabled,
+    pack_float,
+    pack_half_exact,
+)
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
 
@@ -155,7 +161,10 @@ class _Packable(nn.Module):
             return
         if self.weight.dtype != torch.float32 or not self.weight.numel():
             return
-        self.panels = pack_float(self.weight.detach())
+        weight = self.weight.detach()
+        # float16 values (an F16 file served in float32): the same sums from half the bytes
+        half = pack_half_exact(weight) if half_panels_enabled() else None
+        self.panels = pack_float(weight) if half is None else half
         self.panel_outputs = self.weight.shape[0]
         if release:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

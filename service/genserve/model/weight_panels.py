@@ -2,13 +2,15 @@
 (``kernels/panel_gemm_cpu.cpp``): panel ``p`` holds output features ``[32p, 32p + 32)``
 k-major, so one k-step of a panel is one contiguous vector load.
 
-This module is the one place that lays the panels out: float32 weights (:func:`pack_float`)
-and quantized ones (:class:`QuantizedPanels`, from a :class:`QuantizedWeight`), and it looks
-rows up in either, for an embedding that shares its matrix with the LM head.
+This module is the one place that lays the panels out: float32 weights (:func:`pack_float`;
+as float16 where every value is one, :func:`pack_half_exact`) and quantized ones
+(:class:`QuantizedPanels`, from a :class:`QuantizedWeight`), and it looks rows up in either,
+for an embedding that shares its matrix with the LM head.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,8 @@ import torch
 from genserve.model.quantization import QuantizedWeight
 
 PANEL = 32  # output features per panel (the kernel's kPanel)
+# "0" keeps float32 panels for float16-valued weights too (benchmarks of the difference).
+ENV_HALF_PANELS = "GENSERVE_HALF_PANELS"
 
 
 def _panels(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -42,6 +46,39 @@ def pack_float(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != torch.float32 or weight.dim() != 2:
         raise ValueError(f"pack_float: a float32 [N, K] weight expected, got {weight.dtype}")
     return _panels(weight, int(weight.shape[0]))
+
+
+def half_panels_enabled() -> bool:
+    """Whether float32 weights whose values are all float16 are packed as float16 panels
+    (default yes; ``GENSERVE_HALF_PANELS=0`` turns it off: the results are the same, so the
+    switch only serves to measure the difference)."""
+    return os.environ.get(ENV_HALF_PANELS, "1").strip() != "0"
+
+
+def is_exact_half(weight: torch.Tensor) -> bool:
+    """Whether every value of the float32 ``weight`` is a float16 value (an F16 file's
+    matrices read into float32 are; a float32 or bfloat16 checkpoint's almost never are).
+    The first row is tried alone first, so a matrix that is not costs one row's test."""
+    if weight.dtype != torch.float32 or not weight.numel():
+        return False
+    flat = weight.reshape(-1)
+    for part in (flat[: weight.shape[-1]], flat):
+        if not torch.equal(part.to(torch.float16).to(torch.float32), part):
+            return False
+    return True
+
+
+def pack_half_exact(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 ``[N, K]`` weight all of whose values are float16 values, as float16
+    panels (``[ceil(N / 32), K, 32]``, which ``genserve::panel_linear`` widens exactly: the
+    same sums as :func:`pack_float`'s panels at half the bytes); None for any other weight.
+
+    Where the CPU has no native bfloat16 the server computes in float32 (``dtype_choice``),
+    and an F16 GGUF's matrices, read into float32, would otherwise be streamed at twice the
+    bytes llama.cpp streams for the same file (docs/cpu-avx2.md)."""
+    if weight.dim() != 2 or not is_exact_half(weight):
+        return None
+    return _panels(weight.to(torch.float16), int(weight.shape[0]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,5 +150,6 @@ class QuantizedPanels:
 
 
 def float_panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of a float32 matrix packed by :func:`pack_float`."""
-    return panels[ids // PANEL, :, ids % PANEL]
+    """Rows ``ids`` of a float32 matrix packed by :func:`pack_float` or
+    :func:`pack_half_exact`, as float32 (float16 panels widen exactly)."""
+    return panels[ids // PANEL, :, ids % PANEL].to(torch.float32)
