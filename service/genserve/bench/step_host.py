@@ -166,14 +166,18 @@ class _Requests:
         self.step_id += 1
         return SchedulerOutput(self.step_id, tuple(chunks), new_requests=tuple(news))
 
-    def decode(self, rids: list[str]) -> SchedulerOutput:
+    def decode(self, rids: list[str], placeholders: bool = True) -> SchedulerOutput:
         self.step_id += 1
-        return SchedulerOutput(self.step_id, tuple(self._decode_chunk(r) for r in rids))
+        chunks = tuple(self._decode_chunk(r, placeholders) for r in rids)
+        return SchedulerOutput(self.step_id, chunks)
 
-    def _decode_chunk(self, rid: str) -> ScheduledChunk:
+    def _decode_chunk(self, rid: str, placeholder: bool = True) -> ScheduledChunk:
         """A decode row as ``--overlap-scheduling`` sends it (the GPU runs' setting): a
-        placeholder the runner fills with the token it sampled last."""
+        placeholder the runner fills with the token it sampled last (which needs ``rid``
+        sampled in the step before); else an explicit token."""
         start = self.lengths[rid] - 1
+        if not placeholder:
+            return ScheduledChunk(rid, (5,), start, self.blocks[rid], True)
         return ScheduledChunk(rid, (0,), start, self.blocks[rid], True, token_from_last_step=True)
 
     def run(self, step: SchedulerOutput) -> None:
@@ -226,15 +230,17 @@ def measure(repeats: int) -> list[dict[str, Any]]:
                 }
             )
 
-        for n in (1, 64, 256):
+        # Largest first: a placeholder needs its request sampled in the step before, so
+        # each kind's rows are a subset of the last step's.
+        for n in (256, 64, 1):
             time_steps(f"decode-{n}", lambda n=n: reqs.decode(rows[:n]))  # type: ignore[misc]
+        reqs.run(reqs.decode(rows, placeholders=False))  # all 256 sampled before the mixed steps
 
         def mixed(n: int) -> SchedulerOutput:
             nonlocal next_id
             next_id += 2
             return reqs.admit(range(next_id - 2, next_id), rows[:n])
 
-        # 256 first: a placeholder needs its request sampled in the step before.
         for n in (256, 64):
             time_steps(f"mixed-{n}", lambda n=n: mixed(n))  # type: ignore[misc]
     return results
