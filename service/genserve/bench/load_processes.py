@@ -26,7 +26,9 @@ from genserve.bench.grpc_load import run_level
 from genserve.bench.prompts import Prompt
 from genserve.bench.records import RequestRecord, RunResult
 
-STREAMS_PER_CHANNEL = 64  # HTTP/2 connections: one per this many streams
+# Streams per HTTP/2 connection (servers commonly cap concurrent streams at 100): the
+# in-process load and each client process open one channel per this many streams.
+STREAMS_PER_CHANNEL = 64
 
 
 def split(total: int, parts: int) -> list[int]:

@@ -28,13 +28,10 @@ from genserve.bench.grpc_load import (
     server_token_counter,
 )
 from genserve.bench.launch import LaunchedServer
-from genserve.bench.load_processes import run_level_processes
+from genserve.bench.load_processes import STREAMS_PER_CHANNEL, run_level_processes
 from genserve.bench.prompts import Prompt, TokenCounter, make_prefix_scenario, make_prompts
 from genserve.bench.records import RunResult
 from genserve.bench.stats import summarise
-
-# Streams per HTTP/2 connection: servers commonly cap concurrent streams at 100.
-_STREAMS_PER_CHANNEL = 64
 
 
 def resolve_concurrency(
@@ -87,7 +84,7 @@ def _record_rows(run: RunResult) -> list[dict[str, Any]]:
 async def _load_levels(
     config: BenchConfig, prompts: Sequence[Prompt], concurrencies: Sequence[int]
 ) -> list[RunResult]:
-    num_channels = math.ceil(max(concurrencies) / _STREAMS_PER_CHANNEL)
+    num_channels = math.ceil(max(concurrencies) / STREAMS_PER_CHANNEL)
     channels = [grpc.aio.insecure_channel(config.address) for _ in range(num_channels)]
     try:
         if config.warmup_requests > 0:
