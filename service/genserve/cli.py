@@ -30,9 +30,12 @@ from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
 from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
+from genserve.engine.engine_process import EngineProcess, send_failure, serve_engine, spawn_engine
 from genserve.engine.heap import freeze_startup_heap, unfreeze_heap
+from genserve.engine.process_engine import ProcessEngine
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
+from genserve.engine.step_wire import EngineHello
 from genserve.limits import LimitsError, ServingLimits, derive_limits, token_limits
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
@@ -77,6 +80,7 @@ class Loaded:
     chat_features: ChatFeatures | None = None
     # The launcher's config as the model path allows it (genserve.model.fallback_options).
     config: Config | None = None
+    model_dir: Path | None = None  # the resolved model's directory (tokenizer files)
 
 
 def chat_features(config: Config, template: str | None, info: pb.InfoResponse) -> ChatFeatures:
@@ -352,6 +356,7 @@ def _size_and_warm_up(
         grammars=grammars,
         config=config,
         chat_features=features,
+        model_dir=resolved.local_dir,
     )
 
 
@@ -430,6 +435,108 @@ def _set_exception(future: asyncio.Future[Loaded], exc: BaseException) -> None:
         future.set_exception(exc)
 
 
+# ------------------------------------------------------------------ --engine-process (#29)
+@dataclass(frozen=True, slots=True)
+class _EngineSummary:
+    """What the engine process sends the gRPC process once it has loaded (picklable)."""
+
+    info: bytes  # pb.InfoResponse, serialised
+    limits: ServingLimits
+    config: Config  # as the model path allows it (restrict_for_fallback)
+    model_dir: Path
+    chat_template: str | None
+
+
+def check_engine_process(config: Config) -> None:
+    """What --engine-process does not carry across yet is refused at launch, never ignored."""
+    if not config.engine_process:
+        return
+    refused = [
+        name
+        for name, given in (
+            ("--lora-adapters", config.lora_adapters),
+            ("--adapter-id", config.adapter_id),
+            ("--num-shard > 1", (config.num_shard or 1) > 1),
+            ("--sharded", config.sharded),
+        )
+        if given
+    ]
+    if refused:
+        raise ValueError(
+            f"--engine-process cannot be combined with {', '.join(refused)} yet "
+            "(docs/gpu-step.md, 'The engine in a process of its own')"
+        )
+
+
+def _engine_child(config: Config, from_front: Any, to_front: Any) -> None:
+    """The engine process's entry point (spawned): load, then serve the engine loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the gRPC process; it ends us
+    configure_logging(config.json_output)
+    try:
+        loaded = _load(config, _shard_failed_in_child)
+        served = loaded.config if loaded.config is not None else config
+        scheduler = _scheduler(served, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes))
+        assert loaded.model_dir is not None
+        summary = _EngineSummary(
+            loaded.info.SerializeToString(),
+            loaded.limits,
+            served,
+            loaded.model_dir,
+            loaded.chat.template,
+        )
+    except BaseException as exc:  # the gRPC process reports it and exits as it would
+        send_failure(to_front, exc)
+        os._exit(1)
+    freeze_startup_heap()
+    serve_engine(
+        scheduler,
+        loaded.runner,
+        loaded.tokenizer,
+        served.overlap_scheduling,
+        summary,
+        from_front,
+        to_front,
+    )
+
+
+def _shard_failed_in_child(reason: str) -> None:  # unreachable: tensor parallel is refused
+    log.error("shard_failure_exit", reason=reason)
+    os._exit(EXIT_SHARD_FAILED)
+
+
+def _front_loaded(summary: _EngineSummary) -> Loaded:
+    """Blocking: the gRPC process's share: its own tokenizer and chat template, no runner,
+    no grammar compiler (grammars are not carried across: requests with one are refused)."""
+    config = summary.config
+    info = pb.InfoResponse.FromString(summary.info)
+    info.grammar_support = False
+    tokenizer = Tokenizer(summary.model_dir, trust_remote_code=config.trust_remote_code)
+    chat = ChatRenderer(tokenizer.hf, info.model_id, summary.chat_template)
+    return Loaded(
+        runner=None,
+        tokenizer=tokenizer,
+        limits=summary.limits,
+        info=info,
+        chat=chat,
+        chat_features=chat_features(config, chat.template, info),
+        config=config,
+        model_dir=summary.model_dir,
+    )
+
+
+async def _load_engine_process(config: Config) -> tuple[Loaded, EngineProcess, EngineHello]:
+    check_engine_process(config)
+    engine = spawn_engine(_engine_child, config)
+    try:
+        hello = await asyncio.to_thread(engine.wait_hello)
+        loaded = await asyncio.to_thread(_front_loaded, hello.payload)
+    except BaseException:  # a failed load, or a shutdown during it: no orphan
+        engine.kill()
+        raise
+    log.info("engine_process_started", pid=hello.pid)
+    return loaded, engine, hello
+
+
 class Service:
     """One genserve server: the gRPC port, the model loading behind it, the engine.
 
@@ -456,9 +563,9 @@ class Service:
         )
         self.metrics_server: MetricsServer | None = None
         self.port = 0
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | ProcessEngine | None = None
         self.loaded: Loaded | None = None
-        self._loading: asyncio.Future[Loaded] | None = None
+        self._loading: asyncio.Future[Any] | None = None
         self._health_watch: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.shard_failed = asyncio.Event()  # set once a shard process died
@@ -481,34 +588,26 @@ class Service:
             tls="mutual" if self.config.tls_client_ca_file else bool(credentials),
             api_key=self.config.api_key is not None,
         )
-        self._loading = asyncio.ensure_future(_load_in_thread(self.config, self._on_shard_failure))
+        if self.config.engine_process:
+            self._loading = asyncio.ensure_future(_load_engine_process(self.config))
+        else:
+            self._loading = asyncio.ensure_future(
+                _load_in_thread(self.config, self._on_shard_failure)
+            )
         return self.port
 
     async def wait_ready(self) -> None:
         """Raises what loading raised (LimitsError, FileNotFoundError, ...)."""
         assert self._loading is not None, "start() first"
-        loaded = await self._loading
+        loaded, engine = await self._engine(await self._loading)
         config = loaded.config if loaded.config is not None else self.config
-        engine = AsyncEngine(
-            _scheduler(config, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes)),
-            loaded.runner,
-            loaded.tokenizer,
-            overlap=config.overlap_scheduling,
-        )
         engine.step_observers.append(self.servicer.observer.on_step)
-        adapter_settings = AdapterSettings(
-            lora_adapters=config.lora_adapters,
-            default_id=config.adapter_id,
-            source=config.adapter_source,
-            max_active=config.max_active_adapters,
-        )
-        engine.adapters = await start_adapters(adapter_settings, loaded.runner.config, loaded.info)
-        if self.metrics is not None:
-            self.metrics.registry.register(AdapterCollector(engine.adapters))
         engine.start()
         if self.metrics is not None:
-            # The scheduler belongs to the engine thread: scrapes read it there.
-            self.metrics.scheduler.bind(engine.scheduler.stats, engine.engine_loop)
+            if isinstance(engine, ProcessEngine):  # the stats of the last step received
+                self.metrics.scheduler.bind(engine.scheduler_stats)
+            else:  # the scheduler belongs to the engine thread: scrapes read it there
+                self.metrics.scheduler.bind(engine.scheduler.stats, engine.engine_loop)
             self.metrics.set_info(
                 model_id=loaded.info.model_id,
                 dtype=loaded.info.model_dtype,
@@ -553,6 +652,31 @@ class Service:
             max_batch_total_tokens=loaded.limits.max_batch_total_tokens,
         )
 
+    async def _engine(self, load_result: Any) -> tuple[Loaded, AsyncEngine | ProcessEngine]:
+        """The engine over what loading gave: in this process, or the --engine-process one."""
+        if self.config.engine_process:
+            loaded, process, hello = load_result
+            # Its death ends the server as a shard's does (UNAVAILABLE, NOT_SERVING, exit 1).
+            return loaded, ProcessEngine(process, hello, self._on_shard_failure)
+        loaded = load_result
+        config = loaded.config if loaded.config is not None else self.config
+        engine = AsyncEngine(
+            _scheduler(config, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes)),
+            loaded.runner,
+            loaded.tokenizer,
+            overlap=config.overlap_scheduling,
+        )
+        adapter_settings = AdapterSettings(
+            lora_adapters=config.lora_adapters,
+            default_id=config.adapter_id,
+            source=config.adapter_source,
+            max_active=config.max_active_adapters,
+        )
+        engine.adapters = await start_adapters(adapter_settings, loaded.runner.config, loaded.info)
+        if self.metrics is not None:
+            self.metrics.registry.register(AdapterCollector(engine.adapters))
+        return loaded, engine
+
     def _on_shard_failure(self, reason: str) -> None:
         """A shard process died or the group broke.  Called from any thread: fails every
         in-flight request (UNAVAILABLE), turns health NOT_SERVING, wakes ``serve``."""
@@ -569,7 +693,7 @@ class Service:
         self._not_serving = asyncio.ensure_future(self.app.set_serving(False))
         self.shard_failed.set()
 
-    async def _follow_engine(self, engine: AsyncEngine) -> None:
+    async def _follow_engine(self, engine: AsyncEngine | ProcessEngine) -> None:
         """grpc.health follows the engine: NOT_SERVING once it can no longer generate (a
         shard worker died), not only at shutdown.  Polls: two reads per second."""
         while engine.is_ready:  # noqa: ASYNC110 (the engine exposes no "died" event)

@@ -76,6 +76,7 @@ class Config:
     disable_prefix_caching: bool = False
     disable_grammar_support: bool = False
     overlap_scheduling: bool = False  # issue #29: schedule step n + 1 while step n runs
+    engine_process: bool = False  # issue #29: the engine loop in a spawned child process
     prefill_batching: PrefillBatching = "auto"  # issue #29: TGI's admission rule, chunked too
     # issue #29: how CUDA steps with prompt rows attend (model/attention_backend.py)
     gpu_prefill_attention: GpuPrefillAttention = "auto"
@@ -318,6 +319,14 @@ FLAGS: tuple[_Flag, ...] = (
         "on the device from step n's) and stream step n while step n + 1 runs; stop "
         "conditions apply one step late and the extra token is dropped, so outputs are "
         "unchanged. Meant for CUDA; off by default (no gain measured on CPU).",
+        _SWITCH,
+    ),
+    _flag(
+        "engine_process",
+        "Run the engine loop (scheduler, KV cache, model runner, detokenisers) in a process of "
+        "its own, so the gRPC process's Python work does not hold the engine's GIL "
+        "(docs/gpu-step.md). Not yet with --lora-adapters/--adapter-id, --num-shard > 1 or "
+        "structured output (refused). Meant for CUDA; off by default.",
         _SWITCH,
     ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),

@@ -265,24 +265,7 @@ class Scheduler:
         """The checks of :meth:`add_request` that need no scheduler state (only the fixed KV
         capacity): safe from any thread, so a front end on another thread can refuse a bad
         request to its caller before queueing it.  Raises ``ValueError``."""
-        if not req.prompt_token_ids:
-            raise ValueError(f"request {req.req_id!r} has an empty prompt")
-        if req.stopping.max_new_tokens < 1:
-            raise ValueError(f"request {req.req_id!r}: max_new_tokens must be at least 1")
-        total = req.num_prompt_tokens + req.stopping.max_new_tokens
-        if total > self.max_tokens_per_request:
-            raise ValueError(
-                f"request {req.req_id!r} needs up to {total} tokens of KV cache "
-                f"(prompt {req.num_prompt_tokens} + max_new_tokens "
-                f"{req.stopping.max_new_tokens}) but the cache holds "
-                f"{self.max_tokens_per_request}"
-            )
-        if (
-            req.status is not RequestStatus.WAITING
-            or req.num_computed_tokens
-            or req.output_token_ids
-        ):
-            raise ValueError(f"request {req.req_id!r} is not fresh")
+        check_request(req, self.max_tokens_per_request)
 
     def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
         """End requests now (stop string, cancellation, deadline, shutdown, runner error),
@@ -654,3 +637,22 @@ class Scheduler:
             return logprobs
         skip = first_new - logprobs.first_pos
         return PromptLogprobs(req.req_id, first_new, logprobs.logprobs[skip:])
+
+
+def check_request(req: Request, max_tokens_per_request: int) -> None:
+    """:meth:`Scheduler.check_request` for a front end that holds only the KV capacity (the
+    gRPC process of --engine-process, whose scheduler lives in the engine process)."""
+    if not req.prompt_token_ids:
+        raise ValueError(f"request {req.req_id!r} has an empty prompt")
+    if req.stopping.max_new_tokens < 1:
+        raise ValueError(f"request {req.req_id!r}: max_new_tokens must be at least 1")
+    total = req.num_prompt_tokens + req.stopping.max_new_tokens
+    if total > max_tokens_per_request:
+        raise ValueError(
+            f"request {req.req_id!r} needs up to {total} tokens of KV cache "
+            f"(prompt {req.num_prompt_tokens} + max_new_tokens "
+            f"{req.stopping.max_new_tokens}) but the cache holds "
+            f"{max_tokens_per_request}"
+        )
+    if req.status is not RequestStatus.WAITING or req.num_computed_tokens or req.output_token_ids:
+        raise ValueError(f"request {req.req_id!r} is not fresh")

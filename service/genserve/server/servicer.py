@@ -20,6 +20,7 @@ import structlog
 from genserve.chat_template import ChatRenderer
 from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
+from genserve.engine.process_engine import ProcessEngine
 from genserve.engine.request import FinishReason
 from genserve.model.adapter_files import AdapterNotFoundError
 from genserve.model.lora import AdapterError
@@ -61,7 +62,7 @@ def _request_id(context: grpc.aio.ServicerContext) -> str:
 class Serving:
     """What the servicer needs once the model is loaded."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine | ProcessEngine  # ProcessEngine: --engine-process
     tokenizer: Tokenizer
     limits: Limits
     info: pb.InfoResponse

@@ -1,0 +1,248 @@
+"""The engine loop in a process of its own (--engine-process, issue #29): start it, run it.
+
+Why a process: on an H200 the gRPC event loop thread held the GIL ~70% of the wall time at
+256 streams (a third of it in grpc's per-token ``context.write``), and the engine thread
+(schedule, apply, detokenise) and the runner's step thread wait for that GIL.  A process
+gives the engine its own interpreter.  vLLM splits the same way (AsyncLLM in the API
+server, EngineCore in a busy-loop process, ZMQ + msgpack between them), SGLang too
+(TokenizerManager / Scheduler / Detokenizer processes).
+
+The split: the child runs what the engine thread runs in one process (scheduler, KV
+cache, runner, detokenisers: :class:`~genserve.engine.engine_loop.EngineLoop` on an
+:class:`~genserve.engine.engine_thread.EngineThread`); the gRPC process keeps the servicer,
+validation, tokenisation of prompts, chat templates and the per-request mailboxes
+(``engine/process_engine.py``).  Two one-way ``multiprocessing`` pipes carry pickled tuples
+(``engine/step_wire.py``; pyzmq and msgspec are not in the environment, and a pipe needs
+neither a port nor a socket file): requests and aborts one way, one message per step the
+other way.  The child is started with **spawn** (CUDA does not survive a fork); it loads the
+model itself through the launcher's ``load`` function, so this module never sees the
+launcher's config.
+
+In the child the main thread reads the request pipe (so the front never blocks on a full
+pipe while a step runs) and posts to the engine thread; the engine thread sends each step's
+message itself.  The pipe's end-of-file is how the child learns that the front is gone: it
+exits at once, no orphan holds the GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import multiprocessing
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import structlog
+
+from genserve.engine import step_wire as wire
+from genserve.engine.engine_loop import Delivery, EngineLoop
+from genserve.engine.engine_thread import EngineThread
+from genserve.engine.outputs import GenerationRequest
+from genserve.engine.request import FinishReason, Request
+from genserve.engine.scheduler import Scheduler
+from genserve.step import Runner
+from genserve.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    """The engine process exited before it served (its own error was lost)."""
+
+
+@dataclass(slots=True)
+class EngineProcess:
+    """The front's handle: the child process and the two pipe ends the front holds."""
+
+    process: multiprocessing.process.BaseProcess
+    to_engine: Connection
+    from_engine: Connection
+
+    def wait_hello(self) -> wire.EngineHello:
+        """Blocking: the child's hello once it serves; raises what its loading raised."""
+        try:
+            message = wire.loads(self.from_engine.recv_bytes())
+        except (EOFError, OSError):
+            self.process.join(5.0)
+            raise EngineStartError(
+                f"the engine process exited while loading (exit code {self.process.exitcode})"
+            ) from None
+        if message[0] == wire.FAILED:
+            self.process.join(5.0)
+            raise message[1]
+        assert message[0] == wire.HELLO, message[0]
+        hello = message[1]
+        assert isinstance(hello, wire.EngineHello)
+        return hello
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5.0)
+
+
+def spawn_engine(target: Callable[..., None], *args: Any) -> EngineProcess:
+    """Start ``target(*args, from_front, to_front)`` in a spawned process.  ``target`` must be
+    importable by name (the launcher's child entry point)."""
+    ctx = multiprocessing.get_context("spawn")
+    engine_in, front_out = ctx.Pipe(duplex=False)  # front -> engine
+    front_in, engine_out = ctx.Pipe(duplex=False)  # engine -> front
+    process = ctx.Process(
+        target=target, args=(*args, engine_in, engine_out), name="genserve-engine", daemon=False
+    )
+    process.start()
+    # Only the child holds its ends now: its exit is an end-of-file here, ours one there.
+    engine_in.close()
+    engine_out.close()
+    return EngineProcess(process, front_out, front_in)
+
+
+def send_failure(to_front: Connection, exc: BaseException) -> None:
+    """Child: loading failed; the front raises ``exc`` (or its text, if it does not pickle)."""
+    try:
+        data = wire.dumps((wire.FAILED, exc))
+        wire.loads(data)  # some exceptions pickle but do not unpickle
+    except Exception:
+        data = wire.dumps((wire.FAILED, RuntimeError(f"{type(exc).__name__}: {exc}")))
+    with contextlib.suppress(OSError):  # the front is gone already
+        to_front.send_bytes(data)
+
+
+class _Sender:
+    """Child: one writer at a time on the pipe to the front (engine thread: steps; main
+    thread: replies)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, data: bytes) -> None:
+        # The front gone: the main thread's end-of-file ends the process.
+        with self._lock, contextlib.suppress(OSError):
+            self._conn.send_bytes(data)
+
+
+def serve_engine(
+    scheduler: Scheduler,
+    runner: Runner,
+    tokenizer: Tokenizer,
+    overlap: bool,
+    payload: Any,
+    from_front: Connection,
+    to_front: Connection,
+) -> None:
+    """Child: run the engine loop until the front says shutdown or goes away.  Never
+    returns: the process exits here (skipping interpreter teardown, as the launcher does)."""
+    sender = _Sender(to_front)
+
+    def deliver(delivery: Delivery) -> None:  # engine thread, one call per step
+        sender.send(wire.step_message(delivery, scheduler.stats(), core.num_steps))
+
+    core = EngineLoop(scheduler, runner, tokenizer, deliver, overlap)
+    thread = EngineThread()
+    thread.on_drained = core.wake
+
+    async def main() -> None:
+        try:
+            await core.run()
+            reason = core.dead_reason or "the engine loop stopped"
+        except asyncio.CancelledError:  # shutdown stops the loop
+            raise
+        except Exception as exc:  # a bug: the front must hear of it, not hang
+            reason = f"the engine loop failed: {type(exc).__name__}: {exc}"
+            log.exception("engine_loop_failed")
+        sender.send(wire.dumps((wire.DEAD, reason)))
+
+    thread.start(main)
+    hello = wire.EngineHello(
+        payload=payload,
+        max_tokens_per_request=scheduler.max_tokens_per_request,
+        overlap=core.overlap,
+        schedule_ahead=core.schedule_ahead,
+        pid=os.getpid(),
+        stats=scheduler.stats(),
+    )
+    sender.send(wire.dumps((wire.HELLO, hello)))
+    code = _read_front(from_front, sender, core, thread, tokenizer)
+    if code is None:  # the front is gone: nobody to stream to, free the device now
+        log.warning("engine_process_orphaned", reason="the gRPC process closed its pipe")
+        code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _read_front(
+    conn: Connection, sender: _Sender, core: EngineLoop, thread: EngineThread, tokenizer: Tokenizer
+) -> int | None:
+    """The child's main thread: requests, aborts and queries from the front, until shutdown
+    (returns 0) or the pipe's end (returns None)."""
+    while True:
+        try:
+            message = wire.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return None
+        kind = message[0]
+        if kind == wire.ADD:
+            _add(message[1], core, thread, tokenizer)
+        elif kind == wire.ABORT:
+            thread.post(functools.partial(core.abort, message[1]))
+        elif kind == wire.QUERY:
+            _query(message[1], message[2], sender, core, thread)
+        elif kind == wire.SHUTDOWN:
+            _shutdown(core, thread)
+            return 0
+
+
+def _add(req: GenerationRequest, core: EngineLoop, thread: EngineThread, tok: Tokenizer) -> None:
+    request = Request(
+        req_id=req.req_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        sampling=req.sampling,
+        stopping=req.stopping,
+        fork_of=req.fork_of,
+    )  # grammars and adapters are refused by the front (not carried across yet)
+    detok = tok.detokenizer(
+        req.prompt_token_ids,
+        req.stop,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str=req.include_stop_str_in_output,
+    )
+    thread.post(functools.partial(core.add, req, request, detok))
+
+
+def _query(qid: int, name: str, sender: _Sender, core: EngineLoop, thread: EngineThread) -> None:
+    """Answer a query on the engine thread (between steps), reply from there."""
+    queries: dict[str, Callable[[], Any]] = {
+        "stats": core.scheduler.stats,
+        "check_invariants": core.scheduler.check_invariants,
+    }
+
+    def run() -> None:
+        try:
+            value, ok = queries[name](), True
+        except Exception as exc:
+            value, ok = f"{type(exc).__name__}: {exc}", False
+        sender.send(wire.dumps((wire.REPLY, qid, ok, value)))
+
+    thread.post(run)
+
+
+def _shutdown(core: EngineLoop, thread: EngineThread) -> None:
+    """End every request (their outputs reach the front first), stop the loop and runner."""
+    done = thread.call(lambda: core.fail_all(FinishReason.ABORTED, "server is shutting down"))
+    try:
+        done.result(30.0)
+    except Exception:
+        log.exception("engine_shutdown_abort_failed")
+    thread.stop()
+    try:
+        core.runner.shutdown()
+    except Exception:
+        log.exception("runner_shutdown_failed")
+    core.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,320 @@
+"""The gRPC process's side of --engine-process: the facade the servicer talks to, with the
+engine loop in another process (``engine/engine_process.py``).
+
+Same interface as :class:`~genserve.engine.async_engine.AsyncEngine` where the servicer and
+the launcher use it (generate, abort, is_ready, dead_reason, shutdown, step_observers, ...)
+and the same per-request mailboxes, owned by the gRPC loop.  A request is checked here
+(KV capacity, from the child's hello), then pickled to the child; the child builds its
+scheduler request and detokeniser.  A reader thread receives one message per step, decodes
+it off the event loop and hands it to the loop with one ``call_soon_threadsafe``, as the
+engine thread's delivery does in one process; the loop fills the mailboxes and tells the
+step observers.  The scheduler's stats come with every step (the metrics' scrape reads the
+latest); :meth:`query` asks the child for fresh ones (tests).
+
+When the child dies (the pipe's end-of-file while not shutting down) every request in flight
+ends with an error while :attr:`dead_reason` is set (the servicer answers UNAVAILABLE) and
+``on_death`` tells the launcher, which exits non-zero as after a shard failure.
+
+Not carried across yet, refused here rather than ignored: grammars (the compiled matcher is
+not picklable; the launcher gives the converter no compiler) and LoRA adapters (the
+launcher refuses the flags).  Tensor parallelism is refused by the launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import structlog
+
+from genserve.engine import step_wire as wire
+from genserve.engine.adapter_manager import AdapterManager
+from genserve.engine.async_engine import EngineUnavailableError, _Client
+from genserve.engine.engine_loop import Delivery, StepObservation
+from genserve.engine.engine_process import EngineProcess
+from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
+from genserve.engine.request import FinishReason, Request
+from genserve.engine.scheduler import check_request
+from genserve.engine.scheduler_output import SchedulerStats
+from genserve.model.adapter_files import AdapterNotFoundError
+
+__all__ = ["ProcessEngine"]
+
+log = structlog.get_logger(__name__)
+
+
+class ProcessEngine:
+    """Serves token streams per request from an engine loop running in a child process."""
+
+    def __init__(
+        self,
+        engine: EngineProcess,
+        hello: wire.EngineHello,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._hello = hello
+        self._on_death = on_death
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._clients: dict[str, _Client] = {}
+        self._accepting = False
+        self._stopping = False
+        self._dead_reason: str | None = None
+        self._idle = asyncio.Event()
+        self._closed = asyncio.Event()  # the child's pipe reached its end
+        self._drain_cut = False
+        self._stats: SchedulerStats = hello.stats
+        self._num_steps = 0
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._query_ids = itertools.count()
+        self._reader: threading.Thread | None = None
+        self.step_observers: list[Callable[[StepObservation], None]] = []
+        self.adapters: AdapterManager | None = None  # LoRA is refused with --engine-process
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start reading the child's messages and accept requests.  Call from the running
+        event loop (the one that will call :meth:`generate`)."""
+        self._loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(
+            target=self._read, name="genserve-engine-reader", daemon=True
+        )
+        self._reader.start()
+        self._accepting = True
+
+    @property
+    def pid(self) -> int:
+        return self._hello.pid
+
+    @property
+    def overlap(self) -> bool:
+        return self._hello.overlap
+
+    @property
+    def schedule_ahead(self) -> bool:
+        return self._hello.schedule_ahead
+
+    @property
+    def is_ready(self) -> bool:
+        return self._accepting and self._dead_reason is None and not self._closed.is_set()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._clients)
+
+    @property
+    def num_steps(self) -> int:
+        """Steps the engine has applied, as of the last step message received."""
+        return self._num_steps
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's stats after the last step received (what the metrics' scrape
+        reads: the scheduler itself is in the other process).  An abort while no step
+        runs shows after the next step."""
+        return self._stats
+
+    async def query(self, name: str) -> Any:
+        """Ask the engine process: ``"stats"`` (fresh SchedulerStats) or
+        ``"check_invariants"`` (raises RuntimeError on a broken invariant)."""
+        if self._closed.is_set():
+            raise EngineUnavailableError(self._dead_reason or "the engine process is gone")
+        qid = next(self._query_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[qid] = future
+        self._send((wire.QUERY, qid, name))
+        return await future
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def end_drain(self) -> None:
+        self._drain_cut = True
+        self._idle.set()
+
+    def mark_dead(self, reason: str) -> None:
+        """The engine process is gone (or must be): fail every request now.  gRPC loop."""
+        self._accepting = False
+        if self._dead_reason is None:
+            self._dead_reason = reason
+            log.error("engine_dead", reason=reason)
+        self._end_all(FinishReason.ERROR, reason)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Let in-flight requests finish for up to ``grace_s``, then have the child end the
+        rest (their outputs arrive first), stop and exit."""
+        self._accepting = False
+        if self._clients and self._dead_reason is None and not self._drain_cut:
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), max(0.0, grace_s))
+        if self._clients:
+            log.warning("shutdown_aborting_requests", num_requests=len(self._clients))
+        self._stopping = True
+        if not self._closed.is_set():
+            self._send((wire.SHUTDOWN,))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), 60.0)
+        self._end_all(FinishReason.ABORTED, "server is shutting down")
+        await asyncio.to_thread(self._engine.kill)
+
+    # ----------------------------------------------------------------- requests
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenOutput]:
+        """Yield the request's tokens as the engine process generates them; the last output
+        has ``final``.  Closing the iterator early aborts the request in the engine."""
+        if not self.is_ready:
+            raise EngineUnavailableError(self._dead_reason or "the engine is not serving")
+        if req.req_id in self._clients:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        if req.grammar is not None:  # the converter has no compiler: a bug if reached
+            raise ValueError("structured output is not supported with --engine-process")
+        if req.adapter_id:
+            raise AdapterNotFoundError(
+                f"adapter {req.adapter_id!r}: LoRA adapters are not supported with --engine-process"
+            )
+        client: _Client | None = None
+        try:
+            client = self._submit(req)
+            get = client.queue.get
+            while True:
+                out = await get()
+                yield out
+                if out.final is not None:
+                    return
+        finally:
+            if client is not None and not client.finished:
+                self.abort(req.req_id)
+
+    def _submit(self, req: GenerationRequest) -> _Client:
+        request = Request(
+            req_id=req.req_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling=req.sampling,
+            stopping=req.stopping,
+            fork_of=req.fork_of,
+        )
+        check_request(request, self._hello.max_tokens_per_request)
+        client = _Client(req)
+        self._clients[req.req_id] = client
+        self._send((wire.ADD, req))
+        return client
+
+    def abort(self, req_id: str) -> None:
+        client = self._clients.get(req_id)
+        if client is None:
+            return
+        self._finish(req_id, client)
+        if not self._closed.is_set():
+            self._send((wire.ABORT, req_id))
+
+    def _finish(self, req_id: str, client: _Client) -> None:
+        client.finished = True
+        del self._clients[req_id]
+        if not self._clients:
+            self._idle.set()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        # The child gone: the reader's end-of-file reports it.
+        with contextlib.suppress(OSError):
+            self._engine.to_engine.send_bytes(wire.dumps(message))
+
+    def _end_all(self, reason: FinishReason, message: str) -> None:
+        for req_id, client in list(self._clients.items()):
+            final = FinalInfo(
+                finish_reason=reason,
+                generated_text="",
+                num_generated_tokens=client.num_outputs,
+                num_prompt_tokens=len(client.request.prompt_token_ids),
+                num_cached_tokens=0,
+                num_preemptions=0,
+                error=message,
+            )
+            self._finish(req_id, client)
+            client.queue.put_nowait(TokenOutput(index=client.num_outputs, token=None, final=final))
+
+    # ----------------------------------------------------------------- the child's messages
+    def _read(self) -> None:
+        """Reader thread: receive and decode each message, hand it to the gRPC loop."""
+        conn = self._engine.from_engine
+        loop = self._loop
+        assert loop is not None
+        while True:
+            try:
+                message = wire.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if message[0] == wire.STEP:
+                delivery = wire.decode_delivery(message[1])
+                handle: Callable[[], None] = _bind(self._on_step, delivery, message[2], message[3])
+            else:
+                handle = _bind(self._on_message, message)
+            if not _post(loop, handle):
+                return
+        self._engine.process.join(5.0)
+        code = self._engine.process.exitcode
+        _post(loop, _bind(self._on_closed, code))
+
+    def _on_step(self, delivery: Delivery, stats: SchedulerStats, num_steps: int) -> None:
+        self._stats = stats
+        self._num_steps = num_steps
+        clients = self._clients
+        for req_id, out in delivery.outputs:
+            client = clients.get(req_id)
+            if client is None:  # aborted while its step was running
+                continue
+            client.num_outputs += out.token is not None
+            if out.final is not None:
+                self._finish(req_id, client)
+            client.queue.put_nowait(out)
+        if delivery.observation is not None:
+            for observer in self.step_observers:
+                observer(delivery.observation)
+
+    def _on_message(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == wire.REPLY:
+            _, qid, ok, value = message
+            future = self._replies.pop(qid, None)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(RuntimeError(value))
+        elif kind == wire.DEAD:
+            self._die(str(message[1]))
+
+    def _on_closed(self, exit_code: int | None) -> None:
+        self._closed.set()
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(EngineUnavailableError("the engine process is gone"))
+        self._replies.clear()
+        if not self._stopping:
+            self._die(f"the engine process exited (exit code {exit_code})")
+
+    def _die(self, reason: str) -> None:
+        if self._dead_reason is not None:
+            return
+        self.mark_dead(reason)
+        if self._on_death is not None:
+            self._on_death(reason)
+
+
+def _bind(fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+    return lambda: fn(*args)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> bool:
+    if loop.is_closed():
+        return False
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # closed meanwhile
+        return False
+    return True
