@@ -82,9 +82,8 @@ def _calls(stub: pb_grpc.TextGenerationServiceStub) -> list[Any]:
 def test_outputs_match_the_in_process_engine(
     tiny_llama: Path, proc_server: InProcessServer
 ) -> None:
-    with inproc_server(tiny_llama, *ARGS) as server:
-        with grpc.insecure_channel(server.address) as channel:
-            expected = _calls(pb_grpc.TextGenerationServiceStub(channel))
+    with inproc_server(tiny_llama, *ARGS) as server, grpc.insecure_channel(server.address) as ch:
+        expected = _calls(pb_grpc.TextGenerationServiceStub(ch))
     with grpc.insecure_channel(proc_server.address) as channel:
         got = _calls(pb_grpc.TextGenerationServiceStub(channel))
     assert got == expected
@@ -108,7 +107,7 @@ def test_cancelled_stream_frees_everything(proc_server: InProcessServer) -> None
     deadline = time.monotonic() + 10
     while True:
         stats = proc_server.run(engine.query("stats"))
-        if stats.num_used_blocks == 0 and stats.num_running == 0 or time.monotonic() > deadline:
+        if (stats.num_used_blocks, stats.num_running) == (0, 0) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert (stats.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
@@ -134,7 +133,7 @@ def test_unsupported_features_are_refused(proc_server: InProcessServer) -> None:
 
 def test_launch_refuses_what_is_not_carried_across() -> None:
     config = load_config(["--engine-process", "--lora-adapters", "a=/x"])
-    with pytest.raises(ValueError, match="--engine-process .*--lora-adapters"):
+    with pytest.raises(ValueError, match=r"--engine-process .*--lora-adapters"):
         check_engine_process(config)
     check_engine_process(load_config(["--engine-process"]))  # alone: fine
 
@@ -174,7 +173,8 @@ def test_engine_process_killed_mid_generation(tiny_llama: Path) -> None:
             started = threading.Barrier(len(PROMPTS) + 1)
 
             def stream(prompt: str) -> None:
-                call = stub.GenerateStream(pb.GenerateStreamRequest(inputs=prompt, parameters=params))
+                request = pb.GenerateStreamRequest(inputs=prompt, parameters=params)
+                call = stub.GenerateStream(request)
                 try:
                     next(call)
                     started.wait(30)
