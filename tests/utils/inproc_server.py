@@ -44,8 +44,9 @@ class InProcessServer:
 
     @property
     def engine(self) -> AsyncEngine:
-        assert self.service.engine is not None
-        return self.service.engine
+        engine = self.service.engine
+        assert isinstance(engine, AsyncEngine), "an --engine-process server: see service.engine"
+        return engine
 
     def run(self, coro: Any, timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
