@@ -11,7 +11,8 @@ OTHER processes, and over a measurement window reads the server's per-thread CPU
 * ``grpc_loop_cpu_us_per_token`` — the main thread's, where the grpc.aio event loop (the
   servicer, interceptors, protobuf building, grpc's Python-side callbacks) runs;
 * ``other_cpu_us_per_token`` — every other thread (the engine thread, the step thread,
-  grpc's native threads), with the busiest threads listed by id and name;
+  grpc's native threads, and with ``--engine-process`` every thread of the engine process,
+  named ``engine:...``), with the busiest threads listed by id and name;
 * ``client_cpu_util`` — each load process's CPU time / window (near 1.0: that client
   process saturates a core and the throughput is the client's, not the server's; the
   per-token CPU numbers stay meaningful).
@@ -75,6 +76,29 @@ def thread_times(pid: int) -> dict[int, ThreadTime]:
         cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
         tid = int(entry.name)
         out[tid] = ThreadTime(tid, name, cpu)
+    return out
+
+
+def tree_thread_times(pid: int) -> dict[int, ThreadTime]:
+    """:func:`thread_times` of ``pid`` and of every process below it (the engine process of
+    ``--engine-process``, whose threads are named ``engine:NAME``)."""
+    out = thread_times(pid)
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").iterdir():
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for child in children:
+                pending.append(child)
+                try:
+                    times = thread_times(child)
+                except OSError:  # exited meanwhile
+                    continue
+                for tid, t in times.items():
+                    out[tid] = ThreadTime(tid, f"engine:{t.name}", t.cpu_s)
     return out
 
 
@@ -192,9 +216,9 @@ def run_level(
             stdout=subprocess.DEVNULL,
             stderr=py_spy_out.with_suffix(".log").open("wb"),
         )
-    before = thread_times(pid)
+    before = tree_thread_times(pid)
     time.sleep(max(0.0, t1 - time.time()))
-    after = thread_times(pid)
+    after = tree_thread_times(pid)
     if spy is not None:
         spy.wait(timeout=60)
     client = [results.get(timeout=300) for _ in procs]
