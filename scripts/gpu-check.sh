@@ -14,7 +14,11 @@
 # of a mixed step timed per path, ~10 s; the 8B server at 64 streams for $MIXED_DURATION (15) s
 # per value, ~3 minutes with the starts; docs/gpu-step.md); serve-mix (issue #29's step mix at
 # 64 and 256 streams: the 8B server with --prefill-batching on and off, $MIX_DURATION (10) s a
-# level, ~2 minutes; compare with `python -m genserve.bench.mixed_steps`, docs/gpu-step.md).
+# level, ~2 minutes; compare with `python -m genserve.bench.mixed_steps`, docs/gpu-step.md);
+# serve-proc (issue #29's --engine-process A/B: the 8B server at 256 then 64 streams,
+# --max-batch-size 256 --overlap-scheduling, the engine in its own process and not,
+# $PROC_DURATION (12) s a level, 4 client processes, ~2.5 minutes with the starts; then the
+# per-step IPC cost at 64/256 rows, docs/gpu-step.md).
 # Results:
 # OUT_DIR/gpu-table.md and .json (the README/issue table), OUT_DIR/bench-*/results.json,
 # OUT_DIR/profile-*.txt (torch-profiler tables), OUT_DIR/pytest-cuda.txt, OUT_DIR/*.log.
@@ -161,6 +165,22 @@ for stage in "${stages[@]}"; do
       # steps; its tok/s is a cost model, not this GPU).
       "$py" -m genserve.bench.mixed_steps --streams 64 256 >"$out/mixed-steps.jsonl" 2>&1 \
         && cat "$out/mixed-steps.jsonl" || { note "mixed-steps FAILED"; status=1; } ;;
+    serve-proc)  # the 8B server at 256 and 64 streams, the engine in a process of its own or not
+      for mode in ${PROC_VALUES:-on off}; do
+        flag=(); [ $mode = on ] && flag=(--engine-process)
+        note "serve 8B, streams ${PROC_LEVELS:-256,64}, --engine-process $mode"
+        timeout "${SERVE_TIMEOUT:-240}" "$py" -m genserve.bench.cli --launch --no-progress \
+          --out "$out/serve-proc-$mode" --concurrency "${PROC_LEVELS:-256,64}" \
+          --client-processes 4 --num-prompts 4096 --max-new-tokens "$new_tokens" \
+          --max-duration "${PROC_DURATION:-12}" \
+          --model-id "$models/llama-3.1-8b-shape" -- --model-id "$models/llama-3.1-8b-shape" \
+          --dtype bfloat16 --max-concurrent-requests 512 --max-batch-size 256 \
+          --overlap-scheduling "${flag[@]}" \
+          >"$out/serve-proc-$mode.log" 2>&1 || { note "serve-proc $mode FAILED"; status=1; }
+        tail -n 12 "$out/serve-proc-$mode.log"
+      done
+      "$py" -m genserve.bench.step_wire_cost --rows 64 256 >"$out/step-wire-cost.jsonl" 2>&1 \
+        && cat "$out/step-wire-cost.jsonl" || { note "step-wire-cost FAILED"; status=1; } ;;
     bench-1b) bench 1b "$models/llama-3.2-1b-shape" "$levels" eager "$hf_batches" ;;
     bench-8b) bench 8b "$models/llama-3.1-8b-shape" "$levels" eager "$hf_batches" ;;
     # Compiled baselines in their own call (compilation per batch size takes minutes); genserve

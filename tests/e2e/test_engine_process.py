@@ -113,6 +113,10 @@ def test_cancelled_stream_frees_everything(proc_server: InProcessServer) -> None
     assert (stats.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
     proc_server.run(engine.query("check_invariants"))  # raises on a leak
     assert engine.num_in_flight == 0
+    # What the Prometheus scrape reads (the stats the child sends) shows the freed blocks too.
+    while proc_server.call(engine.scheduler_stats).num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc_server.call(engine.scheduler_stats).num_used_blocks == 0
 
 
 def test_unsupported_features_are_refused(proc_server: InProcessServer) -> None:

@@ -192,6 +192,9 @@ def _read_front(
             _add(message[1], core, thread, tokenizer)
         elif kind == wire.ABORT:
             thread.post(functools.partial(core.abort, message[1]))
+            # The metrics read the stats of the last message: freed blocks show now, not at
+            # the next step (there may be none for a while).
+            thread.post(lambda: sender.send(wire.dumps((wire.STATS, core.scheduler.stats()))))
         elif kind == wire.QUERY:
             _query(message[1], message[2], sender, core, thread)
         elif kind == wire.SHUTDOWN:

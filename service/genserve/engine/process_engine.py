@@ -116,8 +116,7 @@ class ProcessEngine:
 
     def scheduler_stats(self) -> SchedulerStats:
         """The scheduler's stats after the last step received (what the metrics' scrape
-        reads: the scheduler itself is in the other process).  An abort while no step
-        runs shows after the next step."""
+        reads: the scheduler itself is in the other process), or after the last abort."""
         return self._stats
 
     async def query(self, name: str) -> Any:
@@ -286,6 +285,8 @@ class ProcessEngine:
                     future.set_result(value)
                 else:
                     future.set_exception(RuntimeError(value))
+        elif kind == wire.STATS:
+            self._stats = message[1]
         elif kind == wire.DEAD:
             self._die(str(message[1]))
 

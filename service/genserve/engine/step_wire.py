@@ -29,6 +29,7 @@ HELLO = "hello"  # (HELLO, EngineHello): loaded, serving
 FAILED = "failed"  # (FAILED, exception): loading failed, the process exits
 STEP = "step"  # (STEP, encoded delivery, stats, num_steps)
 DEAD = "dead"  # (DEAD, reason): the engine loop stopped for good (a runner died)
+STATS = "stats"  # (STATS, SchedulerStats): after an abort (no step may follow soon)
 REPLY = "reply"  # (REPLY, query id, ok, value)
 # front -> engine
 ADD = "add"  # (ADD, GenerationRequest)
