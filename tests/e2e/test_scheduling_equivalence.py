@@ -159,6 +159,23 @@ VARIANTS = [
         prompts_split=None,
         drafts_expected=True,
     ),
+    # Overlapped scheduling collects a speculative step apart from its launch (the runner
+    # writes the output counts it only then knows): a regression test for that write.
+    Variant(
+        "speculate-overlap",
+        (
+            *PARITY_SERVER_ARGS,
+            "--overlap-scheduling",
+            "--speculate",
+            "4",
+            "--speculate-max-batch-size",
+            "64",
+        ),
+        cache_hits_expected=True,
+        preemptions_expected=False,
+        prompts_split=None,
+        drafts_expected=True,
+    ),
     Variant(
         "speculate-preemption",
         (*TINY_KV_ARGS, "--speculate", "3", "--speculate-max-batch-size", "64"),

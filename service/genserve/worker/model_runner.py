@@ -506,6 +506,9 @@ class ModelRunner:
             self._in_flight.append(launched)
         return launched
 
+    # The runner's tensors are inference tensors (made under inference mode): a collect
+    # called apart from its launch (the overlapped engine's step thread) writes them too.
+    @torch.inference_mode()
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         """The output of a :meth:`launch`ed step: waits for its readback (the step's one
         synchronisation), then the host's bookkeeping of its tokens."""
