@@ -37,7 +37,6 @@ from genserve.limits import LimitsError, ServingLimits, derive_limits, token_lim
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.model.fallback_options import disabled_features, restrict_for_fallback
-from genserve.model.quantization import MethodChoice, choose_method
 from genserve.model.serving_path import choose_serving_path
 from genserve.server.app import GrpcApp
 from genserve.server.chat_reply import ChatFeatures, system_fingerprint
@@ -103,6 +102,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     from genserve.kernels import int_dot
     from genserve.kernels.cpu_features import parse_mask
     from genserve.model.loader import resolve_model
+    from genserve.model.quantization import MethodChoice, choose_method
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
     from genserve.worker.shard_plan import check_expert_parallel, resolve_num_shard

@@ -630,7 +630,7 @@ class ModelRunner:
         """Read, validate and lay out ``ref``'s adapter for its slot, so that the step that
         first runs it only copies tensors.  Blocking and thread-safe: the engine calls it
         from a worker thread while steps run.  Raises
-        :class:`~genserve.model.lora.AdapterError` for an adapter that does not fit."""
+        :class:`~genserve.model.adapter_errors.AdapterError` for an adapter that does not fit."""
         self._adapters.prepare(ref)
 
     def _state(self, req_id: str) -> RequestState:
