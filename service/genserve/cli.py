@@ -288,6 +288,7 @@ def _size_and_warm_up(
         bytes=limits.num_kv_blocks * bytes_per_block,
         bytes_per_block=bytes_per_block,
         sized_by=limits.kv_sized_by,
+        full_length_requests=limits.kv_requests,
         needed_bytes=limits.kv_blocks_needed * bytes_per_block,
         memory_budget_bytes=memory_budget,
         memory_fraction=fraction,
