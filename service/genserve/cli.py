@@ -40,7 +40,6 @@ from genserve.limits import LimitsError, ServingLimits, derive_limits, token_lim
 from genserve.logging import configure_logging
 from genserve.metrics import Metrics, MetricsServer, start_metrics_server
 from genserve.model.fallback_options import disabled_features, restrict_for_fallback
-from genserve.model.quantization import MethodChoice, choose_method
 from genserve.model.serving_path import choose_serving_path
 from genserve.server.app import GrpcApp
 from genserve.server.chat_reply import ChatFeatures, system_fingerprint
@@ -107,6 +106,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     from genserve.kernels import int_dot
     from genserve.kernels.cpu_features import parse_mask
     from genserve.model.loader import resolve_model
+    from genserve.model.quantization import MethodChoice, choose_method
     from genserve.parallel import ParallelContext
     from genserve.worker.model_runner import ModelRunner
     from genserve.worker.shard_plan import check_expert_parallel, resolve_num_shard
@@ -292,6 +292,7 @@ def _size_and_warm_up(
         bytes=limits.num_kv_blocks * bytes_per_block,
         bytes_per_block=bytes_per_block,
         sized_by=limits.kv_sized_by,
+        full_length_requests=limits.kv_requests,
         needed_bytes=limits.kv_blocks_needed * bytes_per_block,
         memory_budget_bytes=memory_budget,
         memory_fraction=fraction,

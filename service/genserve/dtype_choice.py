@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True, slots=True)
 class DtypeChoice:
@@ -27,6 +25,8 @@ def cpu_has_native_bf16() -> bool:
     AVX512-BF16 or AMX, and torch runs its AVX-512 kernels.  Under ATEN_CPU_CAPABILITY=avx2
     (or lower) on such a CPU, torch's bf16 paths stop with "pack_vnni2 is only supported
     when avx512 is supported", so bf16 is not native there either."""
+    import torch  # here: the launcher imports this module, and --help must not pay torch
+
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     hardware = any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
     return hardware and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -37,6 +37,8 @@ def choose_dtype(requested: str | None, on_cuda: bool) -> DtypeChoice:
     if requested not in (None, "auto"):
         return DtypeChoice(str(requested), "--dtype")
     if on_cuda:
+        import torch
+
         if torch.cuda.is_bf16_supported():
             return DtypeChoice("bfloat16", "auto: CUDA device with bfloat16")
         return DtypeChoice("float16", "auto: CUDA device without bfloat16")

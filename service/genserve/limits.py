@@ -26,12 +26,13 @@ class ServingLimits:
     # What lowered max_input/max_total_tokens below their defaults (None: nothing did), for
     # the log and for the messages of requests refused by those limits.
     lowered_by: str | None = None
-    # What set num_kv_blocks: "--max-batch-total-tokens", "limits" (every request the
-    # scheduler may run at once, at full length, fits) or "memory" (the memory budget
-    # allowed fewer blocks than that).
+    # What set num_kv_blocks: "--max-batch-total-tokens", "limits" (kv_requests() requests
+    # at full length fit) or "memory" (the memory budget allowed fewer blocks than that).
     kv_sized_by: str = "limits"
-    # Blocks the limits can ever use (see :func:`kv_blocks_needed`).
+    # Blocks the limits ask for (see :func:`kv_blocks_needed`) and the full-length requests
+    # that counts (:func:`kv_requests`).
     kv_blocks_needed: int = 0
+    kv_requests: int = 0
 
     @property
     def max_batch_total_tokens(self) -> int:
@@ -65,15 +66,34 @@ def token_limits(config: Config, max_position_embeddings: int | None) -> tuple[i
     return inputs, total
 
 
-def kv_blocks_needed(config: Config, max_total_tokens: int) -> int:
-    """KV blocks the scheduler can ever fill: every request it may run at once (the lesser
-    of --max-concurrent-requests and --max-batch-size) at --max-total-tokens, plus the draft
-    slots --speculate reserves per sequence.  A larger cache is memory nobody can use."""
+# On CPU, without --max-batch-size: how many requests at --max-total-tokens the default KV
+# cache holds (llama-server's default is a few slots sharing one 4,096-token context).  TGI's
+# --max-concurrent-requests default of 128 is an admission limit: 128 x 4,096 tokens is
+# 16 GiB of KV for a 1B model, so the memory budget (30% of free RAM) set the cache, which a
+# CPU serves far fewer streams than.  Shorter requests still run more than this many at once
+# (the cache is shared block by block), and the scheduler preempts when it is full.
+CPU_DEFAULT_KV_REQUESTS = 8
+
+
+def kv_requests(config: Config, on_cuda: bool) -> int:
+    """Requests at full length the KV cache is sized for: every one the scheduler may run at
+    once (the lesser of --max-concurrent-requests and --max-batch-size); on CPU without
+    --max-batch-size, at most :data:`CPU_DEFAULT_KV_REQUESTS`."""
     running = config.max_concurrent_requests
     if config.max_batch_size is not None:
         running = min(running, config.max_batch_size)
+    elif not on_cuda:
+        running = min(running, CPU_DEFAULT_KV_REQUESTS)
+    return running
+
+
+def kv_blocks_needed(config: Config, max_total_tokens: int, on_cuda: bool = True) -> int:
+    """KV blocks the limits ask for: :func:`kv_requests` requests at --max-total-tokens, plus
+    the draft slots --speculate reserves per sequence.  (On CUDA, and on CPU with
+    --max-batch-size, every request the scheduler may run at once: a larger cache is memory
+    nobody can use.)"""
     per_request = -(-(max_total_tokens + config.speculate) // config.block_size)
-    return running * per_request
+    return kv_requests(config, on_cuda) * per_request
 
 
 def derive_limits(
@@ -86,7 +106,7 @@ def derive_limits(
     --max-batch-total-tokens is not given."""
     max_input, max_total = token_limits(config, max_position_embeddings)
     block_size = config.block_size
-    needed = kv_blocks_needed(config, max_total)
+    needed = kv_blocks_needed(config, max_total, on_cuda)
     if config.max_batch_total_tokens is not None:
         num_blocks = -(-config.max_batch_total_tokens // block_size)
         sized_by = "--max-batch-total-tokens"
@@ -150,4 +170,5 @@ def derive_limits(
         lowered_by=lowered_by,
         kv_sized_by=sized_by,
         kv_blocks_needed=needed,
+        kv_requests=kv_requests(config, on_cuda),
     )

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from genserve.engine.adapter_manager import AdapterManager
-from genserve.model.adapter_files import AdapterNotFoundError, resolve_adapter_dir
+from genserve.model.adapter_errors import AdapterError, AdapterNotFoundError
+from genserve.model.adapter_files import resolve_adapter_dir
 from genserve.model.config import load_model_config
-from genserve.model.lora import AdapterError
 from tests.conftest import TinyModelFactory
 
 pytest.importorskip("peft")

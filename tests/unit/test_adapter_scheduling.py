@@ -14,7 +14,7 @@ from scheduler_fakes import Harness
 from genserve.adapter_metrics import AdapterCollector
 from genserve.engine.adapter_manager import AdapterManager, parse_lora_adapters
 from genserve.engine.scheduler_config import SchedulerConfig
-from genserve.model.adapter_files import AdapterNotFoundError
+from genserve.model.adapter_errors import AdapterNotFoundError
 from genserve.model.config import ModelConfig, load_model_config
 from genserve.step import AdapterRef
 from tests.conftest import TinyModelFactory

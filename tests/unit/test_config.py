@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from genserve.config import Config, load_config
-from genserve.limits import LimitsError, derive_limits, token_limits
+from genserve.limits import CPU_DEFAULT_KV_REQUESTS, LimitsError, derive_limits, token_limits
 
 
 def test_defaults_without_flags_or_env() -> None:
@@ -133,3 +133,24 @@ def test_kv_cache_is_sized_from_the_limits_and_capped_by_memory() -> None:
     assert limits.kv_blocks_needed == 8 * 128
     limits = derive_limits(Config(max_batch_total_tokens=160), 2048, 10**6, on_cuda=False)
     assert (limits.num_kv_blocks, limits.kv_sized_by) == (10, "--max-batch-total-tokens")
+
+
+def test_cpu_default_kv_cache_holds_a_few_full_length_requests() -> None:
+    # TGI's 128 concurrent requests x 4,096 tokens would be 16 GiB for a 1B model: on CPU the
+    # default cache holds CPU_DEFAULT_KV_REQUESTS of them (the rest share it block by block).
+    per_request = 4096 // 16
+    limits = derive_limits(Config(), 4096, 10**6, on_cuda=False)
+    assert CPU_DEFAULT_KV_REQUESTS == 8
+    assert (limits.num_kv_blocks, limits.kv_sized_by) == (8 * per_request, "limits")
+    assert (limits.kv_requests, limits.max_total_tokens) == (8, 4096)
+    # Fewer concurrent requests than that: those.
+    limits = derive_limits(Config(max_concurrent_requests=3), 4096, 10**6, on_cuda=False)
+    assert (limits.num_kv_blocks, limits.kv_requests) == (3 * per_request, 3)
+    # --max-batch-size is an explicit running batch: the cache holds all of it, as on CUDA.
+    limits = derive_limits(Config(max_batch_size=32), 4096, 10**6, on_cuda=False)
+    assert (limits.num_kv_blocks, limits.kv_requests) == (32 * per_request, 32)
+    limits = derive_limits(Config(), 4096, 10**6, on_cuda=True)
+    assert (limits.num_kv_blocks, limits.kv_requests) == (128 * per_request, 128)
+    # The memory budget still caps the CPU default.
+    limits = derive_limits(Config(), 4096, 1000, on_cuda=False)
+    assert (limits.num_kv_blocks, limits.kv_sized_by) == (1000, "memory")

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from genserve.model.adapter_errors import AdapterError
 from genserve.model.adapter_files import read_adapter
-from genserve.model.lora import AdapterError
 from genserve.step import AdapterRef, RunnerOutput, SchedulerOutput
 from genserve.testing.tiny_lora import make_lora_adapter
 from genserve.worker.model_runner import ModelRunner

@@ -323,9 +323,18 @@ def test_top_tokens_and_step_contract(tiny_model_factory: TinyModelFactory) -> N
 
 
 def test_kv_cache_sizing_and_clean_warmup(tiny_model_factory: TinyModelFactory) -> None:
-    runner = make_runner(tiny_model_factory("llama"))
+    model_dir = tiny_model_factory("llama")
+    runner = ModelRunner(
+        ResolvedModel(model_dir, str(model_dir)), torch.float32, torch.device("cpu")
+    )
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    pool = [cache.data_ptr() for cache in runner.kv_caches]
+    runner.warmup()
     assert len(runner.kv_caches) == 2
     assert all(not cache.any() for cache in runner.kv_caches)  # warmup left no trace
+    # On CPU the pool the warm-up faulted in is kept (its used blocks zeroed), so the first
+    # request does not fault the same pages in again.
+    assert [cache.data_ptr() for cache in runner.kv_caches] == pool
     # 2 layers x (K + V) x 2 KV heads x head_dim 16 x 4 bytes per token.
     assert runner.kv_cache_bytes_per_block(16) == 2 * 2 * 2 * 16 * 4 * 16
     assert 0 < runner.available_kv_memory_bytes(0.5) < runner.available_kv_memory_bytes(1.0)

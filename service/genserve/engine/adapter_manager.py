@@ -21,7 +21,6 @@ from pathlib import Path
 import structlog
 
 from genserve.adapter_metrics import AdapterStats
-from genserve.model.adapter_files import read_adapter, resolve_adapter_dir
 from genserve.model.config import ModelConfig
 from genserve.step import AdapterRef
 from genserve.v1 import generate_pb2 as pb
@@ -91,8 +90,8 @@ class AdapterManager:
 
     async def acquire(self, adapter_id: str) -> AdapterRef:
         """Resolve, validate and pin ``adapter_id`` into a slot.  Raises
-        :class:`~genserve.model.adapter_files.AdapterNotFoundError` or
-        :class:`~genserve.model.lora.AdapterError`; waits while every slot is pinned."""
+        :class:`~genserve.model.adapter_errors.AdapterNotFoundError` or
+        :class:`~genserve.model.adapter_errors.AdapterError`; waits while every slot is pinned."""
         path = await self._validate(adapter_id)
         self.stats.setdefault(adapter_id, AdapterStats()).requests += 1
         while True:
@@ -147,8 +146,12 @@ class AdapterManager:
 
     def _read(self, adapter_id: str) -> str:
         """In a worker thread: find the adapter and check it fits the base model."""
+        # Imported here: adapter_files needs torch, which the launcher imports only after
+        # the port is open (and `genserve --help` never).
+        from genserve.model.adapter_files import read_adapter, resolve_adapter_dir
+
         if self.unsupported is not None:
-            from genserve.model.lora import AdapterError
+            from genserve.model.adapter_errors import AdapterError
 
             raise AdapterError(f"adapter {adapter_id!r}: {self.unsupported}")
         start = time.perf_counter()

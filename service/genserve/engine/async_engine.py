@@ -44,7 +44,7 @@ from genserve.engine.engine_thread import EngineThread
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import Scheduler
-from genserve.model.adapter_files import AdapterNotFoundError
+from genserve.model.adapter_errors import AdapterNotFoundError
 from genserve.step import AdapterRef, Runner
 from genserve.tokenizer import Tokenizer
 

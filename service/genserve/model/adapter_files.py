@@ -22,14 +22,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from genserve.model.adapter_errors import AdapterError, AdapterNotFoundError
 from genserve.model.config import ModelConfig
-from genserve.model.lora import SUPPORTED_MODULES, AdapterError, lora_scale
+from genserve.model.lora import SUPPORTED_MODULES, lora_scale
 
 _PEFT_PREFIX = "base_model.model."
-
-
-class AdapterNotFoundError(LookupError):
-    """No adapter directory (or cached hub snapshot) for this id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +46,7 @@ def resolve_adapter_dir(
     else is a hub id looked up in the local Hugging Face cache (``hub_cache``; default: the
     hub client's, ``HF_HUB_CACHE``), never downloaded.  Raises
     :class:`AdapterNotFoundError` (NOT_FOUND) when there is nothing there and
-    :class:`~genserve.model.lora.AdapterError` (INVALID_ARGUMENT) for a directory that is
+    :class:`~genserve.model.adapter_errors.AdapterError` (INVALID_ARGUMENT) for a directory that is
     not a PEFT LoRA adapter; both name the adapter."""
     target = path or adapter_id
     local = Path(target).expanduser()

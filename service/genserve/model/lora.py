@@ -48,10 +48,6 @@ SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
 _MAX_PADDING_FACTOR = 2.0
 
 
-class AdapterError(ValueError):
-    """An adapter that does not fit the base model (or cannot be read); names the mismatch."""
-
-
 def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
     """PEFT's scaling: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA."""
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank

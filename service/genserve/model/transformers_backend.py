@@ -39,10 +39,10 @@ import structlog
 import torch
 from torch import nn
 
+from genserve.model.adapter_errors import AdapterError
 from genserve.model.attention import TorchAttentionMetadata
 from genserve.model.config import ModelConfig, RopeConfig
 from genserve.model.loader import transformers_weights_kwargs
-from genserve.model.lora import AdapterError
 from genserve.model.serving_path import ServingPath
 from genserve.model.spec import NormSpec
 from genserve.model.transformers_attention import (

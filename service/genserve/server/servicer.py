@@ -22,8 +22,7 @@ from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.process_engine import ProcessEngine
 from genserve.engine.request import FinishReason
-from genserve.model.adapter_files import AdapterNotFoundError
-from genserve.model.lora import AdapterError
+from genserve.model.adapter_errors import AdapterError, AdapterNotFoundError
 from genserve.server.chat_render import ChatStreamAssembler, chat_response
 from genserve.server.chat_reply import ChatFeatures
 from genserve.server.conversion.convert import Conversion, RequestConverter

@@ -124,7 +124,7 @@ class AdapterSlots:
     def prepare(self, ref: AdapterRef) -> None:
         """Read, validate and lay out ``ref``'s adapter for its slot, so that the step that
         first runs it only copies tensors.  Raises
-        :class:`~genserve.model.lora.AdapterError` for an adapter that does not fit."""
+        :class:`~genserve.model.adapter_errors.AdapterError` for an adapter that does not fit."""
         key = (ref.adapter_id, ref.path)
         with self._lock:
             if self._slot_ids.get(ref.slot) == ref.adapter_id or key in self._prepared:

@@ -362,11 +362,13 @@ class ModelRunner:
         self._fresh_sampling_state()
         self._last_ids, self._last_rows = None, {}
         self._in_flight.clear()
-        # A fresh zeroed pool (cheap: lazily mapped zero pages on CPU) rather than zero_() over
-        # every block, which would touch — and make resident — the whole cache.
-        self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
-        self._graphs = None
-        self.initialize_kv_cache(self.num_blocks, self.block_size)
+        if self.device.type == "cpu":
+            self._zero_blocks(num_seqs * blocks_each)
+        else:
+            # A fresh zeroed pool rather than zero_() over every block.
+            self.kv_caches = []  # drop the used pool first: two pools may not fit a GPU
+            self._graphs = None
+            self.initialize_kv_cache(self.num_blocks, self.block_size)
         if self._graph_plan is not None:
             self._graphs = self._graph_plan.capture(
                 self.model,
@@ -375,6 +377,19 @@ class ModelRunner:
                 self._adapters.attached,
                 (self._table, self._penalties),
             )
+
+    def _zero_blocks(self, count: int) -> None:
+        """Zero blocks ``0..count-1`` of every layer: what the warm-up wrote, on CPU.
+
+        Not a fresh pool, as on CUDA: on CPU every (layer, K/V, KV head) slice of the pool is
+        its own run of blocks (``(2, heads, blocks, block_size, head_dim)``), so a step over
+        block 0 touches one page in each, a 2 MiB huge page each where THP is in madvise mode
+        (256 for a 1B Llama: 16 layers, 8 KV heads).  A fresh pool made the first request
+        fault them all in again (kernel zeroing, compaction under memory pressure: seconds
+        on a busy host); the block pool hands out low ids first, so it reuses these."""
+        for cache in self.kv_caches:
+            # Block axis 2 in both CPU layouts (paged attention's and latent attention's).
+            cache.narrow(2, 0, count).zero_()
 
     def _fresh_sampling_state(self) -> None:
         """Empty per-slot sampling state (slots allocated up front where graphs read it)."""
@@ -633,7 +648,7 @@ class ModelRunner:
         """Read, validate and lay out ``ref``'s adapter for its slot, so that the step that
         first runs it only copies tensors.  Blocking and thread-safe: the engine calls it
         from a worker thread while steps run.  Raises
-        :class:`~genserve.model.lora.AdapterError` for an adapter that does not fit."""
+        :class:`~genserve.model.adapter_errors.AdapterError` for an adapter that does not fit."""
         self._adapters.prepare(ref)
 
     def _state(self, req_id: str) -> RequestState:
