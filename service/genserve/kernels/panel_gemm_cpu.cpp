@@ -75,10 +75,14 @@ constexpr int kTileRows = 1;
 inline void store(float* p, f32v v) { std::memcpy(p, &v, sizeof(v)); }
 
 // How many k-steps ahead a streamed row prefetches its panel, per segment: float32 (128
-// bytes a k-step) and float16 (64 bytes a k-step: one line, so more steps for the same
-// lines in flight; set by that reasoning, not swept: docs/cpu-avx2.md).
+// bytes a k-step); float16 panels none (0).  Float16 was 32 k-steps (2 KiB a segment), set by
+// reasoning; swept on a Zen 4 (2 threads, the AVX2 build, the 1B shape's matrices from
+// memory: docs/cpu-avx2.md), no software prefetch streamed 1.13x faster than 32 k-steps
+// (16: 1.07x, 64: 1.05x, 128: 0.98x): four sequential line-per-k-step streams per core are
+// what the hardware prefetchers follow best, and the extra loads only compete with them.
+// Not measured on other CPUs.
 constexpr int64_t kStreamAheadSteps = 16;
-constexpr int64_t kHalfStreamAheadSteps = 32;
+constexpr int64_t kHalfStreamAheadSteps = 0;
 
 // The L2 prefetch of a float32 panel's weights, a cursor kAheadSteps k-steps ahead of the
 // chunk being multiplied.  Each of a chunk's `every` row tiles walks the chunk's k-steps, so
@@ -156,7 +160,7 @@ inline void stream_row(const float* x, int64_t K, const T* panel, float* out) {
   for (int64_t k = 0; k < seg; ++k) {
     for (int s = 0; s < kSegments; ++s) {
       const int64_t kk = s * seg + k;
-      __builtin_prefetch(panel + (kk + kAhead) * kPanel);
+      if constexpr (kAhead > 0) __builtin_prefetch(panel + (kk + kAhead) * kPanel);
       if constexpr (!kHalf) __builtin_prefetch(panel + (kk + kAhead) * kPanel + 16);
       const f32v b = f32v{} + x[kk];
       for (int j = 0; j < kVecs; ++j) acc[s][j] += b * load16(panel + kk * kPanel + j * kLanes);
