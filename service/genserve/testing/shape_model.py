@@ -104,8 +104,10 @@ def make_shape_model(
 
     if shape in TYPED_SHAPES:
         model_type, typed = TYPED_SHAPES[shape]
-        fields = {**typed, **({} if vocab_size is None else {"vocab_size": vocab_size})}
-        return _make_typed(out_dir, model_type, fields, dtype, device, seed, tokenizer_dir)
+        vocab = {} if vocab_size is None else {"vocab_size": vocab_size}
+        return _make_typed(
+            out_dir, model_type, {**typed, **vocab}, dtype, device, seed, tokenizer_dir
+        )
     if shape not in SHAPES:
         names = ", ".join([*SHAPES, *TYPED_SHAPES])
         raise ValueError(f"unknown shape {shape!r}; choose from {names}")
