@@ -179,7 +179,7 @@ def test_moe_layers_keep_the_attention_half_where_the_experts_are_not_on_the_ker
         model.use_fused_cpu_ops(matvec_rows=32)
     blocks = [layer.mlp for layer in model._layers if isinstance(layer.mlp, SparseMoeBlock)]
     for block in blocks:
-        block._fused = False  # the torch loop, as without the kernels (shared expert too)
+        block._fused = False  # the routed experts on the torch loop, as without the kernels
         block._decode_args = None
     assert all(block.decode_args() is None for block in blocks)
     assert "genserve::decode_attention" in _op_names(model)
