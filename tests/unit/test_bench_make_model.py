@@ -11,7 +11,7 @@ import torch
 
 from genserve.bench.cli import main
 from genserve.model.loader import ResolvedModel
-from genserve.testing.shape_model import SHAPES
+from genserve.testing.shape_model import SHAPES, TYPED_SHAPES
 from genserve.worker.model_runner import ModelRunner
 
 
@@ -48,6 +48,23 @@ def test_make_model_loads_in_genserve_and_transformers(tmp_path: Path) -> None:
         SchedulerOutput(0, (ScheduledChunk("a", prompt, 0, (0,), True),), (new,))
     )
     assert result.sampled[0].token_id == want
+
+
+def test_moe_benchmark_shapes() -> None:
+    """docs/models/moe.md's benchmark models: Qwen3-30B-A3B's expert shape at 4 layers and
+    the dense model with its active parameters (checked by their configs: making the real
+    ones writes ~6 GB), and the CLI knows their names."""
+    from transformers import AutoConfig
+
+    moe_type, moe = TYPED_SHAPES["qwen3-30b-a3b-4l-shape"]
+    dense_type, dense = TYPED_SHAPES["qwen3-a3b-dense-4l-shape"]
+    assert (moe_type, dense_type) == ("qwen3_moe", "qwen3")
+    assert moe["num_experts_per_tok"] * moe["moe_intermediate_size"] == dense["intermediate_size"]
+    config = AutoConfig.for_model(moe_type, **moe)
+    assert (config.num_experts, config.num_experts_per_tok, config.hidden_size) == (128, 8, 2048)
+    assert not config.mlp_only_layers and config.num_hidden_layers == 4
+    with pytest.raises(SystemExit):  # the shape is known: only the output dir is missing
+        main(["--make-model", "qwen3-30b-a3b-4l-shape"])
 
 
 def test_make_model_rejects_unknown_shapes(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
-"""Mixture-of-experts layers in the fused CPU decode path: each MoE layer's attention half
-runs as one op (``genserve::decode_attention``, kernels/decode_layer_cpu.cpp), its router and
-experts after it; a MoE model's dense layers run whole (``genserve::decode_layer``).  A
+"""Mixture-of-experts layers in the fused CPU decode path: each MoE layer's attention half,
+router and routed experts run as one op (``genserve::decode_moe_layer``,
+kernels/decode_layer_cpu.cpp; the router is ``genserve::moe_route``, moe_route_cpu.cpp), the
+shared expert after it; a MoE model's dense layers run whole (``genserve::decode_layer``).  A
 decode-only step must give bit-identical hidden states and K/V to the per-op path, for the
-float families (tiny transformers checkpoints) and for a GGUF file with K-quant experts."""
+float families (tiny transformers checkpoints) and for a GGUF file with K-quant experts, and
+the router op the same weights and experts as model/moe.py's ``route``."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from genserve.model.attention import SeqSpec, TorchPagedAttention
 from genserve.model.causal_lm import DecoderForCausalLM
 from genserve.model.config import load_model_config
 from genserve.model.fused_decode import unsupported_reason
-from genserve.model.moe import SparseMoeBlock
+from genserve.model.moe import SparseMoeBlock, route, routing_codes
 from genserve.model.registry import build_model
+from genserve.model.spec import RouterSpec, Scoring
 from genserve.model.weights import SafetensorsWeights
 from genserve.parallel import ParallelContext
 from genserve.testing.tiny_model import default_tokenizer_dir
@@ -74,7 +77,12 @@ def _assert_identical(
 
 
 def _op_names(model: DecoderForCausalLM) -> list[str]:
-    return [layer._fused_decode_call[0].name() for layer in model._layers]
+    """The op each layer's decode step runs (a MoE layer's experts included or not)."""
+    names = []
+    for layer in model._layers:
+        moe = isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.decode_args() is not None
+        names.append((layer._moe_decode_op if moe else layer._fused_decode_call[0]).name())
+    return names
 
 
 @pytest.mark.parametrize(
@@ -98,7 +106,7 @@ def test_moe_layers_decode_through_the_fused_attention_like_the_per_op_path(
     assert model.decode_layers_fused, f"{family} does not take the fused decode path"
     moe = [isinstance(layer.mlp, SparseMoeBlock) for layer in model._layers]
     assert any(moe)
-    expected = ["genserve::decode_attention" if m else "genserve::decode_layer" for m in moe]
+    expected = ["genserve::decode_moe_layer" if m else "genserve::decode_layer" for m in moe]
     assert _op_names(model) == expected
     _assert_identical(*_decode_both_ways(model, dtype))
 
@@ -124,7 +132,7 @@ def test_k_quant_experts_from_a_gguf_file(
     blocks = [layer.mlp for layer in model._layers if isinstance(layer.mlp, SparseMoeBlock)]
     assert blocks and all(b.quantized_experts is not None for b in blocks)
     assert model.decode_layers_fused
-    assert set(_op_names(model)) == {"genserve::decode_attention"}
+    assert set(_op_names(model)) == {"genserve::decode_moe_layer"}
     _assert_identical(*_decode_both_ways(model, dtype))
 
 
@@ -155,3 +163,75 @@ def build_gguf() -> Callable[[Path, torch.dtype], DecoderForCausalLM]:
         return model
 
     return build
+
+
+def test_moe_layers_keep_the_attention_half_where_the_experts_are_not_on_the_kernels(
+    moe_dirs: dict[str, Path],
+) -> None:
+    """A block whose experts are off the CPU kernels (``fused`` False) gets no routing
+    arguments: its layer runs ``decode_attention`` and then the block's own forward."""
+    config = load_model_config(moe_dirs["qwen2_moe"])
+    with torch.inference_mode():
+        model = build_model(config, ParallelContext.single(), torch.float32, torch.device("cpu"))
+        assert isinstance(model, DecoderForCausalLM)
+        with SafetensorsWeights(moe_dirs["qwen2_moe"]) as weights:
+            model.load_weights(weights)
+        model.use_fused_cpu_ops(matvec_rows=32)
+    blocks = [layer.mlp for layer in model._layers if isinstance(layer.mlp, SparseMoeBlock)]
+    for block in blocks:
+        block._fused = False  # the routed experts on the torch loop, as without the kernels
+        block._decode_args = None
+    assert all(block.decode_args() is None for block in blocks)
+    assert "genserve::decode_attention" in _op_names(model)
+    _assert_identical(*_decode_both_ways(model, torch.float32))
+
+
+_ROUTERS = {
+    "softmax": RouterSpec(16, 4),
+    "softmax-renormalized": RouterSpec(16, 4, renormalize=True),
+    "softmax-scaled": RouterSpec(16, 2, renormalize=True, scaling_factor=2.5),
+    "topk-softmax-bias": RouterSpec(16, 4, Scoring.TOPK_SOFTMAX, bias=True),
+    "sigmoid": RouterSpec(16, 4, Scoring.SIGMOID),
+    "sigmoid-correction-renormalized": RouterSpec(
+        16, 4, Scoring.SIGMOID, renormalize=True, correction_bias=True, scaling_factor=1.8
+    ),
+    "sigmoid-groups": RouterSpec(
+        16, 4, Scoring.SIGMOID, True, True, num_groups=4, topk_groups=2
+    ),  # renormalized, with the correction bias
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(_ROUTERS))
+def test_router_op_equals_the_python_router(name: str, dtype: torch.dtype) -> None:
+    """``genserve::moe_route`` gives ``route``'s weights and expert ids bit for bit, for every
+    scoring: 1, 3 and 40 rows, with router rows repeated so that some experts tie exactly
+    (top-k's tie order must agree too)."""
+    spec = _ROUTERS[name]
+    gen = torch.Generator().manual_seed(7)
+    hidden = 64
+    router = torch.randn(spec.num_experts, hidden, generator=gen)
+    router[5] = router[2]  # exact ties in every row's logits
+    router[11] = router[2]
+    bias = torch.randn(spec.num_experts, generator=gen) if spec.bias else None
+    correction = torch.rand(spec.num_experts, generator=gen) if spec.correction_bias else None
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, hidden, generator=gen).to(dtype)
+        expected = route(torch.nn.functional.linear(x.float(), router, bias), spec, correction)
+        got = torch.ops.genserve.moe_route(
+            x, router, bias, correction, routing_codes(spec), spec.scaling_factor
+        )
+        assert got[1].dtype == torch.int64 and got[0].dtype == torch.float32
+        assert torch.equal(got[1], expected[1]), (name, rows)
+        assert torch.equal(got[0], expected[0]), (name, rows)
+
+
+def test_router_op_refuses_bad_arguments() -> None:
+    router = torch.randn(8, 16)
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="top-9 of 8"):
+        torch.ops.genserve.moe_route(x, router, None, None, [0, 9, 0, 1, 1], 1.0)
+    with pytest.raises(RuntimeError, match="routing must hold"):
+        torch.ops.genserve.moe_route(x, router, None, None, [0, 2], 1.0)
+    with pytest.raises(RuntimeError, match="unknown scoring"):
+        torch.ops.genserve.moe_route(x, router, None, None, [7, 2, 0, 1, 1], 1.0)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 
 def main(argv: Sequence[str]) -> int:
-    from genserve.testing.shape_model import SHAPES, make_shape_model
+    from genserve.testing.shape_model import SHAPES, TYPED_SHAPES, make_shape_model
 
     p = argparse.ArgumentParser(prog="genserve-bench --make-model")
-    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("shape", choices=sorted([*SHAPES, *TYPED_SHAPES]))
     p.add_argument("out_dir", type=Path)
     p.add_argument("--device", default="cpu", help="where to initialise (cuda: fast for 8B)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))

@@ -58,6 +58,8 @@ _SOURCES.append(Path(__file__).with_name("prefill_gemm_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("moe_cpu.cpp"))
 # the same with the experts in a GGUF file's quantized blocks (model/moe_gguf.py)
 _SOURCES.append(Path(__file__).with_name("moe_quant_cpu.cpp"))
+# a MoE router's logits, scoring and top-k in one op (model/moe.py's route, decode_moe_layer)
+_SOURCES.append(Path(__file__).with_name("moe_route_cpu.cpp"))
 # K-quant prompt chunks without hardware bfloat16: a register-tiled integer GEMM (model/kquants.py)
 _SOURCES.append(Path(__file__).with_name("prefill_int_gemm_cpu.cpp"))
 # GENSERVE_CPU_FEATURES_MASK: features the kernels' run-time choices treat as absent
@@ -95,6 +97,8 @@ _OPS = (
     "qpanel_linear",
     "decode_layer",
     "decode_attention",
+    "decode_moe_layer",
+    "moe_route",
     "greedy_stats",
     "int_dot_linear",
     "kquant_linear",

@@ -308,6 +308,47 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   return genserve_ops::add_rms_norm(attended.o, x, norms.weight(kPreMlp), scalars[kEps]);
 }
 
+// A mixture-of-experts layer of a decode-only step through its routed experts: the attention
+// half (decode_attention), the router (genserve_ops::moe_route: logits, scoring, top-k and
+// weights, as model/moe.py's `route`) and the experts' op (moe_experts on float w13/w2 when
+// `expert_types` is empty, else moe_experts_gguf on the [gate, up, down] blocks), in the order
+// SparseMoeBlock.forward runs them, so the results are bit-identical to the per-op path.
+// Returns (out, normed2, routed): out = x2 + routed when `add_routed` (no shared expert: the
+// layer's output), else x2, and the caller adds routed + the shared expert of normed2 (in
+// that order, as the Python block sums them).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_moe_layer(
+    const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& norm_list,
+    at::IntArrayRef options, at::ArrayRef<double> scalars, const at::Tensor& cos,
+    const at::Tensor& signed_sin, const at::Tensor& kv_cache, const at::Tensor& slots,
+    const at::Tensor& block_table, const at::Tensor& context_lens, int64_t window,
+    int64_t num_heads, int64_t num_kv_heads, at::TensorList weights, at::IntArrayRef bits,
+    at::IntArrayRef groups, at::IntArrayRef outs,
+    const c10::List<c10::optional<at::Tensor>>& biases, int64_t matvec_rows,
+    const at::Tensor& router, const std::optional<at::Tensor>& router_bias,
+    const std::optional<at::Tensor>& correction_bias, at::IntArrayRef routing,
+    double scaling_factor, at::TensorList experts, at::IntArrayRef expert_types,
+    int64_t expert_isa, const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+    double swiglu_alpha, double swiglu_limit, bool add_routed) {
+  TORCH_CHECK(expert_types.empty() ? experts.size() == 2 : experts.size() == 3,
+              "decode_moe_layer: experts must be [w13, w2] (float) or [gate, up, down] blocks");
+  auto [x2, normed] = decode_attention(x, norm_list, options, scalars, cos, signed_sin, kv_cache,
+                                       slots, block_table, context_lens, window, num_heads,
+                                       num_kv_heads, weights, bits, groups, outs, biases,
+                                       matvec_rows);
+  const auto [expert_weights, ids] = genserve_ops::moe_route(normed, router, router_bias,
+                                                             correction_bias, routing,
+                                                             scaling_factor);
+  const auto routed =
+      expert_types.empty()
+          ? genserve_ops::moe_experts(normed, ids, expert_weights, experts[0], experts[1], b13,
+                                      b2, swiglu_alpha, swiglu_limit)
+          : genserve_ops::moe_experts_gguf(normed, ids, expert_weights, experts[0], experts[1],
+                                           experts[2], expert_types, expert_isa, b13, b2,
+                                           swiglu_alpha, swiglu_limit);
+  if (add_routed) x2.add_(routed);
+  return {x2, normed, routed};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
@@ -321,9 +362,18 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
         "Tensor block_table, Tensor context_lens, int window, int num_heads, "
         "int num_kv_heads, Tensor[] weights, int[] bits, int[] groups, int[] outs, "
         "Tensor?[] biases, int matvec_rows) -> (Tensor, Tensor)");
+  m.def("decode_moe_layer(Tensor x, Tensor?[] norms, int[] options, float[] scalars, "
+        "Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slots, "
+        "Tensor block_table, Tensor context_lens, int window, int num_heads, "
+        "int num_kv_heads, Tensor[] weights, int[] bits, int[] groups, int[] outs, "
+        "Tensor?[] biases, int matvec_rows, Tensor router, Tensor? router_bias, "
+        "Tensor? correction_bias, int[] routing, float scaling_factor, Tensor[] experts, "
+        "int[] expert_types, int expert_isa, Tensor? b13, Tensor? b2, float swiglu_alpha, "
+        "float swiglu_limit, bool add_routed) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_moe_layer", &decode_moe_layer);
 }

@@ -68,4 +68,29 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, at::IntArr
 at::Tensor& kquant_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& data,
                                at::IntArrayRef types, at::IntArrayRef rows, int64_t isa);
 
+// moe_route_cpu.cpp: a router's (weights [T, K] float32, ids [T, K] int64), as model/moe.py's
+// `route` computes them (the same ATen ops in the same order).  `routing` holds the values
+// below, in this order (model/moe.py's routing_codes writes them).
+enum RoutingValue { kScoring, kTopK, kRenormalize, kNumGroups, kTopKGroups, kNumRouting };
+// routing[kScoring]: model/spec.py's Scoring.
+enum ScoringCode { kSoftmax = 0, kSigmoid = 1, kTopKSoftmax = 2 };
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& router,
+                                             const std::optional<at::Tensor>& router_bias,
+                                             const std::optional<at::Tensor>& correction_bias,
+                                             at::IntArrayRef routing, double scaling_factor);
+
+// moe_cpu.cpp / moe_quant_cpu.cpp: the routed experts' sum for (expert_ids, expert_weights),
+// float w13/w2, or a GGUF file's blocks (`types` their GGML codes, `isa` the kernel path).
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids,
+                       const at::Tensor& expert_weights, const at::Tensor& w13,
+                       const at::Tensor& w2, const std::optional<at::Tensor>& b13,
+                       const std::optional<at::Tensor>& b2, double swiglu_alpha,
+                       double swiglu_limit);
+at::Tensor moe_experts_gguf(const at::Tensor& x, const at::Tensor& expert_ids,
+                            const at::Tensor& expert_weights, const at::Tensor& gate,
+                            const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types,
+                            int64_t isa, const std::optional<at::Tensor>& b13,
+                            const std::optional<at::Tensor>& b2, double swiglu_alpha,
+                            double swiglu_limit);
+
 }  // namespace genserve_ops

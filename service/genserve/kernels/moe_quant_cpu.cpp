@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "genserve_ops.h"
 #include "int_dot.h"
 #include "kquant_rows.h"
 #include "moe_grouping.h"

@@ -308,6 +308,7 @@ class DecoderLayer(nn.Module):
     # Set by DecoderForCausalLM.use_fused_cpu_ops (unsharded models), through set_fused_decode.
     fused_decode: FusedDecodeArgs | None = None
     _fused_decode_call: tuple[Any, tuple[Any, ...], tuple[Any, ...]]
+    _moe_decode_op: Any  # genserve::decode_moe_layer, resolved once (see set_fused_decode)
 
     def __init__(
         self,
@@ -439,18 +440,27 @@ class DecoderLayer(nn.Module):
         block_table: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`forward` of a decode-only CPU step as one C++ op (the same ops in the same
-        order, minus their Python: kernels/decode_layer_cpu.cpp); a mixture-of-experts
-        layer as its attention half in one op, then the experts as :meth:`forward` runs
-        them (the same sums in the same order either way)."""
+        order, minus their Python: kernels/decode_layer_cpu.cpp).  A mixture-of-experts
+        layer: its attention half, router and routed experts as one op
+        (``genserve::decode_moe_layer``), the shared expert after it where there is one;
+        or, where the block's experts are not on the CPU kernels, the attention half alone
+        and then the experts as :meth:`forward` runs them.  The same sums in the same order
+        every way."""
         op, head, tail = self._fused_decode_call
-        out = op(
-            x, *head, cos, sin, kv_cache, meta.slots, block_table, meta.decode_context_lens, *tail
-        )
-        if isinstance(out, torch.Tensor):
+        args = (x, *head, cos, sin, kv_cache, meta.slots, block_table, meta.decode_context_lens,
+                *tail)  # fmt: skip
+        mlp = self.mlp
+        if isinstance(mlp, MLP):  # decode_layer: the whole layer
+            out: torch.Tensor = op(*args)
             return out
-        summed, normed = out  # decode_attention: (x + h, pre_mlp_norm(x + h))
-        moe_out: torch.Tensor = summed + self.mlp.forward(normed)
-        return moe_out
+        moe_args = mlp.decode_args()
+        if moe_args is None:  # decode_attention: (x + h, pre_mlp_norm(x + h))
+            summed, normed = op(*args)
+            moe_out: torch.Tensor = summed + mlp.forward(normed)
+            return moe_out
+        out, normed, routed = self._moe_decode_op(*args, *moe_args)
+        # Without a shared expert `out` is x + h + routed already (the op's add_routed).
+        return out if mlp.shared is None else out + (routed + mlp.shared_output(normed))
 
     def set_fused_decode(self, args: FusedDecodeArgs | None) -> None:
         """Use ``genserve::decode_layer`` with ``args`` (None: not at all).  The arguments
@@ -476,6 +486,7 @@ class DecoderLayer(nn.Module):
         whole = isinstance(self.mlp, MLP)  # else its attention half (fused_decode.py)
         op = ops.decode_layer.default if whole else ops.decode_attention.default
         self._fused_decode_call = (op, head, tail)
+        self._moe_decode_op = ops.decode_moe_layer.default
 
     def load(self, weights: WeightSource, prefix: str) -> None:
         n = self.config.names

@@ -90,6 +90,23 @@ def route(
     return weights, ids
 
 
+# model/spec.py's Scoring as moe_route_cpu.cpp's ScoringCode (genserve_ops.h).
+_SCORING_CODES = {Scoring.SOFTMAX: 0, Scoring.SIGMOID: 1, Scoring.TOPK_SOFTMAX: 2}
+
+
+def routing_codes(spec: RouterSpec) -> list[int]:
+    """``spec`` as ``genserve::moe_route``'s ``routing`` list (genserve_ops.h's RoutingValue
+    order: scoring, top-k, renormalize, groups, top-k groups); ``scaling_factor`` and the
+    biases go to the op as their own arguments."""
+    return [
+        _SCORING_CODES[spec.scoring],
+        spec.top_k,
+        int(spec.renormalize),
+        spec.num_groups,
+        spec.topk_groups,
+    ]
+
+
 def experts_torch(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -183,6 +200,9 @@ class SparseMoeBlock(nn.Module):
             else None
         )
         self._fused = False
+        # decode_args' cached answer; None until asked, and again whenever the experts'
+        # tensors are replaced (quantized, repacked, moved to huge pages).
+        self._decode_args: tuple[object, ...] | None = None
         # Set by use_fused_gpu_ops: the routed experts through kernels/triton_moe.py.
         self.gpu_fused = False
         # Set from a GGUF file's blocks (``set_quantized_experts``): replaces w13/w2.
@@ -197,6 +217,7 @@ class SparseMoeBlock(nn.Module):
     @fused.setter
     def fused(self, value: bool) -> None:
         self._fused = value
+        self._decode_args = None
         if self.shared is not None:
             self.shared.fused = value
         if self.quantized_experts is not None:  # the kernel path, as quantized linears pick it
@@ -219,6 +240,7 @@ class SparseMoeBlock(nn.Module):
         ``model/huge_pages.py``), as the decoder does for its dense projections: a step
         reads 8-50 experts' rows, each a separate stream that in 4 KiB pages stops the
         prefetchers at every page (docs/models/moe.md has the measurements)."""
+        self._decode_args = None
         if self.quantized_experts is not None:
             self.quantized_experts = self.quantized_experts.placed(region)
         elif self.w13.numel() > 0:
@@ -252,6 +274,7 @@ class SparseMoeBlock(nn.Module):
         if got != expected:
             raise ValueError(f"expert blocks of shapes {got}, expected {expected}")
         self.quantized_experts = experts
+        self._decode_args = None
         self.w13 = _param(self.w13.new_empty(0, 0, 0))
         self.w2 = _param(self.w2.new_empty(0, 0, 0))
         if self._fused:  # already on the CPU kernels: the blocks take their kernel path now
@@ -274,11 +297,40 @@ class SparseMoeBlock(nn.Module):
         # pairs of the experts it holds: either way the sum over shards is the routed output.
         out = self.ctx.all_reduce(out)
         if self.shared is not None:
-            shared = self.shared.forward(x)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
-            out = out + shared
+            out = out + self.shared_output(x)
         return out
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's part of the output, gated where the spec has its gate."""
+        assert self.shared is not None
+        shared = self.shared.forward(x)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        return shared
+
+    def decode_args(self) -> tuple[object, ...] | None:
+        """The routing and expert arguments of ``genserve::decode_moe_layer``
+        (kernels/decode_layer_cpu.cpp: the attention half, this router and the routed
+        experts in one op, bit-identical to :meth:`forward`), from ``router`` to
+        ``add_routed``; None where that op does not run this block: the CPU kernels not in
+        use, or a sharded block (its routed sum is all-reduced between the experts and the
+        shared expert).  Cached: the call is made every decode step."""
+        if not self._fused or self.ctx.world_size > 1 or self.router.device.type != "cpu":
+            return None
+        if self._decode_args is None:
+            clamped = self.spec.activation
+            q = self.quantized_experts
+            experts = [self.w13, self.w2] if q is None else [q.gate, q.up, q.down]
+            self._decode_args = (
+                self.router, self.router_bias, self.correction_bias,
+                routing_codes(self.spec.router), self.spec.router.scaling_factor,
+                experts, [] if q is None else q.codes, -1 if q is None else q.isa,
+                self.b13, self.b2,
+                0.0 if clamped is None else clamped.alpha,
+                0.0 if clamped is None else clamped.limit,
+                self.shared is None,
+            )  # fmt: skip
+        return self._decode_args
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed sum over ``ids`` ``[T, K]`` (indices into this shard's ``w13``/``w2``,

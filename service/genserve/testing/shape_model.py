@@ -53,6 +53,40 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# Shapes of other families, as (transformers model_type, config fields): docs/models/moe.md's
+# benchmark files.  Qwen3-30B-A3B cut to 4 of its 48 layers (128 experts, top-8, expert width
+# 768, 32 query / 4 KV heads of 128, its 151,936 vocabulary), and the dense Qwen3 with the
+# same active parameters (one MLP of 8 x 768 = 6,144).
+_QWEN3_A3B: dict[str, Any] = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "intermediate_size": 6144,
+}
+TYPED_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-30b-a3b-4l-shape": (
+        "qwen3_moe",
+        {
+            **_QWEN3_A3B,
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    ),
+    "qwen3-a3b-dense-4l-shape": ("qwen3", dict(_QWEN3_A3B)),
+}
+
+
 def make_shape_model(
     shape: str,
     out_dir: Path,
@@ -68,8 +102,15 @@ def make_shape_model(
     8B)."""
     from genserve.testing.tiny_model import make_tiny_model
 
+    if shape in TYPED_SHAPES:
+        model_type, typed = TYPED_SHAPES[shape]
+        vocab = {} if vocab_size is None else {"vocab_size": vocab_size}
+        return _make_typed(
+            out_dir, model_type, {**typed, **vocab}, dtype, device, seed, tokenizer_dir
+        )
     if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+        names = ", ".join([*SHAPES, *TYPED_SHAPES])
+        raise ValueError(f"unknown shape {shape!r}; choose from {names}")
     fields: dict[str, Any] = dict(SHAPES[shape])
     if vocab_size is not None:
         fields["vocab_size"] = vocab_size
@@ -83,3 +124,37 @@ def make_shape_model(
         device=device,
         **fields,
     )
+
+
+def _make_typed(
+    out_dir: Path,
+    model_type: str,
+    fields: dict[str, Any],
+    dtype: str,
+    device: str,
+    seed: int,
+    tokenizer_dir: Path | None,
+) -> Path:
+    """A ``model_type`` model with ``fields`` and transformers' own initialisation (a
+    benchmark model: its values do not matter, its shape does), beside the embedded
+    tokenizer; the vocabulary is the field's (larger than the tokenizer's for Qwen3)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from genserve.testing.tiny_model import default_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or default_tokenizer_dir()))
+    config = AutoConfig.for_model(
+        model_type,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **fields,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
