@@ -39,7 +39,7 @@ from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import check_request
 from genserve.engine.scheduler_output import SchedulerStats
-from genserve.model.adapter_files import AdapterNotFoundError
+from genserve.model.adapter_errors import AdapterNotFoundError
 
 __all__ = ["ProcessEngine"]
 
