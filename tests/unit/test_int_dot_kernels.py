@@ -135,6 +135,23 @@ def test_activations_are_rounded_per_block_of_32_like_llama_cpp_q8_0() -> None:
     assert torch.equal(q[:, 80:], torch.zeros(3, 16, dtype=torch.int8))
 
 
+def test_whole_and_partial_blocks_quantize_alike_ties_and_nan_included() -> None:
+    # A whole block of 32 takes the vector quantizer, a last partial block the scalar loop:
+    # the same 16 values (ties at .5, a NaN, an infinity-free max) padded with zeros in both
+    # give the same bytes, scale and sum.
+    values = torch.tensor([127.0, 2.5, -2.5, 3.5, -0.5, 0.5, 1.5, -126.5])
+    values = torch.cat([values, values / 3])
+    x = torch.zeros(2, 48)
+    x[:, :16] = values
+    x[:, 32:48] = values
+    x[1, 5] = x[1, 37] = float("nan")
+    q, d, sums = torch.ops.genserve.int_dot_quantize(x)
+    assert torch.equal(q[:, :16], q[:, 32:48]) and torch.equal(d[:, 0], d[:, 1])
+    assert torch.equal(sums[:, 0], sums[:, 1])
+    assert q[0, :8].tolist() == [127, 2, -2, 4, 0, 0, 2, -126]  # ties to even
+    assert q[1, 5] == -127  # NaN clamps to -127 on both paths
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_packing_keeps_the_weights_exactly(fmt: str) -> None:
     gen = torch.Generator().manual_seed(11)

@@ -78,6 +78,7 @@ _HEADERS += [
         "kquant_ymm_row.inc",
         "kquant_zmm_row.inc",
         "kquant_rows.h",
+        "row_shares.h",
         "moe_grouping.h",
         "moe_quant_row.inc",
         "moe_mxfp4_row.inc",

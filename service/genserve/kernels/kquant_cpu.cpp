@@ -19,7 +19,7 @@
 //    block's float scales applied once per block.  Chosen from cpuid per call, each copy
 //    compiled under its own `#pragma GCC target`, as int_dot_cpu.cpp does.
 //
-// Work: tasks are ranges of weight rows (at::parallel_for); a row's super-block is decoded
+// Work: tasks are ranges of weight rows (row_shares.h's shares); a row's super-block is decoded
 // once and multiplied by every activation row of a 32-row tile before the next block, so a
 // batched decode step reads each weight once.  Each output depends only on its own row of x
 // and of W (same code path and order whatever the batch): batch-invariant.
@@ -40,6 +40,7 @@
 #include "genserve_ops.h"
 #include "int_dot.h"
 #include "kquant_rows.h"
+#include "row_shares.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -451,9 +452,12 @@ void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef typ
     job.xd = qx.d.data_ptr<float>();
     job.xsums = qx.sums.data_ptr<int16_t>();
   }
-  // Each task streams >= ~32 KB of weights (a few rows at 1B sizes).
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / segments[0].row_bytes);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { run(job, begin, end); });
+  // Each chunk streams >= ~32 KB of weights (a few rows at 1B sizes), a multiple of 8 rows so
+  // that the one-row path's 4-row passes stay whole; shares a busy thread gets help with
+  // (row_shares.h).
+  const int64_t rows_32k = std::max<int64_t>(1, (int64_t{1} << 15) / segments[0].row_bytes);
+  genserve_shares::parallel_shares(N, (rows_32k + 7) / 8 * 8,
+                                   [&](int64_t begin, int64_t end) { run(job, begin, end); });
 }
 
 }  // namespace
