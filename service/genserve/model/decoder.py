@@ -440,12 +440,10 @@ class DecoderLayer(nn.Module):
         block_table: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`forward` of a decode-only CPU step as one C++ op (the same ops in the same
-        order, minus their Python: kernels/decode_layer_cpu.cpp).  A mixture-of-experts
-        layer: its attention half, router and routed experts as one op
-        (``genserve::decode_moe_layer``), the shared expert after it where there is one;
-        or, where the block's experts are not on the CPU kernels, the attention half alone
-        and then the experts as :meth:`forward` runs them.  The same sums in the same order
-        every way."""
+        order, minus their Python: kernels/decode_layer_cpu.cpp).  A mixture-of-experts layer:
+        attention half, router and routed experts as one op (``genserve::decode_moe_layer``),
+        any shared expert after it; experts off the CPU kernels: the attention half alone, then
+        the experts as :meth:`forward` runs them.  The same sums in the same order every way."""
         op, head, tail = self._fused_decode_call
         args = (x, *head, cos, sin, kv_cache, meta.slots, block_table, meta.decode_context_lens,
                 *tail)  # fmt: skip

@@ -200,8 +200,7 @@ class SparseMoeBlock(nn.Module):
             else None
         )
         self._fused = False
-        # decode_args' cached answer; None until asked, and again whenever the experts'
-        # tensors are replaced (quantized, repacked, moved to huge pages).
+        # decode_args' cached answer; None until asked and whenever the experts change.
         self._decode_args: tuple[object, ...] | None = None
         # Set by use_fused_gpu_ops: the routed experts through kernels/triton_moe.py.
         self.gpu_fused = False
@@ -309,12 +308,11 @@ class SparseMoeBlock(nn.Module):
         return shared
 
     def decode_args(self) -> tuple[object, ...] | None:
-        """The routing and expert arguments of ``genserve::decode_moe_layer``
-        (kernels/decode_layer_cpu.cpp: the attention half, this router and the routed
-        experts in one op, bit-identical to :meth:`forward`), from ``router`` to
-        ``add_routed``; None where that op does not run this block: the CPU kernels not in
-        use, or a sharded block (its routed sum is all-reduced between the experts and the
-        shared expert).  Cached: the call is made every decode step."""
+        """``genserve::decode_moe_layer``'s routing and expert arguments, ``router`` to
+        ``add_routed`` (kernels/decode_layer_cpu.cpp: attention half, router and routed experts
+        in one op, bit-identical to :meth:`forward`); None where that op does not run this
+        block: CPU kernels off, or a sharded block (its routed sum is all-reduced between the
+        experts and the shared expert).  Cached: asked every decode step."""
         if not self._fused or self.ctx.world_size > 1 or self.router.device.type != "cpu":
             return None
         if self._decode_args is None:
