@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from genserve.bench.stream_host import cpu_between, thread_times
-from genserve.engine.async_engine import _Mailbox
+from genserve.engine.mailbox import Mailbox
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import FinishReason, StoppingCriteria
 from genserve.server.conversion.convert import Conversion
@@ -102,7 +102,7 @@ def test_stream_message_bytes_unchanged(
 
 def test_mailbox_keeps_order_and_wakes_its_reader() -> None:
     async def scenario() -> list[int]:
-        box = _Mailbox()
+        box = Mailbox()
         got: list[int] = []
 
         async def reader() -> None:
@@ -123,7 +123,7 @@ def test_mailbox_keeps_order_and_wakes_its_reader() -> None:
 
 def test_mailbox_reader_cancelled_while_waiting() -> None:
     async def scenario() -> int:
-        box = _Mailbox()
+        box = Mailbox()
         task = asyncio.create_task(box.get())
         await asyncio.sleep(0)
         task.cancel()

@@ -5,10 +5,10 @@ The engine loop itself (schedule → run → apply tokens → stop checks → de
 (``engine/engine_thread.py``); the model runner's ``execute_model`` runs in a third
 thread, the step thread.  This facade lives on the gRPC event loop: :meth:`AsyncEngine.
 generate` validates a request here (errors reach the caller), posts it to the engine
-thread's inbox and yields the request's outputs from an ``asyncio.Queue``; closing the
-iterator posts an abort.  The engine hands each step's outputs back in one batch with one
-``loop.call_soon_threadsafe`` (:meth:`AsyncEngine._deliver`), which fills the request
-queues and then tells the step observers (metrics, traces): observers run here, on the
+thread's inbox and yields the request's outputs from its mailbox (``engine/mailbox.py``);
+closing the iterator posts an abort.  The engine hands each step's outputs back in one batch
+with one ``loop.call_soon_threadsafe`` (:meth:`AsyncEngine._deliver`), which fills the
+request mailboxes and then tells the step observers (metrics, traces): observers run here, on the
 gRPC loop, off the engine's critical path, and see steps in order.
 
 Why a thread (issue #29): on an H200 the gRPC loop, which the engine loop used to share,
@@ -28,12 +28,10 @@ through :meth:`call_in_engine`).  Outputs are identical to the single-loop engin
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import structlog
@@ -41,6 +39,7 @@ import structlog
 from genserve.engine.adapter_manager import AdapterManager
 from genserve.engine.engine_loop import Delivery, EngineLoop, StepObservation
 from genserve.engine.engine_thread import EngineThread
+from genserve.engine.mailbox import RequestStream
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import Scheduler
@@ -59,48 +58,6 @@ class EngineUnavailableError(RuntimeError):
     """The engine cannot take requests: still loading, shutting down, or a shard died."""
 
 
-class _Mailbox:
-    """A request's outputs in arrival order: one consumer (the request's stream), puts from
-    the gRPC loop only.  Cheaper per token than ``asyncio.Queue`` (no unfinished-task
-    bookkeeping, no getter/putter deques, no loop lookup per call): one future at most per
-    wait, and none while outputs are already waiting (#29)."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: collections.deque[TokenOutput] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, out: TokenOutput) -> None:
-        self._items.append(out)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():  # cancelled: its consumer is going away
-                waiter.set_result(None)
-
-    async def get(self) -> TokenOutput:
-        items = self._items
-        while not items:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiter = waiter
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-        return items.popleft()
-
-
-@dataclass(slots=True)
-class _Client:
-    """A request's output queue, owned by the gRPC loop."""
-
-    request: GenerationRequest
-    queue: _Mailbox = field(default_factory=_Mailbox)
-    num_outputs: int = 0
-    finished: bool = False
-
-
 class AsyncEngine:
     """Serves token streams per request from an engine loop running on its own thread."""
 
@@ -115,7 +72,7 @@ class AsyncEngine:
         self._thread = EngineThread()
         self._thread.on_drained = self._core.wake
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._clients: dict[str, _Client] = {}
+        self._clients: dict[str, RequestStream] = {}
         self._accepting = False
         self._stopped = False
         self._idle = asyncio.Event()  # set whenever the last stream ends
@@ -243,7 +200,7 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {req.req_id!r}")
         adapter = await self._acquire_adapter(req.adapter_id)
         num_generated = 0
-        client: _Client | None = None
+        client: RequestStream | None = None
         try:
             client = self._submit(req, adapter)
             get = client.queue.get
@@ -279,7 +236,7 @@ class AsyncEngine:
                 raise
         return ref
 
-    def _submit(self, req: GenerationRequest, adapter: AdapterRef | None) -> _Client:
+    def _submit(self, req: GenerationRequest, adapter: AdapterRef | None) -> RequestStream:
         """Register the request's mailbox and post it to the engine thread."""
         if not self.is_ready:  # the adapter's load gave shutdown or a failure time to come
             raise EngineUnavailableError(self.dead_reason or "the engine is not serving")
@@ -302,7 +259,7 @@ class AsyncEngine:
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str=req.include_stop_str_in_output,
         )
-        client = _Client(req)
+        client = RequestStream(req)
         self._clients[req.req_id] = client
         self._thread.post(functools.partial(self._core.add, req, request, detok))
         return client
@@ -316,7 +273,7 @@ class AsyncEngine:
         if not self._stopped:
             self._thread.post(functools.partial(self._core.abort, req_id))
 
-    def _finish(self, req_id: str, client: _Client) -> None:
+    def _finish(self, req_id: str, client: RequestStream) -> None:
         client.finished = True
         del self._clients[req_id]
         if not self._clients:

@@ -32,9 +32,10 @@ import structlog
 
 from genserve.engine import step_wire as wire
 from genserve.engine.adapter_manager import AdapterManager
-from genserve.engine.async_engine import EngineUnavailableError, _Client
+from genserve.engine.async_engine import EngineUnavailableError
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
+from genserve.engine.mailbox import RequestStream
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import check_request
@@ -59,7 +60,7 @@ class ProcessEngine:
         self._hello = hello
         self._on_death = on_death
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._clients: dict[str, _Client] = {}
+        self._clients: dict[str, RequestStream] = {}
         self._accepting = False
         self._stopping = False
         self._dead_reason: str | None = None
@@ -177,7 +178,7 @@ class ProcessEngine:
             raise AdapterNotFoundError(
                 f"adapter {req.adapter_id!r}: LoRA adapters are not supported with --engine-process"
             )
-        client: _Client | None = None
+        client: RequestStream | None = None
         try:
             client = self._submit(req)
             get = client.queue.get
@@ -190,7 +191,7 @@ class ProcessEngine:
             if client is not None and not client.finished:
                 self.abort(req.req_id)
 
-    def _submit(self, req: GenerationRequest) -> _Client:
+    def _submit(self, req: GenerationRequest) -> RequestStream:
         request = Request(
             req_id=req.req_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -199,7 +200,7 @@ class ProcessEngine:
             fork_of=req.fork_of,
         )
         check_request(request, self._hello.max_tokens_per_request)
-        client = _Client(req)
+        client = RequestStream(req)
         self._clients[req.req_id] = client
         self._send((wire.ADD, req))
         return client
@@ -212,7 +213,7 @@ class ProcessEngine:
         if not self._closed.is_set():
             self._send((wire.ABORT, req_id))
 
-    def _finish(self, req_id: str, client: _Client) -> None:
+    def _finish(self, req_id: str, client: RequestStream) -> None:
         client.finished = True
         del self._clients[req_id]
         if not self._clients:

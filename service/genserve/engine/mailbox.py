@@ -1,0 +1,55 @@
+"""A request's outputs on their way to its stream: the mailbox the engine's delivery fills
+and the stream's generator drains, on the gRPC event loop.  Shared by the in-process engine
+(``engine/async_engine.py``) and the ``--engine-process`` front (``engine/process_engine.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+
+from genserve.engine.outputs import GenerationRequest, TokenOutput
+
+__all__ = ["Mailbox", "RequestStream"]
+
+
+class Mailbox:
+    """A request's outputs in arrival order: one consumer (the request's stream), puts from
+    the gRPC loop only.  Cheaper per token than ``asyncio.Queue`` (no unfinished-task
+    bookkeeping, no getter/putter deques, no loop lookup per call): one future at most per
+    wait, and none while outputs are already waiting (#29)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[TokenOutput] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, out: TokenOutput) -> None:
+        self._items.append(out)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # cancelled: its consumer is going away
+                waiter.set_result(None)
+
+    async def get(self) -> TokenOutput:
+        items = self._items
+        while not items:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiter = waiter
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return items.popleft()
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """A request's output queue, owned by the gRPC loop."""
+
+    request: GenerationRequest
+    queue: Mailbox = field(default_factory=Mailbox)
+    num_outputs: int = 0
+    finished: bool = False
