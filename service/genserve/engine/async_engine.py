@@ -40,7 +40,7 @@ from genserve.engine.adapter_manager import AdapterManager
 from genserve.engine.engine_loop import Delivery, EngineLoop, StepObservation
 from genserve.engine.engine_thread import EngineThread
 from genserve.engine.mailbox import RequestStream
-from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
+from genserve.engine.outputs import GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import Scheduler
 from genserve.model.adapter_errors import AdapterNotFoundError
@@ -174,17 +174,10 @@ class AsyncEngine:
     def _end_leftovers(self) -> None:
         """Clients the stopped engine never answered (a delivery lost to a dead thread)."""
         for req_id, client in list(self._clients.items()):
-            final = FinalInfo(
-                finish_reason=FinishReason.ABORTED,
-                generated_text="",
-                num_generated_tokens=client.num_outputs,
-                num_prompt_tokens=len(client.request.prompt_token_ids),
-                num_cached_tokens=0,
-                num_preemptions=0,
-                error="server is shutting down",
-            )
             self._finish(req_id, client)
-            client.queue.put_nowait(TokenOutput(index=client.num_outputs, token=None, final=final))
+            client.queue.put_nowait(
+                client.end_output(FinishReason.ABORTED, "server is shutting down")
+            )
 
     # ----------------------------------------------------------------- requests
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenOutput]:

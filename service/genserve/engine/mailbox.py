@@ -8,7 +8,8 @@ import asyncio
 import collections
 from dataclasses import dataclass, field
 
-from genserve.engine.outputs import GenerationRequest, TokenOutput
+from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
+from genserve.engine.request import FinishReason
 
 __all__ = ["Mailbox", "RequestStream"]
 
@@ -53,3 +54,17 @@ class RequestStream:
     queue: Mailbox = field(default_factory=Mailbox)
     num_outputs: int = 0
     finished: bool = False
+
+    def end_output(self, reason: FinishReason, message: str) -> TokenOutput:
+        """The last output of a stream the engine will never answer (it stopped or died):
+        no token, the reason and ``message`` as its error."""
+        final = FinalInfo(
+            finish_reason=reason,
+            generated_text="",
+            num_generated_tokens=self.num_outputs,
+            num_prompt_tokens=len(self.request.prompt_token_ids),
+            num_cached_tokens=0,
+            num_preemptions=0,
+            error=message,
+        )
+        return TokenOutput(index=self.num_outputs, token=None, final=final)

@@ -36,7 +36,7 @@ from genserve.engine.async_engine import EngineUnavailableError
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
 from genserve.engine.mailbox import RequestStream
-from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
+from genserve.engine.outputs import GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import check_request
 from genserve.engine.scheduler_output import SchedulerStats
@@ -226,17 +226,8 @@ class ProcessEngine:
 
     def _end_all(self, reason: FinishReason, message: str) -> None:
         for req_id, client in list(self._clients.items()):
-            final = FinalInfo(
-                finish_reason=reason,
-                generated_text="",
-                num_generated_tokens=client.num_outputs,
-                num_prompt_tokens=len(client.request.prompt_token_ids),
-                num_cached_tokens=0,
-                num_preemptions=0,
-                error=message,
-            )
             self._finish(req_id, client)
-            client.queue.put_nowait(TokenOutput(index=client.num_outputs, token=None, final=final))
+            client.queue.put_nowait(client.end_output(reason, message))
 
     # ----------------------------------------------------------------- the child's messages
     def _read(self) -> None:
