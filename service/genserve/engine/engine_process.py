@@ -43,7 +43,7 @@ from genserve.engine import step_wire as wire
 from genserve.engine.engine_loop import Delivery, EngineLoop
 from genserve.engine.engine_thread import EngineThread
 from genserve.engine.outputs import GenerationRequest
-from genserve.engine.request import FinishReason, Request
+from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import Scheduler
 from genserve.step import Runner
 from genserve.tokenizer import Tokenizer
@@ -203,13 +203,7 @@ def _read_front(
 
 
 def _add(req: GenerationRequest, core: EngineLoop, thread: EngineThread, tok: Tokenizer) -> None:
-    request = Request(
-        req_id=req.req_id,
-        prompt_token_ids=list(req.prompt_token_ids),
-        sampling=req.sampling,
-        stopping=req.stopping,
-        fork_of=req.fork_of,
-    )  # grammars and adapters are refused by the front (not carried across yet)
+    request = wire.scheduler_request(req)
     detok = tok.detokenizer(
         req.prompt_token_ids,
         req.stop,

@@ -37,7 +37,7 @@ from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
 from genserve.engine.mailbox import RequestStream
 from genserve.engine.outputs import GenerationRequest, TokenOutput
-from genserve.engine.request import FinishReason, Request
+from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import check_request
 from genserve.engine.scheduler_output import SchedulerStats
 from genserve.model.adapter_errors import AdapterNotFoundError
@@ -192,14 +192,7 @@ class ProcessEngine:
                 self.abort(req.req_id)
 
     def _submit(self, req: GenerationRequest) -> RequestStream:
-        request = Request(
-            req_id=req.req_id,
-            prompt_token_ids=list(req.prompt_token_ids),
-            sampling=req.sampling,
-            stopping=req.stopping,
-            fork_of=req.fork_of,
-        )
-        check_request(request, self._hello.max_tokens_per_request)
+        check_request(wire.scheduler_request(req), self._hello.max_tokens_per_request)
         client = RequestStream(req)
         self._clients[req.req_id] = client
         self._send((wire.ADD, req))

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
 from genserve.engine.engine_loop import Delivery, StepObservation
-from genserve.engine.outputs import TokenInfo, TokenOutput
+from genserve.engine.outputs import GenerationRequest, TokenInfo, TokenOutput
+from genserve.engine.request import Request
 from genserve.engine.scheduler import SchedulerStats
 from genserve.step import NewRequestData, ScheduledChunk, SchedulerOutput
 
@@ -60,6 +61,19 @@ def loads(data: bytes) -> tuple[Any, ...]:
     message = pickle.loads(data)
     assert isinstance(message, tuple)
     return message
+
+
+def scheduler_request(req: GenerationRequest) -> Request:
+    """The scheduler's request for an ADD message's ``req`` (the child runs it, the front
+    checks it against the KV capacity).  No grammar state and no adapter: the front refuses
+    both with --engine-process (not carried across yet)."""
+    return Request(
+        req_id=req.req_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        sampling=req.sampling,
+        stopping=req.stopping,
+        fork_of=req.fork_of,
+    )
 
 
 # --------------------------------------------------------------------------- a step's delivery
