@@ -138,22 +138,12 @@ def _make_typed(
     """A ``model_type`` model with ``fields`` and transformers' own initialisation (a
     benchmark model: its values do not matter, its shape does), beside the embedded
     tokenizer; the vocabulary is the field's (larger than the tokenizer's for Qwen3)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from genserve.testing.tiny_model import default_tokenizer_dir
+    from genserve.testing.tiny_model import default_tokenizer_dir, random_causal_lm
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or default_tokenizer_dir()))
-    config = AutoConfig.for_model(
-        model_type,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **fields,
-    )
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model = random_causal_lm(model_type, fields, tokenizer, seed, device, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))

@@ -174,8 +174,7 @@ def make_tiny_model(
     weights are initialised and saved (real-shape models: bfloat16 on CUDA).  Returns
     ``out_dir``.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
@@ -183,6 +182,23 @@ def make_tiny_model(
     model_type, family = FAMILY_CONFIGS.get(arch, (arch, {}))
     fields = {**_COMMON, **_PER_ARCH.get(arch, {}), **family, **overrides}
     fields.setdefault("vocab_size", len(tokenizer))
+    model = random_causal_lm(model_type, fields, tokenizer, seed, device, dtype)
+    if arch in FAMILY_CONFIGS:
+        _randomize_norms_and_biases(model, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def random_causal_lm(
+    model_type: str, fields: dict[str, Any], tokenizer: Any, seed: int, device: str, dtype: str
+) -> Any:
+    """A ``model_type`` causal LM with config ``fields`` and transformers' own random
+    initialisation (seeded), its special-token ids the tokenizer's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.for_model(
         model_type,
         bos_token_id=tokenizer.bos_token_id,
@@ -192,13 +208,7 @@ def make_tiny_model(
     )
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if arch in FAMILY_CONFIGS:
-        _randomize_norms_and_biases(model, seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
-    return out_dir
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
 
 
 def _randomize_norms_and_biases(model: Any, seed: int) -> None:
