@@ -175,6 +175,29 @@ def test_outputs_match_the_in_process_engine(
         assert result.generated_text.startswith('{"name"')
 
 
+@pytest.mark.skipif(not DETERMINISTIC, reason="CPU kernels did not build (no --deterministic)")
+def test_grammars_with_speculation_and_overlap_match(
+    tiny_llama: Path, served_args: tuple[str, ...]
+) -> None:
+    """With --speculate (constrained rows get no drafts, others do) and overlapped scheduling
+    (a constrained row's next step is scheduled after its token is applied), the engine
+    process answers as one process does."""
+    extra = ("--speculate", "3", "--overlap-scheduling")
+    repetitive = pb.GenerateRequest(
+        inputs=["one two three one two three one two three one two"],
+        parameters=pb.GenerateParameters(max_new_tokens=24, details=True),
+    )
+    replies = []
+    for flags in ((), ("--engine-process",)):
+        with (
+            inproc_server(tiny_llama, *served_args, *extra, *flags) as server,
+            grpc.insecure_channel(server.address) as channel,
+        ):
+            stub = pb_grpc.TextGenerationServiceStub(channel)
+            replies.append([_constrained_calls(stub), str(stub.Generate(repetitive))])
+    assert replies[0] == replies[1]
+
+
 def test_cancelled_stream_frees_everything(proc_server: InProcessServer) -> None:
     engine = _engine(proc_server)
     params = pb.GenerateParameters(max_new_tokens=400, ignore_eos=True)
