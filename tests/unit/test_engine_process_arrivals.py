@@ -9,6 +9,8 @@ serves grammars and adapters end to end)."""
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
 import threading
 import time
 from dataclasses import dataclass, field
@@ -162,3 +164,62 @@ def test_an_adapter_is_prepared_before_its_request_is_added() -> None:
     ((kind, req_id, error),) = sender.messages
     assert (kind, req_id) == (wire.REJECT, "x") and "its adapter" in error
     arrivals.shutdown()
+
+
+class _Process:
+    """The child process as the front's EngineProcess sees it (never started here)."""
+
+    exitcode = 0
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_the_front_sends_the_spec_and_ends_a_rejected_request() -> None:
+    """The front's side over real pipes: a constrained request's ADD carries its grammar's
+    spec (not the compiled grammar); the child's REJECT ends that stream with ERROR and the
+    child's message."""
+    import dataclasses
+
+    from genserve.bench.step_wire_cost import make_step
+    from genserve.engine.engine_process import EngineProcess
+    from genserve.engine.grammar import CompiledGrammar
+    from genserve.engine.process_engine import ProcessEngine
+    from genserve.engine.request import FinishReason
+
+    async def main() -> None:
+        front_in, engine_out = multiprocessing.Pipe(duplex=False)
+        engine_in, front_out = multiprocessing.Pipe(duplex=False)
+        hello = wire.EngineHello(None, 10_000, False, False, 0, make_step(1)[1])
+        engine = ProcessEngine(EngineProcess(_Process(), front_out, front_in), hello)  # type: ignore[arg-type]
+        engine.start()
+        req = dataclasses.replace(_req("r1"), grammar=CompiledGrammar(SPEC, object()))
+        stream = engine.generate(req)
+        first = asyncio.ensure_future(anext(stream))
+        message = wire.loads(await asyncio.to_thread(engine_in.recv_bytes))
+        kind, sent, spec, adapter = message
+        assert (kind, sent.req_id, sent.grammar, spec, adapter) == (
+            wire.ADD,
+            "r1",
+            None,
+            SPEC,
+            None,
+        )
+        engine_out.send_bytes(wire.dumps((wire.REJECT, "r1", "could not prepare its grammar")))
+        out = await asyncio.wait_for(first, 10)
+        assert out.final is not None and out.token is None
+        assert out.final.finish_reason is FinishReason.ERROR
+        assert out.final.error == "could not prepare its grammar"
+        assert engine.num_in_flight == 0
+
+        def child_stops() -> None:  # as serve_engine does on SHUTDOWN: its pipe end closes
+            assert wire.loads(engine_in.recv_bytes()) == (wire.SHUTDOWN,)
+            engine_out.close()
+
+        await asyncio.gather(engine.shutdown(0.0), asyncio.to_thread(child_stops))
+        assert engine.dead_reason is None
+
+    asyncio.run(main())
