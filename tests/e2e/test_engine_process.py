@@ -268,6 +268,19 @@ def test_errors_are_answered_as_without_the_flag(proc_server: InProcessServer) -
     assert _engine(proc_server).num_in_flight == 0
 
 
+def test_disabled_grammar_support_is_refused_as_without_the_flag(tiny_llama: Path) -> None:
+    with (
+        inproc_server(tiny_llama, *ARGS, "--engine-process", "--disable-grammar-support") as srv,
+        grpc.insecure_channel(srv.address) as channel,
+    ):
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        assert not stub.Info(pb.InfoRequest()).grammar_support
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Generate(pb.GenerateRequest(inputs=["x"], parameters=_regex_params()))
+        assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "--disable-grammar-support" in str(exc.value.details())
+
+
 def test_launch_refuses_tensor_parallel() -> None:
     config = load_config(["--engine-process", "--num-shard", "2"])
     with pytest.raises(ValueError, match=r"--engine-process .*--num-shard"):

@@ -20,7 +20,9 @@ launcher's config.
 
 In the child the main thread reads the request pipe (so the front never blocks on a full
 pipe while a step runs) and posts to the engine thread; the engine thread sends each step's
-message itself.  The pipe's end-of-file is how the child learns that the front is gone: it
+message itself.  A request with a grammar or a LoRA adapter is prepared on the way, in a
+worker thread (:class:`_Arrivals`): its grammar compiled from its spec, its adapter laid out
+for the slot the front's adapter manager gave it.  The pipe's end-of-file is how the child learns that the front is gone: it
 exits at once, no orphan holds the GPU."""
 
 from __future__ import annotations
