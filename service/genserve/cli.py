@@ -672,6 +672,8 @@ class Service:
             config = loaded.config if loaded.config is not None else self.config
             # Its death ends the server as a shard's does (UNAVAILABLE, NOT_SERVING, exit 1).
             engine = ProcessEngine(process, hello, self._on_shard_failure)
+            if loaded.grammars is not None:  # both processes compile a new grammar at once
+                loaded.grammars.on_compile = engine.compile_ahead
             model_config = hello.payload.model_config
         else:
             loaded = load_result

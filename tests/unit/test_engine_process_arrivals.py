@@ -69,9 +69,11 @@ class _Compiler:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.compiled: list[str] = []
 
     def compile_sync(self, spec: GrammarSpec) -> _Compiled:
         self.release.wait(10)
+        self.compiled.append(spec.text)
         if spec.text == "boom":
             raise RuntimeError("xgrammar said no")
         return _Compiled()
@@ -141,6 +143,21 @@ def test_a_failed_compile_rejects_that_request_only() -> None:
     ((kind, req_id, error),) = sender.messages
     assert (kind, req_id) == (wire.REJECT, "bad")
     assert "could not prepare its grammar" in error and "xgrammar said no" in error
+    arrivals.shutdown()
+
+
+def test_compile_ahead_runs_before_the_request_and_fails_quietly() -> None:
+    """COMPILE (the front's cache missed): compiled at once in the worker, ahead of the ADD
+    that follows; a spec that fails there (the front will refuse it) sends nothing."""
+    arrivals, engine, compiler, sender = _arrivals()
+    arrivals.compile_ahead(GrammarSpec(GrammarKind.REGEX, "boom"))
+    arrivals.compile_ahead(SPEC)
+    arrivals.add(_req("g"), SPEC, None)
+    compiler.release.set()
+    _wait_for(lambda: engine.events)
+    assert compiler.compiled == ["boom", SPEC.text, SPEC.text]  # the last one: a cache hit
+    assert engine.events == [("add", "g:grammar:None")]
+    assert sender.messages == []
     arrivals.shutdown()
 
 

@@ -22,8 +22,8 @@ In the child the main thread reads the request pipe (so the front never blocks o
 pipe while a step runs) and posts to the engine thread; the engine thread sends each step's
 message itself.  A request with a grammar or a LoRA adapter is prepared on the way, in a
 worker thread (:class:`_Arrivals`): its grammar compiled from its spec, its adapter laid out
-for the slot the front's adapter manager gave it.  The pipe's end-of-file is how the child learns that the front is gone: it
-exits at once, no orphan holds the GPU."""
+for the slot the front's adapter manager gave it.  The pipe's end-of-file is how the child
+learns that the front is gone: it exits at once, no orphan holds the GPU."""
 
 from __future__ import annotations
 
@@ -205,6 +205,8 @@ def _read_front(
             # The metrics read the stats of the last message: freed blocks show now, not at
             # the next step (there may be none for a while).
             thread.post(lambda: sender.send(wire.dumps((wire.STATS, core.scheduler.stats()))))
+        elif kind == wire.COMPILE:
+            arrivals.compile_ahead(message[1])
         elif kind == wire.QUERY:
             _query(message[1], message[2], sender, core, thread)
         elif kind == wire.SHUTDOWN:
@@ -266,6 +268,18 @@ class _Arrivals:
         # next step (there may be none for a while).
         scheduler = self._core.scheduler
         self._thread.post(lambda: self._sender.send(wire.dumps((wire.STATS, scheduler.stats()))))
+
+    def compile_ahead(self, spec: GrammarSpec) -> None:
+        """The front is compiling ``spec`` (a cache miss there): compile it here meanwhile,
+        so the request that follows finds it in this process's cache instead of waiting
+        for a second compile.  A spec the front then refuses fails here too, unseen."""
+        if self._grammars is not None:
+            self._pool.submit(self._compile_quietly, spec)
+
+    def _compile_quietly(self, spec: GrammarSpec) -> None:
+        assert self._grammars is not None
+        with contextlib.suppress(Exception):  # the front reports it (INVALID_ARGUMENT)
+            self._grammars.compile_sync(spec)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -39,6 +39,7 @@ from genserve.engine.adapter_manager import AdapterManager
 from genserve.engine.async_engine import EngineUnavailableError
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
+from genserve.engine.grammar_spec import GrammarSpec
 from genserve.engine.mailbox import RequestStream
 from genserve.engine.outputs import GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason
@@ -214,6 +215,13 @@ class ProcessEngine:
         self._clients[req.req_id] = client
         self._send(wire.add_message(req, adapter))
         return client
+
+    def compile_ahead(self, spec: GrammarSpec) -> None:
+        """The front's grammar compiler is about to compile ``spec`` (its cache missed): the
+        engine process compiles it at the same time (``GrammarCompiler.on_compile``), so
+        a new schema's first request waits for one compile, not one per process."""
+        if not self._closed.is_set():
+            self._send((wire.COMPILE, spec))
 
     def abort(self, req_id: str) -> None:
         client = self._clients.get(req_id)

@@ -41,6 +41,7 @@ REJECT = "reject"  # (REJECT, req_id, message): an ADD the engine could not star
 ADD = "add"  # (ADD, GenerationRequest less its grammar, GrammarSpec | None, AdapterRef | None)
 ABORT = "abort"  # (ABORT, req_id)
 QUERY = "query"  # (QUERY, query id, name): "stats" | "check_invariants"
+COMPILE = "compile"  # (COMPILE, GrammarSpec): the front compiles it now; compile it too
 SHUTDOWN = "shutdown"  # (SHUTDOWN,): end every request, stop, exit
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
