@@ -446,17 +446,18 @@ class _EngineSummary:
     config: Config  # as the model path allows it (restrict_for_fallback)
     model_dir: Path
     chat_template: str | None
+    model_config: Any  # genserve.model.spec.ModelConfig: what LoRA adapters are checked against
 
 
 def check_engine_process(config: Config) -> None:
-    """What --engine-process does not carry across yet is refused at launch, never ignored."""
+    """What --engine-process does not carry across is refused at launch, never ignored:
+    tensor parallelism (its rank-0 runner drives the other ranks from the engine loop, and
+    the child would have to start and watch them: not done)."""
     if not config.engine_process:
         return
     refused = [
         name
         for name, given in (
-            ("--lora-adapters", config.lora_adapters),
-            ("--adapter-id", config.adapter_id),
             ("--num-shard > 1", (config.num_shard or 1) > 1),
             ("--sharded", config.sharded),
         )
@@ -484,6 +485,7 @@ def _engine_child(config: Config, from_front: Any, to_front: Any) -> None:
             served,
             loaded.model_dir,
             loaded.chat.template,
+            loaded.runner.config,
         )
     except BaseException as exc:  # the gRPC process reports it and exits as it would
         send_failure(to_front, exc)
@@ -494,6 +496,7 @@ def _engine_child(config: Config, from_front: Any, to_front: Any) -> None:
         loaded.runner,
         loaded.tokenizer,
         served.overlap_scheduling,
+        loaded.grammars,
         summary,
         from_front,
         to_front,
@@ -506,13 +509,19 @@ def _shard_failed_in_child(reason: str) -> None:  # unreachable: tensor parallel
 
 
 def _front_loaded(summary: _EngineSummary) -> Loaded:
-    """Blocking: the gRPC process's share: its own tokenizer and chat template, no runner,
-    no grammar compiler (grammars are not carried across: requests with one are refused)."""
+    """Blocking: the gRPC process's share: its own tokenizer, chat template and grammar
+    compiler (a grammar is validated and compiled here, then again in the engine process
+    from its spec), no runner."""
     config = summary.config
     info = pb.InfoResponse.FromString(summary.info)
-    info.grammar_support = False
     tokenizer = Tokenizer(summary.model_dir, trust_remote_code=config.trust_remote_code)
     chat = ChatRenderer(tokenizer.hf, info.model_id, summary.chat_template)
+    grammars = None
+    if info.grammar_support:
+        from genserve.engine.grammar import GrammarCompiler
+
+        # The width the engine process's compiler uses (its masks span the logits).
+        grammars = GrammarCompiler(tokenizer.hf, info.vocab_size, sorted(tokenizer.eos_token_ids))
     return Loaded(
         runner=None,
         tokenizer=tokenizer,
@@ -520,6 +529,7 @@ def _front_loaded(summary: _EngineSummary) -> Loaded:
         info=info,
         chat=chat,
         chat_features=chat_features(config, chat.template, info),
+        grammars=grammars,
         config=config,
         model_dir=summary.model_dir,
     )
@@ -655,25 +665,38 @@ class Service:
 
     async def _engine(self, load_result: Any) -> tuple[Loaded, AsyncEngine | ProcessEngine]:
         """The engine over what loading gave: in this process, or the --engine-process one."""
+        engine: AsyncEngine | ProcessEngine
+        process: EngineProcess | None = None
         if self.config.engine_process:
             loaded, process, hello = load_result
+            config = loaded.config if loaded.config is not None else self.config
             # Its death ends the server as a shard's does (UNAVAILABLE, NOT_SERVING, exit 1).
-            return loaded, ProcessEngine(process, hello, self._on_shard_failure)
-        loaded = load_result
-        config = loaded.config if loaded.config is not None else self.config
-        engine = AsyncEngine(
-            _scheduler(config, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes)),
-            loaded.runner,
-            loaded.tokenizer,
-            overlap=config.overlap_scheduling,
-        )
+            engine = ProcessEngine(process, hello, self._on_shard_failure)
+            if loaded.grammars is not None:  # both processes compile a new grammar at once
+                loaded.grammars.on_compile = engine.compile_ahead
+            model_config = hello.payload.model_config
+        else:
+            loaded = load_result
+            config = loaded.config if loaded.config is not None else self.config
+            engine = AsyncEngine(
+                _scheduler(config, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes)),
+                loaded.runner,
+                loaded.tokenizer,
+                overlap=config.overlap_scheduling,
+            )
+            model_config = loaded.runner.config
         adapter_settings = AdapterSettings(
             lora_adapters=config.lora_adapters,
             default_id=config.adapter_id,
             source=config.adapter_source,
             max_active=config.max_active_adapters,
         )
-        engine.adapters = await start_adapters(adapter_settings, loaded.runner.config, loaded.info)
+        try:
+            engine.adapters = await start_adapters(adapter_settings, model_config, loaded.info)
+        except BaseException:  # a bad --lora-adapters entry: no engine process left behind
+            if process is not None:
+                await asyncio.to_thread(process.kill)
+            raise
         if self.metrics is not None:
             self.metrics.registry.register(AdapterCollector(engine.adapters))
         return loaded, engine

@@ -4,6 +4,7 @@ reports bad grammars, and masks span logits wider than the tokenizer's vocabular
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -104,6 +105,20 @@ def test_compiled_grammars_are_cached_by_text_and_bounded(tokenizer: Tokenizer) 
     small.compile_sync(c)  # evicts a, the least recently used
     assert small.compile_sync(a) is not first
     small.shutdown()
+
+
+def test_on_compile_hears_of_cache_misses_only(compiler: GrammarCompiler) -> None:
+    """--engine-process's front tells the engine process of each spec it is about to
+    compile (so both compile at once), not of cache hits."""
+    heard: list[GrammarSpec] = []
+    compiler.on_compile = heard.append
+    spec = GrammarSpec(GrammarKind.REGEX, "[0-9]{2}z")
+    try:
+        asyncio.run(compiler.compile(spec))
+        asyncio.run(compiler.compile(spec))
+    finally:
+        compiler.on_compile = None
+    assert heard == [spec]
 
 
 @pytest.mark.parametrize(

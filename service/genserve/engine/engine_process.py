@@ -20,8 +20,10 @@ launcher's config.
 
 In the child the main thread reads the request pipe (so the front never blocks on a full
 pipe while a step runs) and posts to the engine thread; the engine thread sends each step's
-message itself.  The pipe's end-of-file is how the child learns that the front is gone: it
-exits at once, no orphan holds the GPU."""
+message itself.  A request with a grammar or a LoRA adapter is prepared on the way, in a
+worker thread (:class:`_Arrivals`): its grammar compiled from its spec, its adapter laid out
+for the slot the front's adapter manager gave it.  The pipe's end-of-file is how the child
+learns that the front is gone: it exits at once, no orphan holds the GPU."""
 
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -45,8 +48,12 @@ from genserve.engine.engine_thread import EngineThread
 from genserve.engine.outputs import GenerationRequest
 from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import Scheduler
-from genserve.step import Runner
+from genserve.step import AdapterRef, Runner
 from genserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import GrammarCompiler, GrammarState
+    from genserve.engine.grammar_spec import GrammarSpec
 
 log = structlog.get_logger(__name__)
 
@@ -132,12 +139,14 @@ def serve_engine(
     runner: Runner,
     tokenizer: Tokenizer,
     overlap: bool,
+    grammars: GrammarCompiler | None,
     payload: Any,
     from_front: Connection,
     to_front: Connection,
 ) -> None:
     """Child: run the engine loop until the front says shutdown or goes away.  Never
-    returns: the process exits here (skipping interpreter teardown, as the launcher does)."""
+    returns: the process exits here (skipping interpreter teardown, as the launcher does).
+    ``grammars``: the child's own compiler (None: --disable-grammar-support)."""
     sender = _Sender(to_front)
 
     def deliver(delivery: Delivery) -> None:  # engine thread, one call per step
@@ -168,7 +177,8 @@ def serve_engine(
         stats=scheduler.stats(),
     )
     sender.send(wire.dumps((wire.HELLO, hello)))
-    code = _read_front(from_front, sender, core, thread, tokenizer)
+    arrivals = _Arrivals(core, thread, tokenizer, grammars, sender)
+    code = _read_front(from_front, sender, core, thread, arrivals)
     if code is None:  # the front is gone: nobody to stream to, free the device now
         log.warning("engine_process_orphaned", reason="the gRPC process closed its pipe")
         code = 0
@@ -178,7 +188,7 @@ def serve_engine(
 
 
 def _read_front(
-    conn: Connection, sender: _Sender, core: EngineLoop, thread: EngineThread, tokenizer: Tokenizer
+    conn: Connection, sender: _Sender, core: EngineLoop, thread: EngineThread, arrivals: _Arrivals
 ) -> int | None:
     """The child's main thread: requests, aborts and queries from the front, until shutdown
     (returns 0) or the pipe's end (returns None)."""
@@ -189,28 +199,133 @@ def _read_front(
             return None
         kind = message[0]
         if kind == wire.ADD:
-            _add(message[1], core, thread, tokenizer)
+            arrivals.add(message[1], message[2], message[3])
         elif kind == wire.ABORT:
-            thread.post(functools.partial(core.abort, message[1]))
+            arrivals.abort(message[1])
             # The metrics read the stats of the last message: freed blocks show now, not at
             # the next step (there may be none for a while).
             thread.post(lambda: sender.send(wire.dumps((wire.STATS, core.scheduler.stats()))))
+        elif kind == wire.COMPILE:
+            arrivals.compile_ahead(message[1])
         elif kind == wire.QUERY:
             _query(message[1], message[2], sender, core, thread)
         elif kind == wire.SHUTDOWN:
+            arrivals.shutdown()
             _shutdown(core, thread)
             return 0
 
 
-def _add(req: GenerationRequest, core: EngineLoop, thread: EngineThread, tok: Tokenizer) -> None:
-    request = wire.scheduler_request(req)
-    detok = tok.detokenizer(
-        req.prompt_token_ids,
-        req.stop,
-        skip_special_tokens=req.skip_special_tokens,
-        include_stop_str=req.include_stop_str_in_output,
-    )
-    thread.post(functools.partial(core.add, req, request, detok))
+class _Arrivals:
+    """Child: the front's requests on their way to the engine thread.
+
+    A request with a grammar or a LoRA adapter is prepared first, in a worker thread: its
+    grammar compiled (from this process's cache after the first time: the front's compiled
+    form does not cross, ``step_wire.add_message``), its adapter read and laid out for its
+    slot (as the one-process engine does before it queues a request, so the step only copies
+    tensors).  Meanwhile the main thread goes on reading the pipe and the engine thread on
+    stepping; an abort that arrives before the preparation ends drops the request there.
+    A preparation that fails ends that request (REJECT: the front answers it with the
+    error), never the process."""
+
+    def __init__(
+        self,
+        core: EngineLoop,
+        thread: EngineThread,
+        tokenizer: Tokenizer,
+        grammars: GrammarCompiler | None,
+        sender: _Sender,
+    ) -> None:
+        self._core = core
+        self._thread = thread
+        self._tokenizer = tokenizer
+        self._grammars = grammars
+        self._sender = sender
+        # Requests being prepared and those of them aborted meanwhile.  Guarded by _lock,
+        # under which the posts to the engine thread are made too: an ABORT is posted after
+        # its ADD, or the ADD is never posted.
+        self._lock = threading.Lock()
+        self._preparing: set[str] = set()
+        self._aborted: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genserve-prepare")
+
+    def add(
+        self, req: GenerationRequest, spec: GrammarSpec | None, adapter: AdapterRef | None
+    ) -> None:
+        if spec is None and adapter is None:
+            self._post_add(req, adapter, None)
+            return
+        with self._lock:
+            self._preparing.add(req.req_id)
+        self._pool.submit(self._prepare, req, spec, adapter)
+
+    def abort(self, req_id: str) -> None:
+        with self._lock:
+            if req_id in self._preparing:
+                self._aborted.add(req_id)
+                return
+            self._thread.post(functools.partial(self._core.abort, req_id))
+        # The metrics read the stats of the last message: freed blocks show now, not at the
+        # next step (there may be none for a while).
+        scheduler = self._core.scheduler
+        self._thread.post(lambda: self._sender.send(wire.dumps((wire.STATS, scheduler.stats()))))
+
+    def compile_ahead(self, spec: GrammarSpec) -> None:
+        """The front is compiling ``spec`` (a cache miss there): compile it here meanwhile,
+        so the request that follows finds it in this process's cache instead of waiting
+        for a second compile.  A spec the front then refuses fails here too, unseen."""
+        if self._grammars is not None:
+            self._pool.submit(self._compile_quietly, spec)
+
+    def _compile_quietly(self, spec: GrammarSpec) -> None:
+        assert self._grammars is not None
+        with contextlib.suppress(Exception):  # the front reports it (INVALID_ARGUMENT)
+            self._grammars.compile_sync(spec)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _prepare(
+        self, req: GenerationRequest, spec: GrammarSpec | None, adapter: AdapterRef | None
+    ) -> None:
+        grammar: GrammarState | None = None
+        error: str | None = None
+        try:
+            if spec is not None:
+                grammar = self._grammar_state(spec)
+            if adapter is not None:
+                prepare = getattr(self._core.runner, "prepare_adapter", None)
+                if prepare is not None:  # else the step that first runs it loads it
+                    prepare(adapter)
+        except Exception as exc:  # this request fails, not the engine
+            what = "its grammar" if spec is not None and grammar is None else "its adapter"
+            error = f"the engine process could not prepare {what}: {type(exc).__name__}: {exc}"
+            log.warning("request_prepare_failed", req_id=req.req_id, error=error)
+        with self._lock:
+            self._preparing.discard(req.req_id)
+            if req.req_id in self._aborted:
+                self._aborted.discard(req.req_id)
+                return
+            if error is not None:
+                self._sender.send(wire.dumps((wire.REJECT, req.req_id, error)))
+                return
+            self._post_add(req, adapter, grammar)
+
+    def _grammar_state(self, spec: GrammarSpec) -> GrammarState:
+        if self._grammars is None:  # the front has a compiler only when this process has one
+            raise RuntimeError("structured output is disabled (--disable-grammar-support)")
+        return self._grammars.compile_sync(spec).new_state()
+
+    def _post_add(
+        self, req: GenerationRequest, adapter: AdapterRef | None, grammar: GrammarState | None
+    ) -> None:
+        request = wire.scheduler_request(req, adapter, grammar)
+        detok = self._tokenizer.detokenizer(
+            req.prompt_token_ids,
+            req.stop,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str=req.include_stop_str_in_output,
+        )
+        self._thread.post(functools.partial(self._core.add, req, request, detok))
 
 
 def _query(qid: int, name: str, sender: _Sender, core: EngineLoop, thread: EngineThread) -> None:

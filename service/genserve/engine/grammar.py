@@ -34,6 +34,7 @@ import asyncio
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -164,6 +165,9 @@ class GrammarCompiler:
         max_threads: int = 2,
     ) -> None:
         self.vocab_size = vocab_size
+        # Told of each spec about to be compiled (not of cache hits): --engine-process's
+        # front has the engine process start its own compile of it at the same time.
+        self.on_compile: Callable[[GrammarSpec], None] | None = None
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
@@ -192,6 +196,8 @@ class GrammarCompiler:
         if cached is not None:
             self._cache.move_to_end(spec)
             return cached
+        if self.on_compile is not None:
+            self.on_compile(spec)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.compile_sync, spec)
 

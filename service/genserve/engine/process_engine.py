@@ -15,9 +15,13 @@ When the child dies (the pipe's end-of-file while not shutting down) every reque
 ends with an error while :attr:`dead_reason` is set (the servicer answers UNAVAILABLE) and
 ``on_death`` tells the launcher, which exits non-zero as after a shard failure.
 
-Not carried across yet, refused here rather than ignored: grammars (the compiled matcher is
-not picklable; the launcher gives the converter no compiler) and LoRA adapters (the
-launcher refuses the flags).  Tensor parallelism is refused by the launcher."""
+Grammars and LoRA adapters work as in one process.  A grammar is compiled here first (the
+servicer's converter: a bad one is INVALID_ARGUMENT before anything is sent) and its spec
+crosses, the child compiling it again from its own cache.  Adapters are resolved, validated
+and given their runner slot here, by the same :class:`~genserve.engine.adapter_manager.
+AdapterManager` (an unknown one is NOT_FOUND, Info lists the resident ones); the request
+carries its :class:`~genserve.step.AdapterRef` and the child's runner installs it.  Tensor
+parallelism is refused by the launcher."""
 
 from __future__ import annotations
 
@@ -35,12 +39,14 @@ from genserve.engine.adapter_manager import AdapterManager
 from genserve.engine.async_engine import EngineUnavailableError
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
+from genserve.engine.grammar_spec import GrammarSpec
 from genserve.engine.mailbox import RequestStream
 from genserve.engine.outputs import GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import check_request
 from genserve.engine.scheduler_output import SchedulerStats
 from genserve.model.adapter_errors import AdapterNotFoundError
+from genserve.step import AdapterRef
 
 __all__ = ["ProcessEngine"]
 
@@ -73,7 +79,8 @@ class ProcessEngine:
         self._query_ids = itertools.count()
         self._reader: threading.Thread | None = None
         self.step_observers: list[Callable[[StepObservation], None]] = []
-        self.adapters: AdapterManager | None = None  # LoRA is refused with --engine-process
+        # LoRA adapters (set by the launcher); None: requests naming an adapter are refused.
+        self.adapters: AdapterManager | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -172,31 +179,49 @@ class ProcessEngine:
             raise EngineUnavailableError(self._dead_reason or "the engine is not serving")
         if req.req_id in self._clients:
             raise ValueError(f"duplicate request id {req.req_id!r}")
-        if req.grammar is not None:  # the converter has no compiler: a bug if reached
-            raise ValueError("structured output is not supported with --engine-process")
-        if req.adapter_id:
-            raise AdapterNotFoundError(
-                f"adapter {req.adapter_id!r}: LoRA adapters are not supported with --engine-process"
-            )
+        adapter = await self._acquire_adapter(req.adapter_id)
+        num_generated = 0
         client: RequestStream | None = None
         try:
-            client = self._submit(req)
+            client = self._submit(req, adapter)
             get = client.queue.get
             while True:
                 out = await get()
+                num_generated += out.token is not None
                 yield out
                 if out.final is not None:
                     return
         finally:
             if client is not None and not client.finished:
                 self.abort(req.req_id)
+            if adapter is not None and self.adapters is not None:
+                self.adapters.release(adapter, num_generated)
 
-    def _submit(self, req: GenerationRequest) -> RequestStream:
-        check_request(wire.scheduler_request(req), self._hello.max_tokens_per_request)
+    async def _acquire_adapter(self, requested: str | None) -> AdapterRef | None:
+        """The request's LoRA adapter, validated and pinned into a runner slot here (the
+        child's runner reads and installs it: ``engine_process._Arrivals``)."""
+        adapter_id = self.adapters.effective_id(requested) if self.adapters else requested
+        if not adapter_id:
+            return None
+        if self.adapters is None:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r}: LoRA is not enabled")
+        return await self.adapters.acquire(adapter_id)
+
+    def _submit(self, req: GenerationRequest, adapter: AdapterRef | None) -> RequestStream:
+        if not self.is_ready:  # the adapter's wait gave shutdown or a death time to come
+            raise EngineUnavailableError(self._dead_reason or "the engine is not serving")
+        check_request(wire.scheduler_request(req, adapter), self._hello.max_tokens_per_request)
         client = RequestStream(req)
         self._clients[req.req_id] = client
-        self._send((wire.ADD, req))
+        self._send(wire.add_message(req, adapter))
         return client
+
+    def compile_ahead(self, spec: GrammarSpec) -> None:
+        """The front's grammar compiler is about to compile ``spec`` (its cache missed): the
+        engine process compiles it at the same time (``GrammarCompiler.on_compile``), so
+        a new schema's first request waits for one compile, not one per process."""
+        if not self._closed.is_set():
+            self._send((wire.COMPILE, spec))
 
     def abort(self, req_id: str) -> None:
         client = self._clients.get(req_id)
@@ -272,6 +297,12 @@ class ProcessEngine:
                     future.set_exception(RuntimeError(value))
         elif kind == wire.STATS:
             self._stats = message[1]
+        elif kind == wire.REJECT:  # the child could not start it (its grammar or adapter)
+            _, req_id, error = message
+            client = self._clients.get(req_id)
+            if client is not None:
+                self._finish(req_id, client)
+                client.queue.put_nowait(client.end_output(FinishReason.ERROR, error))
         elif kind == wire.DEAD:
             self._die(str(message[1]))
 

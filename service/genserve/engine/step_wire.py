@@ -14,15 +14,19 @@ Pure functions: no pipe, no threads (``engine/engine_process.py`` sends,
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.outputs import GenerationRequest, TokenInfo, TokenOutput
 from genserve.engine.request import Request
 from genserve.engine.scheduler import SchedulerStats
-from genserve.step import NewRequestData, ScheduledChunk, SchedulerOutput
+from genserve.step import AdapterRef, NewRequestData, ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from genserve.engine.grammar import GrammarState
 
 # Message kinds, the first item of every message tuple.
 # engine -> front
@@ -32,10 +36,12 @@ STEP = "step"  # (STEP, encoded delivery, stats, num_steps)
 DEAD = "dead"  # (DEAD, reason): the engine loop stopped for good (a runner died)
 STATS = "stats"  # (STATS, SchedulerStats): after an abort (no step may follow soon)
 REPLY = "reply"  # (REPLY, query id, ok, value)
+REJECT = "reject"  # (REJECT, req_id, message): an ADD the engine could not start
 # front -> engine
-ADD = "add"  # (ADD, GenerationRequest)
+ADD = "add"  # (ADD, GenerationRequest less its grammar, GrammarSpec | None, AdapterRef | None)
 ABORT = "abort"  # (ABORT, req_id)
 QUERY = "query"  # (QUERY, query id, name): "stats" | "check_invariants"
+COMPILE = "compile"  # (COMPILE, GrammarSpec): the front compiles it now; compile it too
 SHUTDOWN = "shutdown"  # (SHUTDOWN,): end every request, stop, exit
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -63,15 +69,35 @@ def loads(data: bytes) -> tuple[Any, ...]:
     return message
 
 
-def scheduler_request(req: GenerationRequest) -> Request:
+def add_message(req: GenerationRequest, adapter: AdapterRef | None) -> tuple[Any, ...]:
+    """The ADD message for ``req``.  Its compiled grammar does not cross (xgrammar's compiled
+    grammar is a C++ object, tens of KB to MBs serialised, per request): its spec does, and
+    the engine process compiles it with its own cache (the front compiled it first, which
+    validated it: a bad one never reaches the pipe)."""
+    spec = req.grammar.spec if req.grammar is not None else None
+    if req.grammar is not None:
+        req = dataclasses.replace(req, grammar=None)
+    return (ADD, req, spec, adapter)
+
+
+def scheduler_request(
+    req: GenerationRequest,
+    adapter: AdapterRef | None = None,
+    grammar: GrammarState | None = None,
+) -> Request:
     """The scheduler's request for an ADD message's ``req`` (the child runs it, the front
-    checks it against the KV capacity).  No grammar state and no adapter: the front refuses
-    both with --engine-process (not carried across yet)."""
+    checks it against the KV capacity), as :class:`~genserve.engine.async_engine.
+    AsyncEngine` builds it in one process."""
     return Request(
         req_id=req.req_id,
         prompt_token_ids=list(req.prompt_token_ids),
         sampling=req.sampling,
         stopping=req.stopping,
+        grammar=grammar,
+        # The adapter is part of every block hash: the same prompt under two adapters
+        # never shares KV.
+        cache_salt=f"lora:{adapter.adapter_id}" if adapter else None,
+        adapter=adapter,
         fork_of=req.fork_of,
     )
 

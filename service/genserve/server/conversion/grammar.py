@@ -59,7 +59,7 @@ async def attach_grammar(
         if compiler is None:
             raise GrammarUnsupportedError(
                 "structured output (`grammar`) is disabled on this server "
-                "(--disable-grammar-support, or --engine-process: not carried across yet)"
+                "(--disable-grammar-support)"
             )
         return dataclasses.replace(req, grammar=await compiler.compile(spec))
     except GrammarError as exc:
