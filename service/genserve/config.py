@@ -426,8 +426,9 @@ FLAGS: tuple[_Flag, ...] = (
         "cpu_features_mask",
         "Testing and benchmarking only: CPU features genserve's kernels treat as absent, to "
         "run the paths of another CPU on this one: avx2 (an AVX2-only CPU), avx512 (AVX-512 "
-        "without VNNI/bfloat16/AMX) or a comma list of GCC cpu names (avx512vnni, avx512bf16, "
-        "avxvnni, amx-bf16, ...). Only removes paths (docs/benchmarks/cpu-avx2.md).",
+        "without VNNI/bfloat16/AMX/GFNI) or a comma list of GCC cpu names (avx512vnni, "
+        "avx512bf16, avxvnni, amx-bf16, gfni, ...). Only removes paths "
+        "(docs/benchmarks/cpu-avx2.md).",
         env=("GENSERVE_CPU_FEATURES_MASK",),
     ),
     _flag(

@@ -23,6 +23,7 @@ inline constexpr HideableFeature kHideable[] = {
     {"avx512f", 1u << 0},   {"avx512bw", 1u << 1},    {"avx512vl", 1u << 2},
     {"avx512vnni", 1u << 3}, {"avx512bf16", 1u << 4}, {"avxvnni", 1u << 5},
     {"amx-tile", 1u << 6},  {"amx-int8", 1u << 7},    {"amx-bf16", 1u << 8},
+    {"gfni", 1u << 9},
 };
 
 inline std::atomic<uint32_t> g_hidden{0};

@@ -28,11 +28,13 @@ HIDEABLE: tuple[str, ...] = (
     "amx-tile",
     "amx-int8",
     "amx-bf16",
+    "gfni",
 )
 _AMX = ("amx-tile", "amx-int8", "amx-bf16")
 LEVELS: dict[str, tuple[str, ...]] = {
     "avx2": HIDEABLE,
-    "avx512": ("avx512vnni", "avx512bf16", "avxvnni", *_AMX),
+    # Skylake-SP: no GFNI either (kquant_cpu.cpp's AVX-512 K-quant unpack)
+    "avx512": ("avx512vnni", "avx512bf16", "avxvnni", *_AMX, "gfni"),
 }
 
 
