@@ -132,7 +132,10 @@ def _float16_to_float32(half: np.ndarray) -> np.ndarray:
         # and it is only read here.
         warnings.simplefilter("ignore", UserWarning)
         source = torch.from_numpy(half)
-    return source.to(torch.float32).numpy()
+    # Into numpy's memory, as astype's result was (allocated the same way: the same peak).
+    out = np.empty(half.shape, dtype=np.float32)
+    torch.from_numpy(out).copy_(source)
+    return out
 
 
 class GGUFWeights:
