@@ -162,6 +162,31 @@ def test_packing_keeps_the_weights_exactly(fmt: str) -> None:
     assert torch.equal(panels.dequantize_rows(torch.arange(70), torch.float32), quant.dequantize())
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("shape", [(64, 128), (70, 96), (33, 40)])
+def test_packing_pads_with_zero_weights_and_owns_its_bytes(
+    fmt: str, shape: tuple[int, int]
+) -> None:
+    """Padded rows and inputs hold integer 0 (byte 128 at 8 bits, nibble 0 at 4), and the
+    panels never alias the stored form, also where no padding is needed (packing then
+    reads straight from it: issue #28's start-up work)."""
+    n, k = shape
+    if k % 32 and fmt != "int8 per-channel":
+        pytest.skip("block formats have whole blocks of 32 inputs")
+    gen = torch.Generator().manual_seed(5)
+    quant = FORMATS[fmt](torch.randn(n, k, generator=gen))
+    panels = IntDotPanels.pack(quant)
+    values = panels.quantized_values()  # [N, K] of the unpadded matrix
+    p, kp = panels.data.shape[0], panels.data.shape[1] * 4
+    padded = IntDotPanels(panels.data, panels.scales, panels.mins, panels.bits, kp, p * 32)
+    whole = padded.quantized_values()
+    assert torch.equal(whole[:n, :k], values)
+    assert bool((whole[n:] == 0).all()) and bool((whole[:, k:] == 0).all())
+    stored = {quant.data.untyped_storage().data_ptr(), quant.scales.untyped_storage().data_ptr()}
+    mine = [panels.data, panels.scales] + ([] if panels.mins is None else [panels.mins])
+    assert not stored & {t.untyped_storage().data_ptr() for t in mine}
+
+
 def test_kernel_rejects_what_it_does_not_serve() -> None:
     quant = q4_0(torch.randn(40, 64))
     panels = IntDotPanels.pack(quant)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,21 @@ def _empty_like_rows(part: QuantizedWeight, rows: int) -> QuantizedWeight:
     return QuantizedWeight(rows_of(part.data), rows_of(part.scales), mins, part.bits, part.group)
 
 
+def _float16_to_float32(half: np.ndarray) -> np.ndarray:
+    """``half`` widened to float32: the values gguf-py's dequantizer gives (the conversion is
+    exact), through torch's vectorised, threaded cast instead of numpy's scalar one (~6x
+    faster here: 3.6 s of a 1B F16 file's start went to numpy's ``astype``, issue #28)."""
+    with warnings.catch_warnings():
+        # The file is mapped read-only; torch warns that the tensor over it is not writable,
+        # and it is only read here.
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(half)
+    # Into numpy's memory, as astype's result was (allocated the same way: the same peak).
+    out = np.empty(half.shape, dtype=np.float32)
+    torch.from_numpy(out).copy_(source)
+    return out
+
+
 class GGUFWeights:
     """A GGUF file as a :class:`~genserve.model.weights.WeightSource`, read in place.
 
@@ -194,6 +210,8 @@ class GGUFWeights:
         tensor = self._tensor(name)
         if tensor.tensor_type == Q.F32:
             values = np.array(tensor.data, dtype=np.float32)
+        elif tensor.tensor_type == Q.F16:
+            values = _float16_to_float32(np.asarray(tensor.data).view(np.float16))
         else:
             values = dequantize(tensor.data, tensor.tensor_type)
         out = torch.from_numpy(np.ascontiguousarray(values).reshape(self.shape(name)))

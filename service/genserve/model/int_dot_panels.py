@@ -40,6 +40,10 @@ def _padded_k(k: int) -> int:
 
 
 def _pad(t: torch.Tensor, rows: int, cols: int, value: int | float = 0) -> torch.Tensor:
+    """``t`` grown to ``[rows, cols]`` with ``value``; ``t`` itself where it has that shape
+    already (every matrix of a real model: no pass over the weights for nothing)."""
+    if tuple(t.shape) == (rows, cols):
+        return t
     out = torch.full((rows, cols), value, dtype=t.dtype)
     out[: t.shape[0], : t.shape[1]] = t
     return out
@@ -47,8 +51,11 @@ def _pad(t: torch.Tensor, rows: int, cols: int, value: int | float = 0) -> torch
 
 def _block_params(t: torch.Tensor, group: int, k: int, n_pad: int, blocks: int) -> torch.Tensor:
     """Per-group float16 ``[N, groups]`` -> ``[P, blocks, 32]``, one per block of 32."""
-    index = torch.clamp(torch.arange(blocks) * BLOCK // group, max=t.shape[1] - 1)
-    per_block = _pad(t[:, index], n_pad, blocks)
+    if group == BLOCK and t.shape[1] == blocks:  # one per block already (GGUF): no gather
+        per_block = _pad(t, n_pad, blocks)
+    else:
+        index = torch.clamp(torch.arange(blocks) * BLOCK // group, max=t.shape[1] - 1)
+        per_block = _pad(t[:, index], n_pad, blocks)
     return per_block.view(n_pad // PANEL, PANEL, blocks).transpose(1, 2).contiguous()
 
 
@@ -89,19 +96,27 @@ class IntDotPanels:
         n, k = quant.out_features, quant.in_features
         kp, n_pad = _padded_k(k), -(-n // PANEL) * PANEL
         p, blocks = n_pad // PANEL, kp // BLOCK
+        # Each step below writes its result once, straight into the layout (``out=``), with
+        # no wider temporary: packing is a large share of a GGUF start (issue #28).
         if quant.bits == 8:
-            u8 = (quant.data.to(torch.int16) + 128).to(torch.uint8)
-            q = _pad(u8, n_pad, kp, 128)  # padding: weight 0
+            # q + 128 as a byte is q's two's-complement byte with the top bit flipped (so the
+            # padding, 0 here, becomes 128: weight 0).
+            q = _pad(quant.data.view(torch.uint8), n_pad, kp).contiguous()
+            data = torch.empty((p, kp // 4, PANEL, 4), dtype=torch.uint8)
             # [P, 32, Kp/4, 4] -> [P, Kp/4, 32, 4]
-            data = q.view(p, PANEL, kp // 4, 4).permute(0, 2, 1, 3).reshape(p, kp // 4, 128)
+            torch.bitwise_xor(q.view(p, PANEL, kp // 4, 4).permute(0, 2, 1, 3), 0x80, out=data)
+            data = data.view(p, kp // 4, 128)
         else:
-            low = (quant.data & 0x0F).view(n, k // 32, 16)
-            high = (quant.data >> 4).view(n, k // 32, 16)
-            q = _pad(torch.cat((low, high), dim=-1).reshape(n, k), n_pad, kp)  # 0..15
+            codes = torch.empty((n, k // 32, 32), dtype=torch.uint8)  # 0..15, in input order
+            nibbles = quant.data.contiguous().view(n, k // 32, 16)
+            torch.bitwise_and(nibbles, 0x0F, out=codes[..., :16])
+            torch.bitwise_right_shift(nibbles, 4, out=codes[..., 16:])
+            q = _pad(codes.view(n, k), n_pad, kp)
             quads = q.view(p, PANEL, kp // 4, 4).permute(0, 2, 1, 3)  # [P, Kp/4, 32, 4]
-            data = (quads[:, :, : PANEL // 2] | (quads[:, :, PANEL // 2 :] << 4)).reshape(
-                p, kp // 4, 64
-            )
+            data = torch.empty((p, kp // 4, PANEL // 2, 4), dtype=torch.uint8)
+            torch.bitwise_left_shift(quads[:, :, PANEL // 2 :], 4, out=data)
+            data.bitwise_or_(quads[:, :, : PANEL // 2])
+            data = data.view(p, kp // 4, 64)
         scales = _block_params(quant.scales, quant.group, k, n_pad, blocks)
         mins = None
         if quant.mins is not None and not _symmetric(quant.scales, quant.mins):
