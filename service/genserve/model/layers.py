@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genserve.kernels import int_dot, prefill_gemm
+from genserve.model.embedding_rows import DequantizedRowCache
 from genserve.model.huge_pages import HugePageRegion
 from genserve.model.int_dot_panels import IntDotPanels
 from genserve.model.kquants import FLOAT_PATH, AnyQuantized, KQuantWeight
@@ -398,12 +399,17 @@ class VocabParallelEmbedding(_Packable):
         self.vocab_size = vocab_size
         self.start, self.stop, per_rank = ctx.padded_shard(vocab_size)
         self.weight = _empty(per_rank, hidden_size, dtype=dtype, device=device)
+        self._row_cache = DequantizedRowCache()  # a quantized table's decode rows
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:  # dequantize just the looked-up rows
-            return self.quant.rows(ids).dequantize(self.weight.dtype)
+            quant = self.quant
+            return self._row_cache.lookup(
+                quant, ids, self.weight.dtype, lambda i, d: quant.rows(i).dequantize(d)
+            )
         if self.qpanels is not None:  # a tied head's panels (weight_panels.py)
-            return self.qpanels.dequantize_rows(ids, self.weight.dtype)
+            q = self.qpanels
+            return self._row_cache.lookup(q, ids, self.weight.dtype, q.dequantize_rows)
         if self.panels is not None:
             return float_panel_rows(self.panels, ids)
         return F.embedding(ids, self.weight)

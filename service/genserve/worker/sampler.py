@@ -30,6 +30,7 @@ paths (C++ greedy stats, top-p over 64 candidates) stay: there is no device to w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -364,7 +365,9 @@ def _greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     if not cpu_kernels.enabled_and_loaded():
         return None
     argmax, peak, log_total = torch.ops.genserve.greedy_stats(logits)
-    if not bool(torch.isfinite(log_total).all()):
+    # On the host: a handful of floats, where torch.isfinite(...).all() and its bool() were six
+    # small ops (~40 us of a one-stream 135M step of ~6 ms).
+    if not all(map(math.isfinite, log_total.tolist())):
         return None
     return argmax, peak, log_total
 
