@@ -287,16 +287,17 @@ def test_panel_linear_matches_a_float64_product(
     torch.testing.assert_close(no_bias.double(), expected - bias.double(), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 13, 129, 257, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 13, 32, 33, 129, 257, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 1536), (33, 100)])
 def test_float16_panels_give_the_float32_panels_results_bit_for_bit(
     rows: int, out_features: int, in_features: int
 ) -> None:
     """A float32 weight whose values are all float16 values (an F16 GGUF served in float32)
     packed as float16 panels: every path (one streamed row, row tiles with remainders, more
-    than one row block, the torch GEMM past 256 rows) gives exactly the float32 panels'
-    results, with and without bias, and the rows look up exactly.  Run with the native library
-    and the AVX2-level one (``ATEN_CPU_CAPABILITY=avx2``) to cover both builds."""
+    than one row block, the torch GEMM past 256 rows; on AVX2 the first tile's widening and
+    the k-major copy of x up to 32 rows) gives exactly the float32 panels' results, with and
+    without bias, and the rows look up exactly.  Run with the native library and the
+    AVX2-level one (``ATEN_CPU_CAPABILITY=avx2``) to cover both builds."""
     from genserve.model.weight_panels import float_panel_rows, pack_float, pack_half_exact
 
     gen = torch.Generator().manual_seed(rows + out_features)

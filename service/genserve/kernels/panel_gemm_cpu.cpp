@@ -32,9 +32,11 @@
 // Float16 panels ([P, K, 32] float16, kBits 16): a float32 model whose weights are all
 // float16 values (an F16 GGUF served in float32 where the CPU has no native bfloat16, e.g.
 // AVX2-only parts) keeps them at half the bytes.  One row widens them in registers (F16C),
-// more rows a chunk at a time into the L1 scratch the row tiles read; widening is exact, so
-// every sum is the float32 panels' own, in the same order: the same results at half the
-// memory traffic (weight_panels.pack_half_exact; docs/cpu-avx2.md).
+// more rows a chunk at a time into the L1 scratch the row tiles read (on AVX2 inside the
+// chunk's first row tile, and decode-size steps read x from a k-major copy: tile_widen,
+// pack_x_k_major); widening is exact, so every sum is the float32 panels' own, in the same
+// order: the same results at half the memory traffic (weight_panels.pack_half_exact;
+// docs/benchmarks/cpu-avx2.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,6 +48,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "matvec_core.h"
 
@@ -103,7 +107,7 @@ struct Ahead {
 // k-step k0), accumulated into acc (R × 32, row stride kPanel); `first` starts the sums from
 // zero; kFetchBytes (the bytes of a k-step of the weights in memory: 128 for float32 panels,
 // 64 for float16 ones; 0: none) advances `ahead`.
-template <int R, int kFetchBytes>
+template <int R, int kFetchBytes, bool kPackedX = false>
 inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* chunk,
                  float* acc_out, bool first, Ahead* ahead) {
   constexpr bool kFetchAhead = kFetchBytes > 0;
@@ -123,7 +127,7 @@ inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const floa
     f32v w[kVecs];
     for (int j = 0; j < kVecs; ++j) w[j] = load16(wk + j * kLanes);
     for (int r = 0; r < R; ++r) {
-      const f32v b = f32v{} + x[r * ldx + k];
+      const f32v b = f32v{} + (kPackedX ? x[k * ldx + r] : x[r * ldx + k]);
       for (int j = 0; j < kVecs; ++j) acc[r][j] += b * w[j];
     }
   }
@@ -136,12 +140,69 @@ inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const floa
 }
 
 // The last rows of a block, fewer than kTileRows: R chosen at run time.
-template <int R, int kFetchBytes>
+template <int R, int kFetchBytes, bool kPackedX = false>
 void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
                const float* chunk, float* acc, bool first, Ahead* ahead) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kFetchBytes>(x, ldx, k0, k1, chunk, acc, first, ahead);
-    tail_tile<R - 1, kFetchBytes>(rows, x, ldx, k0, k1, chunk, acc, first, ahead);
+    if (rows == R) return tile<R, kFetchBytes, kPackedX>(x, ldx, k0, k1, chunk, acc, first, ahead);
+    tail_tile<R - 1, kFetchBytes, kPackedX>(rows, x, ldx, k0, k1, chunk, acc, first, ahead);
+  }
+}
+
+// Float16 panels on AVX2: the first row tile of a chunk widens each k-step's 32 weights in
+// registers (VCVTPH2PS), multiplies its rows by them and stores them into the chunk scratch
+// that the chunk's other row tiles read.  Widening in a pass of its own before the tiles (as
+// AVX-512 still does) left the conversions and their stores outside the FMA loop: the AVX2
+// build's 8-row [2048, 2048] product ran at 70% of the FMA peak with the weights in cache,
+// 84% with the widening here and x k-major (AMD EPYC Zen 4, 1 thread, 2026-11-27; not
+// measured on other CPUs: docs/benchmarks/cpu-avx2.md).  Registers: R × 4 accumulators,
+// R broadcasts and one weight vector (16 at R = 3).  Every sum is tile()'s: one FMA chain
+// per row and column, in k order.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kWidenInTile = true;
+#else
+constexpr bool kWidenInTile = false;
+#endif
+
+template <int R, bool kPackedX>
+inline void tile_widen(const float* x, int64_t ldx, int64_t k0, int64_t k1, const c10::Half* src,
+                       float* chunk, float* acc_out, bool first, Ahead* ahead) {
+  constexpr int kFetchBytes = kPanel * 2;
+  f32v acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j)
+      acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + j * kLanes);
+  int64_t fire = ahead->fire;
+  const char* next = ahead->next;
+  for (int64_t k = k0; k < k1; ++k) {
+    const c10::Half* hk = src + (k - k0) * kPanel;
+    float* wk = chunk + (k - k0) * kPanel;
+    if (k - k0 == fire) {
+      for (int b = 0; b < kFetchBytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+      next += kFetchBytes;
+      fire += ahead->every;
+    }
+    f32v b[R];
+    for (int r = 0; r < R; ++r) b[r] = f32v{} + (kPackedX ? x[k * ldx + r] : x[r * ldx + k]);
+    for (int j = 0; j < kVecs; ++j) {
+      const f32v w = load_f16(hk + j * kLanes);
+      store(wk + j * kLanes, w);
+      for (int r = 0; r < R; ++r) acc[r][j] += b[r] * w;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVecs; ++j) store(acc_out + r * kPanel + j * kLanes, acc[r][j]);
+  ahead->next = next;
+  ahead->fire = fire - (k1 - k0);
+}
+
+// tile_widen for a first tile of `rows` (1 .. R) rows, R chosen at run time.
+template <int R, bool kPackedX>
+void widen_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
+                const c10::Half* src, float* chunk, float* acc, bool first, Ahead* ahead) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_widen<R, kPackedX>(x, ldx, k0, k1, src, chunk, acc, first, ahead);
+    widen_tile<R - 1, kPackedX>(rows, x, ldx, k0, k1, src, chunk, acc, first, ahead);
   }
 }
 
@@ -288,10 +349,13 @@ inline void stream_row_q(const float* x, const QPanels& q, int64_t p, float* out
 // Rows [m0, m0 + rows) of x against panel p (float32 `panel`, or `quant` when not null),
 // written (with the bias) to out's columns [col0, col0 + cols), or added to what out holds
 // there when `accumulate` (out += x Wᵀ + b, the residual add after a layer's last projection).
+// xt: null, or x copied k-major (xt[k * ldt + m], float16 panels on AVX2 only: see
+// pack_x_k_major), which the row tiles then read instead of x.
 template <int kBits>
 void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float* panel,
                 const QPanels* quant, int64_t p, const float* bias, float* out, int64_t N,
-                int64_t col0, int64_t cols, float* scratch, float* wchunk, bool accumulate) {
+                int64_t col0, int64_t cols, float* scratch, float* wchunk, bool accumulate,
+                const float* xt, int64_t ldt) {
   // One row streamed sums in another order than the row tiles: batch-invariant mode tiles it.
   if (rows == 1 && !genserve_ops::batch_invariant()) {
     if constexpr (kBits == 8) {
@@ -312,7 +376,8 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
     // Float32 and float16 panels are prefetched by the row tiles (quantized ones by
     // dequant_chunk, a chunk ahead).  Float16 k-steps are widened once per chunk into
     // wchunk, shared by every row tile: widening in each tile instead (F16C beside the
-    // FMAs) ran 8 rows 1.4x and 32 rows 1.8x slower than float32 panels (AVX2 build).
+    // FMAs) ran 8 rows 1.4x and 32 rows 1.8x slower than float32 panels (AVX2 build).  On
+    // AVX2 the first tile does that widening (tile_widen), the others read wchunk.
     constexpr int kFetchBytes = kBits == 0 ? kPanel * 4 : kBits == 16 ? kPanel * 2 : 0;
     const c10::Half* half = nullptr;
     const char* stream = reinterpret_cast<const char*>(panel);
@@ -322,29 +387,49 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
     }
     Ahead ahead{kFetchBytes > 0 ? stream + kAheadSteps * kFetchBytes : nullptr, 0,
                 (rows + kTileRows - 1) / kTileRows};
-    for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
-      const int64_t k1 = std::min(K, k0 + kKChunk);
-      const float* chunk = wchunk;
-      if constexpr (kBits == 0) {
-        chunk = panel + k0 * kPanel;
-      } else if constexpr (kBits == 16) {
-        const c10::Half* src = half + k0 * kPanel;
-        for (int64_t i = 0; i < (k1 - k0) * kPanel; i += kLanes) {
-          store(wchunk + i, load_f16(src + i));
+    // kP: the tiles read xt (row r of the block at xr + r, k-steps ld apart), else x.
+    const auto row_tiles = [&](auto packed) {
+      constexpr bool kP = decltype(packed)::value;
+      const float* xr = kP ? xt + m0 : x + m0 * K;
+      const int64_t ld = kP ? ldt : K;
+      const auto xrow = [&](int64_t r) { return kP ? xr + r : xr + r * K; };
+      for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
+        const int64_t k1 = std::min(K, k0 + kKChunk);
+        const float* chunk = wchunk;
+        int64_t r = 0;
+        if constexpr (kBits == 0) {
+          chunk = panel + k0 * kPanel;
+        } else if constexpr (kBits == 16 && kWidenInTile) {
+          r = std::min<int64_t>(rows, kTileRows);
+          widen_tile<kTileRows, kP>(static_cast<int>(r), xr, ld, k0, k1, half + k0 * kPanel,
+                                    wchunk, scratch, k0 == 0, &ahead);
+        } else if constexpr (kBits == 16) {
+          const c10::Half* src = half + k0 * kPanel;
+          for (int64_t i = 0; i < (k1 - k0) * kPanel; i += kLanes) {
+            store(wchunk + i, load_f16(src + i));
+          }
+        } else {
+          dequant_chunk<kBits>(*quant, p, k0, k1, wchunk);
         }
+        for (; r + kTileRows <= rows; r += kTileRows) {
+          tile<kTileRows, kFetchBytes, kP>(xrow(r), ld, k0, k1, chunk, scratch + r * kPanel,
+                                           k0 == 0, &ahead);
+        }
+        if (r < rows) {
+          tail_tile<kTileRows - 1, kFetchBytes, kP>(static_cast<int>(rows - r), xrow(r), ld, k0,
+                                                    k1, chunk, scratch + r * kPanel, k0 == 0,
+                                                    &ahead);
+        }
+      }
+    };
+    if constexpr (kBits == 16 && kWidenInTile) {
+      if (xt != nullptr) {
+        row_tiles(std::true_type{});
       } else {
-        dequant_chunk<kBits>(*quant, p, k0, k1, wchunk);
+        row_tiles(std::false_type{});
       }
-      int64_t r = 0;
-      for (; r + kTileRows <= rows; r += kTileRows) {
-        tile<kTileRows, kFetchBytes>(x + (m0 + r) * K, K, k0, k1, chunk, scratch + r * kPanel,
-                                     k0 == 0, &ahead);
-      }
-      if (r < rows) {
-        tail_tile<kTileRows - 1, kFetchBytes>(static_cast<int>(rows - r), x + (m0 + r) * K, K,
-                                              k0, k1, chunk, scratch + r * kPanel, k0 == 0,
-                                              &ahead);
-      }
+    } else {
+      row_tiles(std::false_type{});
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -366,7 +451,8 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
 // Every (row block, panel) task of y = x Wᵀ + b, over torch's threads.
 template <int kBits>
 void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, const float* wp,
-                const QPanels* quant, const float* bp, float* op, bool accumulate) {
+                const QPanels* quant, const float* bp, float* op, bool accumulate,
+                const float* xt = nullptr) {
   // Tasks over (row block, panel) pairs, panel-major within a row block so that each thread
   // streams a contiguous band of W; each task moves >= ~128 KB of weights at one row.
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
@@ -379,9 +465,25 @@ void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, con
       const int64_t m0 = block * kRowBlock, rows = std::min(kRowBlock, M - m0);
       panel_rows<kBits>(xp, K, m0, rows, wp == nullptr ? nullptr : wp + p * K * kPanel, quant, p, bp,
                  op, N, p * kPanel, std::min(kPanel, N - p * kPanel), scratch, wchunk,
-                 accumulate);
+                 accumulate, xt, M);
     }
   });
+}
+
+// Float16 panels on AVX2, steps of 2 .. kPackXMaxRows rows (decode batches): the row tiles
+// read x from a k-major copy, xt[k * M + m].  Read in place, a tile's rows are K floats
+// apart: at K = 2048 or 8192 every row's current line falls in the same set of a 32 KiB
+// 8-way L1, which the widened chunk and the float16 panel also pass through; k-major, the
+// whole step's activations for one k-step share one or two lines.  The copy is M × K floats
+// once per call (64 KiB at 8 rows of 2,048).  Larger steps (prefill chunks) keep x in place:
+// the 32-row bound is a choice, not a measurement (only 8 rows were timed, on a Zen 4).
+constexpr int64_t kPackXMaxRows = 32;
+
+std::vector<float> pack_x_k_major(const float* x, int64_t M, int64_t K) {
+  std::vector<float> xt(static_cast<size_t>(M * K));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x[m * K + k];
+  return xt;
 }
 
 // Past this many rows (a prefill step of several prompts) torch's GEMM runs a float32
@@ -448,7 +550,10 @@ at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int6
   float* op = out.data_ptr<float>();
   if (half) {
     const QPanels q{pc.data_ptr(), nullptr, nullptr, 16, K, K, 1};
-    run_panels<16>(xp, M, K, P, N, nullptr, &q, bp, op, accumulate);
+    std::vector<float> xt;
+    if (kWidenInTile && M > 1 && M <= kPackXMaxRows) xt = pack_x_k_major(xp, M, K);
+    run_panels<16>(xp, M, K, P, N, nullptr, &q, bp, op, accumulate,
+                   xt.empty() ? nullptr : xt.data());
   } else {
     run_panels<0>(xp, M, K, P, N, pc.data_ptr<float>(), nullptr, bp, op, accumulate);
   }
