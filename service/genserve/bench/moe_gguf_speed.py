@@ -1,7 +1,8 @@
 """``python -m genserve.bench.moe_gguf_speed FILE.gguf``: op-level timing of one decode row
 through ``genserve::moe_experts_gguf`` (kernels/moe_quant_cpu.cpp) on a GGUF file's own routed
-expert tensors, one layer at a time, each call on freshly drawn random experts (top-k of E), so
-the experts' blocks come from memory as in a decode step rather than from cache.
+expert tensors (copied onto 2 MiB pages as the server places them, unless ``--small-pages``),
+one layer at a time, each call on freshly drawn random experts (top-k of E), so the experts'
+blocks come from memory as in a decode step rather than from cache.
 
 Prints per layer the median ms per call and the GB/s of expert rows it reads (the chosen
 experts' gate, up and down bytes).  Not a test: numbers depend on the machine and on what else
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from genserve.kernels import cpu as cpu_kernels
+from genserve.model.huge_pages import huge_page_region
 
 # GGML type codes the op takes for K-quant and block-of-32 experts.
 _CODES = {"Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -47,6 +49,22 @@ def _experts(path: str) -> list[dict[str, tuple[torch.Tensor, int]]]:
     return layers
 
 
+def _on_huge_pages(
+    layers: list[dict[str, tuple[torch.Tensor, int]]],
+) -> list[dict[str, tuple[torch.Tensor, int]]]:
+    """The blocks copied onto 2 MiB pages, as the server places the experts it streams
+    (model/huge_pages.py); the layers as they are where THP is not in madvise mode.  On the
+    file's 4 KiB mapping every expert row read also walks the page tables."""
+    sizes = [blocks.numel() for parts in layers for blocks, _ in parts.values()]
+    with huge_page_region(sizes, torch.device("cpu")) as region:
+        if region is None:
+            return layers
+        return [
+            {proj: (region.place(blocks), code) for proj, (blocks, code) in parts.items()}
+            for parts in layers
+        ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("gguf")
@@ -54,12 +72,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=80)
     parser.add_argument("--isa", type=int, default=0, help="int_dot.h code (0: auto, -1: float)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--small-pages", action="store_true", help="read the file's mapping, not 2 MiB pages"
+    )
     args = parser.parse_args(argv)
     if not cpu_kernels.load():
         print("genserve CPU kernels unavailable")
         return 1
     torch.set_num_threads(args.threads)
     layers = _experts(args.gguf)
+    if not args.small_pages:
+        layers = _on_huge_pages(layers)
     if not layers:
         print("no routed expert tensors (blk.N.ffn_gate_exps.weight) in", args.gguf)
         return 1
