@@ -201,10 +201,7 @@ def _read_front(
         if kind == wire.ADD:
             arrivals.add(message[1], message[2], message[3])
         elif kind == wire.ABORT:
-            arrivals.abort(message[1])
-            # The metrics read the stats of the last message: freed blocks show now, not at
-            # the next step (there may be none for a while).
-            thread.post(lambda: sender.send(wire.dumps((wire.STATS, core.scheduler.stats()))))
+            arrivals.abort(message[1])  # it sends the scheduler's stats after the abort
         elif kind == wire.COMPILE:
             arrivals.compile_ahead(message[1])
         elif kind == wire.QUERY:
