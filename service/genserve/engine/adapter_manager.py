@@ -174,6 +174,22 @@ class AdapterManager:
         return str(Path(directory).resolve())
 
 
+async def acquire_requested(
+    adapters: AdapterManager | None, requested: str | None
+) -> AdapterRef | None:
+    """The adapter a request runs with (its own or ``--adapter-id``), pinned into a runner
+    slot; None for the base model.  Naming one where LoRA is off is NOT_FOUND.  Both engines
+    (one process and ``--engine-process``'s front) acquire through here."""
+    adapter_id = adapters.effective_id(requested) if adapters else requested
+    if not adapter_id:
+        return None
+    if adapters is None:
+        from genserve.model.adapter_errors import AdapterNotFoundError
+
+        raise AdapterNotFoundError(f"adapter {adapter_id!r}: LoRA is not enabled")
+    return await adapters.acquire(adapter_id)
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterSettings:
     """The launcher's adapter flags, as the manager needs them (built by cli.py)."""

@@ -36,14 +36,13 @@ from typing import TypeVar
 
 import structlog
 
-from genserve.engine.adapter_manager import AdapterManager
+from genserve.engine.adapter_manager import AdapterManager, acquire_requested
 from genserve.engine.engine_loop import Delivery, EngineLoop, StepObservation
 from genserve.engine.engine_thread import EngineThread
 from genserve.engine.mailbox import RequestStream
 from genserve.engine.outputs import GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import Scheduler
-from genserve.model.adapter_errors import AdapterNotFoundError
 from genserve.step import AdapterRef, Runner
 from genserve.tokenizer import Tokenizer
 
@@ -212,12 +211,9 @@ class AsyncEngine:
     async def _acquire_adapter(self, requested: str | None) -> AdapterRef | None:
         """The request's LoRA adapter pinned into a runner slot (loaded off the engine's
         critical path: validation runs in a thread while the batch keeps stepping)."""
-        adapter_id = self.adapters.effective_id(requested) if self.adapters else requested
-        if not adapter_id:
+        ref = await acquire_requested(self.adapters, requested)
+        if ref is None or self.adapters is None:
             return None
-        if self.adapters is None:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r}: LoRA is not enabled")
-        ref = await self.adapters.acquire(adapter_id)
         # Read and lay the adapter out for its slot in a thread now, so the step that first
         # runs it only copies tensors (a runner without the hook loads it on that step).
         prepare = getattr(self._runner, "prepare_adapter", None)

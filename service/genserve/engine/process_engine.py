@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from genserve.engine import step_wire as wire
-from genserve.engine.adapter_manager import AdapterManager
+from genserve.engine.adapter_manager import AdapterManager, acquire_requested
 from genserve.engine.async_engine import EngineUnavailableError
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
@@ -45,7 +45,6 @@ from genserve.engine.outputs import GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import check_request
 from genserve.engine.scheduler_output import SchedulerStats
-from genserve.model.adapter_errors import AdapterNotFoundError
 from genserve.step import AdapterRef
 
 __all__ = ["ProcessEngine"]
@@ -200,12 +199,7 @@ class ProcessEngine:
     async def _acquire_adapter(self, requested: str | None) -> AdapterRef | None:
         """The request's LoRA adapter, validated and pinned into a runner slot here (the
         child's runner reads and installs it: ``engine_process._Arrivals``)."""
-        adapter_id = self.adapters.effective_id(requested) if self.adapters else requested
-        if not adapter_id:
-            return None
-        if self.adapters is None:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r}: LoRA is not enabled")
-        return await self.adapters.acquire(adapter_id)
+        return await acquire_requested(self.adapters, requested)
 
     def _submit(self, req: GenerationRequest, adapter: AdapterRef | None) -> RequestStream:
         if not self.is_ready:  # the adapter's wait gave shutdown or a death time to come
