@@ -30,7 +30,13 @@ from genserve.config import VERSION, Config, load_config, runtime_environment
 from genserve.dtype_choice import choose_dtype
 from genserve.engine.adapter_manager import AdapterSettings, start_adapters
 from genserve.engine.async_engine import AsyncEngine
-from genserve.engine.engine_process import EngineProcess, send_failure, serve_engine, spawn_engine
+from genserve.engine.engine_process import (
+    EnginePartDiedError,
+    EngineProcess,
+    FrontLink,
+    serve_engine,
+    spawn_engine,
+)
 from genserve.engine.heap import freeze_startup_heap, unfreeze_heap
 from genserve.engine.process_engine import ProcessEngine
 from genserve.engine.scheduler import Scheduler
@@ -449,33 +455,18 @@ class _EngineSummary:
     model_config: Any  # genserve.model.spec.ModelConfig: what LoRA adapters are checked against
 
 
-def check_engine_process(config: Config) -> None:
-    """What --engine-process does not carry across is refused at launch, never ignored:
-    tensor parallelism (its rank-0 runner drives the other ranks from the engine loop, and
-    the child would have to start and watch them: not done)."""
-    if not config.engine_process:
-        return
-    refused = [
-        name
-        for name, given in (
-            ("--num-shard > 1", (config.num_shard or 1) > 1),
-            ("--sharded", config.sharded),
-        )
-        if given
-    ]
-    if refused:
-        raise ValueError(
-            f"--engine-process cannot be combined with {', '.join(refused)} yet "
-            "(docs/gpu-step.md, 'The engine in a process of its own')"
-        )
-
-
 def _engine_child(config: Config, from_front: Any, to_front: Any) -> None:
-    """The engine process's entry point (spawned): load, then serve the engine loop."""
+    """The engine process's entry point (spawned): load, then serve the engine loop.
+
+    With ``--num-shard`` > 1 / ``--sharded`` this process is rank 0: ``_load`` starts and
+    joins ranks 1..N-1 exactly as the one-process launcher does (gloo on CPU, NCCL on CUDA);
+    a rank's death is reported to the front (``FrontLink.part_died``), and this process's
+    exit, however it comes, ends the ranks through their lifeline pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the gRPC process; it ends us
     configure_logging(config.json_output)
+    link = FrontLink(to_front)
     try:
-        loaded = _load(config, _shard_failed_in_child)
+        loaded = _load(config, link.part_died)
         served = loaded.config if loaded.config is not None else config
         scheduler = _scheduler(served, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes))
         assert loaded.model_dir is not None
@@ -488,7 +479,7 @@ def _engine_child(config: Config, from_front: Any, to_front: Any) -> None:
             loaded.runner.config,
         )
     except BaseException as exc:  # the gRPC process reports it and exits as it would
-        send_failure(to_front, exc)
+        link.send_failure(exc)
         os._exit(1)
     freeze_startup_heap()
     serve_engine(
@@ -499,13 +490,8 @@ def _engine_child(config: Config, from_front: Any, to_front: Any) -> None:
         loaded.grammars,
         summary,
         from_front,
-        to_front,
+        link,
     )
-
-
-def _shard_failed_in_child(reason: str) -> None:  # unreachable: tensor parallel is refused
-    log.error("shard_failure_exit", reason=reason)
-    os._exit(EXIT_SHARD_FAILED)
 
 
 def _front_loaded(summary: _EngineSummary) -> Loaded:
@@ -536,7 +522,6 @@ def _front_loaded(summary: _EngineSummary) -> Loaded:
 
 
 async def _load_engine_process(config: Config) -> tuple[Loaded, EngineProcess, EngineHello]:
-    check_engine_process(config)
     engine = spawn_engine(_engine_child, config)
     try:
         hello = await asyncio.to_thread(engine.wait_hello)
@@ -791,6 +776,9 @@ async def serve(config: Config) -> int:
         return 0
     try:
         ready.result()
+    except EnginePartDiedError as exc:  # a shard died while the engine process loaded
+        service.shard_failure = str(exc)
+        return await _exit_after_shard_failure(service, stopping, linger=False)
     except (LimitsError, FileNotFoundError, ValueError) as exc:
         log.error("startup_failed", error=str(exc))
         await service.stop()

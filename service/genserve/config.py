@@ -325,8 +325,9 @@ FLAGS: tuple[_Flag, ...] = (
         "engine_process",
         "Run the engine loop (scheduler, KV cache, model runner, detokenisers) in a process of "
         "its own, so the gRPC process's Python work does not hold the engine's GIL "
-        "(docs/gpu-step.md). Structured output and LoRA adapters work as without it; "
-        "--num-shard > 1 / --sharded are refused. Meant for CUDA; off by default.",
+        "(docs/gpu-step.md). Structured output, LoRA adapters and tensor parallelism "
+        "(--num-shard, --sharded: the engine process is rank 0 and starts the other ranks) "
+        "work as without it. Meant for CUDA; off by default.",
         _SWITCH,
     ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),

@@ -8,7 +8,7 @@
   over the pipe).
 - Errors are answered by the front as without the flag: a bad schema INVALID_ARGUMENT, an
   unknown adapter NOT_FOUND; Info says grammars are supported and lists the adapters.
-- Tensor parallelism is refused at launch (a ValueError naming the flag).
+- Tensor parallelism: tests/e2e/test_engine_process_tensor_parallel.py.
 - kill -9 of the engine process: every in-flight call ends UNAVAILABLE, health turns
   NOT_SERVING, the server exits non-zero; kill -9 of the server: the child exits too.
 """
@@ -30,13 +30,12 @@ from typing import Any
 import grpc
 import pytest
 
-from genserve.cli import check_engine_process
-from genserve.config import load_config
 from genserve.engine.process_engine import ProcessEngine
 from genserve.kernels import cpu as cpu_kernels
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.prompts import PARITY_SERVER_ARGS
+from tests.e2e.tp_utils import engine_children
 from tests.utils.inproc_server import InProcessServer, inproc_server
 from tests.utils.live_server import start_server
 
@@ -281,24 +280,6 @@ def test_disabled_grammar_support_is_refused_as_without_the_flag(tiny_llama: Pat
         assert "--disable-grammar-support" in str(exc.value.details())
 
 
-def test_launch_refuses_tensor_parallel() -> None:
-    config = load_config(["--engine-process", "--num-shard", "2"])
-    with pytest.raises(ValueError, match=r"--engine-process .*--num-shard"):
-        check_engine_process(config)
-    check_engine_process(load_config(["--engine-process", "--lora-adapters", "a=/x"]))
-
-
-def _engine_children(pid: int) -> list[int]:
-    """The server's spawned engine process (not multiprocessing's resource tracker)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
-                found.append(int(child))
-    return found
-
-
 def _gone(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -315,7 +296,7 @@ def _gone(pid: int, timeout_s: float) -> bool:
 
 def test_engine_process_killed_mid_generation(tiny_llama: Path) -> None:
     with start_server(tiny_llama, *PARITY_SERVER_ARGS, "--engine-process") as server:
-        (child,) = _engine_children(server.proc.pid)
+        (child,) = engine_children(server.proc.pid)
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             params = pb.GenerateParameters(max_new_tokens=1000, ignore_eos=True)
@@ -348,7 +329,7 @@ def test_engine_process_killed_mid_generation(tiny_llama: Path) -> None:
 
 def test_child_exits_with_the_server(tiny_llama: Path) -> None:
     with start_server(tiny_llama, *PARITY_SERVER_ARGS, "--engine-process") as server:
-        (child,) = _engine_children(server.proc.pid)
+        (child,) = engine_children(server.proc.pid)
         server.proc.kill()
         server.proc.wait(timeout=10)
         assert _gone(child, timeout_s=10), "the engine process outlived the server"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 from tests.e2e.prompts import PARITY_SERVER_ARGS
@@ -38,10 +38,27 @@ def start_servers(
 def shard_workers(server: LiveServer) -> list[int]:
     """Pids of the shard worker processes of ``server`` (its children running the worker
     module; rank 0 starts them from a thread, so every thread's children are read)."""
-    pids = []
-    for children in Path(f"/proc/{server.proc.pid}/task").glob("*/children"):
-        pids += [int(pid) for pid in children.read_text().split()]
-    return sorted(pid for pid in set(pids) if "genserve.worker.shard_worker" in _cmdline(pid))
+    return shard_workers_of(server.proc.pid)
+
+
+def shard_workers_of(pid: int) -> list[int]:
+    """Pids of the shard workers rank 0 (process ``pid``: a server, or its --engine-process
+    child) started."""
+    return sorted(c for c in _children(pid) if "genserve.worker.shard_worker" in _cmdline(c))
+
+
+def engine_children(pid: int) -> list[int]:
+    """The --engine-process child of server ``pid`` (spawned by multiprocessing; not its
+    resource tracker)."""
+    return sorted(c for c in _children(pid) if "spawn_main" in _cmdline(c))
+
+
+def _children(pid: int) -> set[int]:
+    pids: set[int] = set()
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with suppress(OSError):  # a thread that ended meanwhile
+            pids.update(int(child) for child in children.read_text().split())
+    return pids
 
 
 def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:

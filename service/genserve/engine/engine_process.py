@@ -23,7 +23,13 @@ pipe while a step runs) and posts to the engine thread; the engine thread sends 
 message itself.  A request with a grammar or a LoRA adapter is prepared on the way, in a
 worker thread (:class:`_Arrivals`): its grammar compiled from its spec, its adapter laid out
 for the slot the front's adapter manager gave it.  The pipe's end-of-file is how the child
-learns that the front is gone: it exits at once, no orphan holds the GPU."""
+learns that the front is gone: it exits at once, no orphan holds the GPU.
+
+With tensor parallelism the child is rank 0: it starts ranks 1..N-1 while it loads, as the
+one-process server does (``worker/shard_processes.py``: their lifeline pipe is the child's,
+so its exit, however it comes, ends them too).  A rank's death reaches the front through
+:meth:`FrontLink.part_died`: before the hello it fails the launch, after it the front hears
+``DEAD`` with the rank named and ends the server as after a shard failure in one process."""
 
 from __future__ import annotations
 
@@ -60,6 +66,11 @@ log = structlog.get_logger(__name__)
 
 class EngineStartError(RuntimeError):
     """The engine process exited before it served (its own error was lost)."""
+
+
+class EnginePartDiedError(RuntimeError):
+    """A part the engine process depends on (a tensor-parallel rank) died before it served;
+    the message is the reason (``shard 1 (pid 4242) was killed by SIGKILL``)."""
 
 
 @dataclass(slots=True)
@@ -109,29 +120,72 @@ def spawn_engine(target: Callable[..., None], *args: Any) -> EngineProcess:
     return EngineProcess(process, front_out, front_in)
 
 
-def send_failure(to_front: Connection, exc: BaseException) -> None:
-    """Child: loading failed; the front raises ``exc`` (or its text, if it does not pickle)."""
+# The child's exit code when loading failed or a part of the engine died before it served
+# (the front reports the error it was sent; the launcher's shard-failure code is 1 too).
+EXIT_LOAD_FAILED = 1
+
+
+def _failure_message(exc: BaseException) -> bytes:
     try:
         data = wire.dumps((wire.FAILED, exc))
         wire.loads(data)  # some exceptions pickle but do not unpickle
     except Exception:
         data = wire.dumps((wire.FAILED, RuntimeError(f"{type(exc).__name__}: {exc}")))
-    with contextlib.suppress(OSError):  # the front is gone already
-        to_front.send_bytes(data)
+    return data
 
 
-class _Sender:
-    """Child: one writer at a time on the pipe to the front (engine thread: steps; main
-    thread: replies)."""
+class FrontLink:
+    """Child: the pipe to the front, one writer at a time (engine thread: steps; main
+    thread: replies; a shard's watcher thread: its death), and what the child says on it
+    about its own fate: loading failed, serving (the hello), a part of the engine died."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = threading.Lock()
+        # Set with the hello, under _lock: a death is FAILED before it and DEAD after it,
+        # never a DEAD the front reads before the hello.
+        self._engine: tuple[EngineLoop, EngineThread] | None = None
 
     def send(self, data: bytes) -> None:
         # The front gone: the main thread's end-of-file ends the process.
-        with self._lock, contextlib.suppress(OSError):
+        with self._lock:
+            self._send_locked(data)
+
+    def _send_locked(self, data: bytes) -> None:
+        with contextlib.suppress(OSError):
             self._conn.send_bytes(data)
+
+    def send_failure(self, exc: BaseException) -> None:
+        """Loading failed: the front raises ``exc`` (or its text, if it does not pickle)."""
+        self.send(_failure_message(exc))
+
+    def send_hello(self, hello: wire.EngineHello, core: EngineLoop, thread: EngineThread) -> None:
+        with self._lock:
+            self._engine = (core, thread)
+            self._send_locked(wire.dumps((wire.HELLO, hello)))
+
+    def part_died(self, reason: str) -> None:
+        """A part the engine depends on died (a tensor-parallel rank: ``reason`` names it).
+        Any thread.  Before the hello: the launch fails with ``reason``
+        (:class:`EnginePartDiedError`) and this process exits now, its shard workers on
+        their lifeline (the one-process launcher does not wait for such a load either).
+        After it: the front hears ``DEAD`` first
+        (its calls end UNAVAILABLE with the reason, it exits 1 as after a shard failure),
+        then the engine fails its requests and stops stepping, as ``AsyncEngine.mark_dead``
+        does in one process; the front then shuts this process down."""
+        log.error("engine_part_died", reason=reason)
+        with self._lock:
+            engine = self._engine
+            if engine is None:
+                self._send_locked(_failure_message(EnginePartDiedError(reason)))
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(EXIT_LOAD_FAILED)
+            self._send_locked(wire.dumps((wire.DEAD, reason)))
+        core, thread = engine
+        # At once, ahead of the inbox, even while the loop awaits a step that never ends.
+        if not thread.call_soon(functools.partial(core.die, reason)):
+            log.warning("engine_thread_gone", reason=reason)
 
 
 def serve_engine(
@@ -142,12 +196,12 @@ def serve_engine(
     grammars: GrammarCompiler | None,
     payload: Any,
     from_front: Connection,
-    to_front: Connection,
+    sender: FrontLink,
 ) -> None:
     """Child: run the engine loop until the front says shutdown or goes away.  Never
     returns: the process exits here (skipping interpreter teardown, as the launcher does).
-    ``grammars``: the child's own compiler (None: --disable-grammar-support)."""
-    sender = _Sender(to_front)
+    ``grammars``: the child's own compiler (None: --disable-grammar-support); ``sender``:
+    the link loading used (a shard's death may be reported on it from any thread)."""
 
     def deliver(delivery: Delivery) -> None:  # engine thread, one call per step
         sender.send(wire.step_message(delivery, scheduler.stats(), core.num_steps))
@@ -176,7 +230,7 @@ def serve_engine(
         pid=os.getpid(),
         stats=scheduler.stats(),
     )
-    sender.send(wire.dumps((wire.HELLO, hello)))
+    sender.send_hello(hello, core, thread)
     arrivals = _Arrivals(core, thread, tokenizer, grammars, sender)
     code = _read_front(from_front, sender, core, thread, arrivals)
     if code is None:  # the front is gone: nobody to stream to, free the device now
@@ -188,7 +242,7 @@ def serve_engine(
 
 
 def _read_front(
-    conn: Connection, sender: _Sender, core: EngineLoop, thread: EngineThread, arrivals: _Arrivals
+    conn: Connection, sender: FrontLink, core: EngineLoop, thread: EngineThread, arrivals: _Arrivals
 ) -> int | None:
     """The child's main thread: requests, aborts and queries from the front, until shutdown
     (returns 0) or the pipe's end (returns None)."""
@@ -230,7 +284,7 @@ class _Arrivals:
         thread: EngineThread,
         tokenizer: Tokenizer,
         grammars: GrammarCompiler | None,
-        sender: _Sender,
+        sender: FrontLink,
     ) -> None:
         self._core = core
         self._thread = thread
@@ -325,7 +379,7 @@ class _Arrivals:
         self._thread.post(functools.partial(self._core.add, req, request, detok))
 
 
-def _query(qid: int, name: str, sender: _Sender, core: EngineLoop, thread: EngineThread) -> None:
+def _query(qid: int, name: str, sender: FrontLink, core: EngineLoop, thread: EngineThread) -> None:
     """Answer a query on the engine thread (between steps), reply from there."""
     queries: dict[str, Callable[[], Any]] = {
         "stats": core.scheduler.stats,

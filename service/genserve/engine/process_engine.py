@@ -20,8 +20,9 @@ servicer's converter: a bad one is INVALID_ARGUMENT before anything is sent) and
 crosses, the child compiling it again from its own cache.  Adapters are resolved, validated
 and given their runner slot here, by the same :class:`~genserve.engine.adapter_manager.
 AdapterManager` (an unknown one is NOT_FOUND, Info lists the resident ones); the request
-carries its :class:`~genserve.step.AdapterRef` and the child's runner installs it.  Tensor
-parallelism is refused by the launcher."""
+carries its :class:`~genserve.step.AdapterRef` and the child's runner installs it.  With
+tensor parallelism the child is rank 0 and starts the other ranks; a rank's death arrives as
+``DEAD`` naming it, and ends the server as :attr:`dead_reason` / ``on_death`` say above."""
 
 from __future__ import annotations
 
