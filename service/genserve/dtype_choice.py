@@ -7,6 +7,13 @@ for float32, so bf16 serving ran 3x slower), so float32 is both faster and exact
 is native it wins: single-stream decode streams bf16 weights through genserve's matvec kernel
 (half the bytes of float32) and, with AMX, batched steps run on its tiles; measured on an AMX
 Xeon with ``genserve-bench cpu``: 90 vs 48 tok/s at 1 stream, 890 vs 652 at 32.
+
+Quantized GGUF files get the same choice.  Their integer kernels quantize the activations to
+int8 from either dtype, so float32 activations save each projection's bf16 widening and
+narrowing; measured against bfloat16 on an AVX512-BF16 Zen 4 (1B-shape Q8_0/Q4_0/Q4_K_M, a
+MoE Q4_K_M, the 135M Q8_0) that saved 5-7% of a 135M step, at most 4% of a 1B step and
+nothing end to end beyond the noise, while float32 doubles the KV cache, which made decode at
+2,048 tokens of context 3-9% slower: docs/cpu/integer-kernels.md ("Activation dtype").
 """
 
 from __future__ import annotations
