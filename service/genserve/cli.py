@@ -235,8 +235,10 @@ def _tokenizer(model_dir: Path, trust_remote_code: bool, memo_dir: Path | None) 
     from genserve.model.derived_memo import DerivedMemo
 
     memo = DerivedMemo(memo_dir, model_dir, trust_remote_code)
-    tokenizer = Tokenizer(model_dir, trust_remote_code, memo.tokenizer_class())
-    memo.remember_tokenizer_class(type(tokenizer.hf))
+    remembered = memo.tokenizer_class()
+    tokenizer = Tokenizer(model_dir, trust_remote_code, remembered)
+    if remembered is None:
+        memo.remember_tokenizer_class(type(tokenizer.hf))
     return tokenizer
 
 

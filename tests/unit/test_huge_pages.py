@@ -214,6 +214,7 @@ def test_commit_ahead_stays_a_window_ahead_and_hands_back_the_rest(
     mib = 1 << 20
     monkeypatch.setattr(huge_pages, "_AHEAD_WINDOW", 8 * mib)
     monkeypatch.setattr(huge_pages, "_AHEAD_CHUNK", 2 * mib)
+    monkeypatch.setattr(huge_pages, "_AHEAD_FRACTION", 2)  # 16 MiB of 32, capped at 8
     region = HugePageRegion(32 * mib)
     base = region._buffer.data_ptr()
     region.commit_ahead()

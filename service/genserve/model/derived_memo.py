@@ -14,10 +14,11 @@ before, through ``AutoConfig`` / ``AutoTokenizer``) and read back after.
 The key (:func:`memo_key`) covers everything the two depend on: a scheme tag, transformers'
 version, the source of genserve's spec derivation (``model/spec.py``, ``model/families``),
 ``trust_remote_code``, the directory's resolved path (``AutoTokenizer`` matches it against
-name patterns) and every file in it (name, size, mtime; ``config.json`` and
-``tokenizer_config.json`` by content too).  Any change gives a new key: a miss, the
-transformers route again, and a new memo.  Directories with remote code (``auto_map``) are
-never memoised.  A memo that cannot be read or written is a miss, never a failed start.
+name patterns) and every file in it but hidden ones and a cache entry's record (name, size,
+mtime; ``config.json`` and ``tokenizer_config.json`` by content too).  Any change gives a
+new key: a miss, the transformers route again, and a new memo.  Directories with remote
+code (``auto_map``) are never memoised.  A memo that cannot be read or written is a miss,
+never a failed start.
 
 The spec is stored as a pickle: the cache is genserve's own (it also holds the compiled kernel
 libraries the server loads), and a frozen dataclass tree round-trips exactly.
@@ -26,6 +27,7 @@ libraries the server loads), and a frozen dataclass tree round-trips exactly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import json
@@ -39,11 +41,12 @@ from genserve.model.spec import ModelConfig
 # Bumped when what a memo holds or how its key is made changes.
 _SCHEME = "derived-v1"
 # genserve's own record in a model-cache entry: touched at every use, read by no transformers
-# code (model/model_cache.py).
+# code (model/model_cache.py); hidden files (the record's temporary copies) are skipped too.
 _IGNORED = frozenset({"entry.json"})
 _READ_BY_CONTENT = ("config.json", "tokenizer_config.json")
 
 
+@functools.cache
 def _code_digest() -> str:
     """sha256 of the source the spec is derived by (the families and the spec types)."""
     from genserve.model import families, spec
@@ -67,7 +70,7 @@ def memo_key(model_dir: Path, trust_remote_code: bool) -> str | None:
         directory = model_dir.resolve()
         digest.update(str(directory).encode())
         for path in sorted(directory.iterdir()):
-            if path.name in _IGNORED or not path.is_file():
+            if path.name in _IGNORED or path.name.startswith(".") or not path.is_file():
                 continue
             stat = path.stat()
             digest.update(f"|{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
