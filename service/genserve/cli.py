@@ -127,7 +127,9 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         trust_remote_code=config.trust_remote_code,
     )
     # Native or the transformers fallback; the fallback switches off what it cannot do.
-    serving = choose_serving_path(resolved.local_dir, config.trust_remote_code, config.model_impl)
+    serving = choose_serving_path(
+        resolved.local_dir, config.trust_remote_code, config.model_impl, resolved.derived_memo
+    )
     log.info(
         "serving_path",
         architecture=serving.architecture,
@@ -136,7 +138,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
     )
     config = restrict_for_fallback(config, serving)
     # Before any weight is read: a directory without a tokenizer fails in a second.
-    tokenizer = Tokenizer(resolved.local_dir, trust_remote_code=config.trust_remote_code)
+    tokenizer = _tokenizer(resolved.local_dir, config.trust_remote_code, resolved.derived_memo)
     try:
         hidden_features = parse_mask(config.cpu_features_mask)
     except ValueError as exc:
@@ -231,6 +233,19 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             int_dot_choice.isa.name if int_dot_choice.isa is not None else ""
         )
     return loaded
+
+
+def _tokenizer(model_dir: Path, trust_remote_code: bool, memo_dir: Path | None) -> Tokenizer:
+    """The model's tokenizer, of the class remembered from an earlier start where there is
+    one (``model/derived_memo.py``: no transformers config class imported for it)."""
+    from genserve.model.derived_memo import DerivedMemo
+
+    memo = DerivedMemo(memo_dir, model_dir, trust_remote_code)
+    remembered = memo.tokenizer_class()
+    tokenizer = Tokenizer(model_dir, trust_remote_code, remembered)
+    if remembered is None:
+        memo.remember_tokenizer_class(type(tokenizer.hf))
+    return tokenizer
 
 
 def _check_deterministic(device: Any, batch_invariant: bool) -> None:
@@ -500,7 +515,10 @@ def _front_loaded(summary: _EngineSummary) -> Loaded:
     from its spec), no runner."""
     config = summary.config
     info = pb.InfoResponse.FromString(summary.info)
-    tokenizer = Tokenizer(summary.model_dir, trust_remote_code=config.trust_remote_code)
+    from genserve.model.model_cache import derived_memo_dir
+
+    memo_dir = derived_memo_dir(config.genserve_cache / "models")
+    tokenizer = _tokenizer(summary.model_dir, config.trust_remote_code, memo_dir)
     chat = ChatRenderer(tokenizer.hf, info.model_id, summary.chat_template)
     grammars = None
     if info.grammar_support:

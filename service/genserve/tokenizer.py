@@ -50,11 +50,20 @@ def require_tokenizer_files(model_dir: Path) -> None:
 class Tokenizer:
     """The model's fast tokenizer plus what generation needs from it (EOS ids, special ids)."""
 
-    def __init__(self, model_dir: Path, trust_remote_code: bool = False) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(
+        self, model_dir: Path, trust_remote_code: bool = False, hf_class: type | None = None
+    ) -> None:
+        """``hf_class``: the transformers class ``AutoTokenizer`` picked for ``model_dir`` at
+        an earlier start (``model/derived_memo.py``), built here as ``AutoTokenizer`` builds
+        it, without loading the model's config class first (~1.1 s of imports); None: ask
+        ``AutoTokenizer``."""
         require_tokenizer_files(model_dir)
-        hf = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        if hf_class is None:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        else:  # AutoTokenizer's own call once it has chosen (a local directory: no revision)
+            hf = hf_class.from_pretrained(str(model_dir), _from_auto=True, revision=None)  # type: ignore[attr-defined]
         backend = getattr(hf, "backend_tokenizer", None)
         if not isinstance(backend, FastTokenizer):
             raise ValueError(f"{model_dir}: genserve needs a fast (tokenizers) tokenizer")

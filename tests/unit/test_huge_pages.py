@@ -165,3 +165,70 @@ def test_streamed_weights_move_into_one_region(
         got = moved.compute_logits(moved.embed_tokens.forward(ids))
         want = kept.compute_logits(kept.embed_tokens.forward(ids))
     assert torch.equal(got, want)
+
+
+def _populate_supported() -> bool:
+    """MADV_POPULATE_WRITE works here (Linux 5.14+)."""
+    import mmap
+
+    advice = huge_pages._MADV_POPULATE_WRITE
+    if advice is None:
+        return False
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        probe.madvise(advice, 0, mmap.PAGESIZE)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def _resident_bytes(address: int) -> int:
+    """``Rss`` of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _wait_for(condition: object, timeout_s: float = 10.0) -> None:
+    import time
+
+    assert callable(condition)
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the commit thread did not get there"
+        time.sleep(0.005)
+
+
+@pytest.mark.skipif(not _populate_supported(), reason="no MADV_POPULATE_WRITE (Linux < 5.14)")
+def test_commit_ahead_stays_a_window_ahead_and_hands_back_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mib = 1 << 20
+    monkeypatch.setattr(huge_pages, "_AHEAD_WINDOW", 8 * mib)
+    monkeypatch.setattr(huge_pages, "_AHEAD_CHUNK", 2 * mib)
+    monkeypatch.setattr(huge_pages, "_AHEAD_FRACTION", 2)  # 16 MiB of 32, capped at 8
+    region = HugePageRegion(32 * mib)
+    base = region._buffer.data_ptr()
+    region.commit_ahead()
+    ahead = region._ahead
+    assert ahead is not None
+    _wait_for(lambda: ahead.committed == 8 * mib)  # nothing placed yet: one window
+    assert _resident_bytes(base) >= 8 * mib
+    original = torch.randint(0, 255, (6 * mib,), dtype=torch.uint8)
+    copy = region.place(original)
+    _wait_for(lambda: ahead.committed >= 14 * mib)  # a window past the placed tensor
+    region.stop_commit_ahead()
+    assert region._ahead is None and not ahead._thread.is_alive()
+    assert torch.equal(copy, original)
+    # Past the huge page that holds the tensor's end, the thread's pages are handed back.
+    assert _resident_bytes(base) <= 8 * mib
+    later = torch.ones(3 * mib, dtype=torch.uint8)
+    assert torch.equal(region.place(later), later)  # the region goes on without the thread

@@ -15,6 +15,7 @@ Accepted model ids, in the order they are tried:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,12 @@ import structlog
 
 from genserve.model.conversion import convert_gguf, convert_pytorch_bin
 from genserve.model.file_identity import file_digest
-from genserve.model.model_cache import clean_interrupted, read_record, record_sources
+from genserve.model.model_cache import (
+    clean_interrupted,
+    derived_memo_dir,
+    read_record,
+    record_sources,
+)
 from genserve.model.weight_files import has_weights
 
 log = structlog.get_logger("genserve.model")
@@ -71,6 +77,9 @@ class ResolvedModel:
     # "auto": native where implemented, else the transformers fallback; "transformers":
     # the fallback even for a native architecture (comparisons, a native bug's workaround).
     model_impl: str = "auto"
+    # Where the native spec and tokenizer class derived from ``local_dir`` are remembered
+    # (model/derived_memo.py); None: derived through transformers at every start.
+    derived_memo: Path | None = None
 
 
 def transformers_weights_kwargs(model_dir: Path) -> dict[str, str]:
@@ -117,6 +126,17 @@ def resolve_model(
     if cache.is_dir():
         with contextlib.suppress(OSError):  # best effort: leftovers never stop a start
             clean_interrupted(cache)
+    resolved = _resolve(model_id, revision, hub_cache, cache, trust_remote_code)
+    return dataclasses.replace(resolved, derived_memo=derived_memo_dir(cache))
+
+
+def _resolve(
+    model_id: str | None,
+    revision: str | None,
+    hub_cache: Path | None,
+    cache: Path,
+    trust_remote_code: bool,
+) -> ResolvedModel:
     if model_id is None:
         gguf = default_gguf_path()
         return _from_gguf(gguf, DEFAULT_GGUF_NAME, cache, trust_remote_code)

@@ -10,6 +10,8 @@ Layout::
       .tmp/<entry>.<rand>/  an entry being built (renamed into place when complete)
       .locks/<entry>.lock   held (flock) while an entry is built; removed afterwards
       .digests/             memoised file digests (path, size, mtime -> sha256)
+      .derived/             what a model directory derives to through transformers'
+                            config classes (model/derived_memo.py)
 
 An entry directory under its final name is always complete: it is built in ``.tmp`` and
 appears with one atomic rename.  An entry that must be replaced (another format version,
@@ -51,7 +53,7 @@ import structlog
 log = structlog.get_logger("genserve.model")
 
 ENTRY_FILE = "entry.json"
-_TMP, _LOCKS, _DIGESTS = ".tmp", ".locks", ".digests"
+_TMP, _LOCKS, _DIGESTS, _DERIVED = ".tmp", ".locks", ".digests", ".derived"
 # Entry files up to this size are recorded with their sha256 (configs, tokenizers: a few MB,
 # milliseconds to check at a start); larger ones (converted weights) by size.
 _HASHED_UP_TO = 64 << 20
@@ -390,3 +392,7 @@ def remove_entry(entry: CacheEntry) -> None:
 
 def digest_memo_dir(cache: Path) -> Path:
     return cache / _DIGESTS
+
+
+def derived_memo_dir(cache: Path) -> Path:
+    return cache / _DERIVED

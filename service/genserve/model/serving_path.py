@@ -55,17 +55,21 @@ class ServingPath:
 
 
 def choose_serving_path(
-    model_dir: Path, trust_remote_code: bool = False, model_impl: str = "auto"
+    model_dir: Path,
+    trust_remote_code: bool = False,
+    model_impl: str = "auto",
+    memo_dir: Path | None = None,
 ) -> ServingPath:
     """The path for ``model_dir/config.json``; raises :class:`UnsupportedModelError` when
     neither the native models nor transformers' causal-LM classes can serve it.
-    ``model_impl="transformers"`` skips the native models."""
+    ``model_impl="transformers"`` skips the native models.  ``memo_dir``: where the native
+    spec is remembered (``model/derived_memo.py``)."""
     if model_impl not in ("auto", "transformers"):
         raise UnsupportedModelError(f"unknown model implementation {model_impl!r}")
     native_refusal = "--model-impl transformers"
     try:
         if model_impl == "auto":
-            native = load_model_config(model_dir, trust_remote_code)
+            native = load_model_config(model_dir, trust_remote_code, memo_dir)
             _check_native_build(native)
             _check_native_weights(native, model_dir)
             return ServingPath(native.architecture, NATIVE, "implemented natively")

@@ -123,11 +123,13 @@ class ModelRunner:
         self.io = DeviceIO(device, explicit=explicit_transfers)
         # Native when genserve implements the architecture, else transformers' own modeling
         # code with the paged cache (model/serving_path.py, model/transformers_backend.py).
-        self.serving = choose_serving_path(model.local_dir, trust_remote_code, model.model_impl)
+        self.serving = choose_serving_path(
+            model.local_dir, trust_remote_code, model.model_impl, model.derived_memo
+        )
         if not self.serving.is_native:
             self._init_fallback(model, trust_remote_code)
             return
-        self.config = load_model_config(model.local_dir, trust_remote_code)
+        self.config = load_model_config(model.local_dir, trust_remote_code, model.derived_memo)
         if model.rope_scaling is not None or model.rope_factor is not None:
             self.config = dataclasses.replace(
                 self.config,
