@@ -39,7 +39,7 @@ import structlog
 from genserve.engine.adapter_manager import AdapterManager, acquire_requested
 from genserve.engine.engine_loop import Delivery, EngineLoop, StepObservation
 from genserve.engine.engine_thread import EngineThread
-from genserve.engine.mailbox import RequestStream
+from genserve.engine.mailbox import RequestStream, deliver
 from genserve.engine.outputs import GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason, Request
 from genserve.engine.scheduler import Scheduler
@@ -279,15 +279,4 @@ class AsyncEngine:
 
     def _deliver(self, delivery: Delivery) -> None:
         """gRPC loop: fill the request queues, then tell the observers."""
-        clients = self._clients
-        for req_id, out in delivery.outputs:
-            client = clients.get(req_id)
-            if client is None:  # aborted while its step was running
-                continue
-            client.num_outputs += out.token is not None
-            if out.final is not None:
-                self._finish(req_id, client)
-            client.queue.put_nowait(out)
-        if delivery.observation is not None:
-            for observer in self.step_observers:
-                observer(delivery.observation)
+        deliver(delivery, self._clients, self._finish, self.step_observers)
