@@ -42,7 +42,7 @@ from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
 from genserve.engine.grammar_spec import GrammarSpec
 from genserve.engine.mailbox import RequestStream, deliver
-from genserve.engine.outputs import GenerationRequest, TokenOutput
+from genserve.engine.outputs import GenerationRequest, TokenOutput, scheduler_request
 from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import check_request
 from genserve.engine.scheduler_output import SchedulerStats
@@ -205,7 +205,7 @@ class ProcessEngine:
     def _submit(self, req: GenerationRequest, adapter: AdapterRef | None) -> RequestStream:
         if not self.is_ready:  # the adapter's wait gave shutdown or a death time to come
             raise EngineUnavailableError(self._dead_reason or "the engine is not serving")
-        check_request(wire.scheduler_request(req, adapter), self._hello.max_tokens_per_request)
+        check_request(scheduler_request(req, adapter), self._hello.max_tokens_per_request)
         client = RequestStream(req)
         self._clients[req.req_id] = client
         self._send(wire.add_message(req, adapter))
