@@ -110,3 +110,61 @@ def test_every_kernel_source_is_in_the_build_name() -> None:
     on_disk = {p.name for p in kernels.iterdir() if p.suffix in (".cpp", ".h", ".inc")}
     hashed = {p.name for p in (*cpu_kernels._SOURCES, *cpu_kernels._HEADERS)}
     assert on_disk == hashed
+
+
+def test_the_bootstrap_honours_the_cpu_features_mask(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``python -m genserve.kernels.cpu`` takes the mask a server takes (env var, or the option
+    over it) and builds the library of that level: with ``avx2``, the AVX2-level one."""
+    if cpu_kernels._isa_level() not in ("AVX2", "AVX512"):
+        pytest.skip("the AVX2 level exists only on x86-64 with AVX2")
+    # A fresh settings object: nothing configured here leaks into the other tests.
+    monkeypatch.setattr(cpu_kernels, "_settings", cpu_kernels._Settings())
+    monkeypatch.setattr(cpu_kernels, "_DEFAULT_CACHE_DIR", tmp_path / "default")
+    seen: list[tuple[tuple[str, ...], str]] = []
+
+    def record_load() -> bool:  # stands in for the minutes-long build only
+        seen.append((cpu_kernels.hidden_features(), cpu_kernels._isa_level()))
+        return True
+
+    monkeypatch.setattr(cpu_kernels, "load", record_load)
+    monkeypatch.setenv("GENSERVE_CPU_FEATURES_MASK", "avx2")
+    assert cpu_kernels.main(["--cache-dir", str(tmp_path)]) == 0
+    assert "avx512f" in seen[-1][0] and seen[-1][1] == "AVX2"
+    out = capsys.readouterr().out
+    assert "level AVX2" in out and "genserve_cpu_kernels_avx2_" in out and str(tmp_path) in out
+    assert cpu_kernels._settings.cache_dir == tmp_path
+
+    assert cpu_kernels.main(["--cache-dir", str(tmp_path), "--cpu-features-mask", "gfni"]) == 0
+    assert seen[-1][0] == ("gfni",)  # the option over the environment
+
+    monkeypatch.setenv("GENSERVE_CPU_FEATURES_MASK", "avx3")
+    with pytest.raises(SystemExit) as exit_info:
+        cpu_kernels.main(["--cache-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "'avx3' is not one of" in capsys.readouterr().err
+    assert len(seen) == 2  # a typo builds nothing
+
+
+def test_the_bootstrap_finds_a_prebuilt_avx2_library() -> None:
+    """The real command with the mask loads the AVX2-level library already in the cache
+    (no build: skipped where the environment's cache has none for this code)."""
+    if cpu_kernels._isa_level() not in ("AVX2", "AVX512"):
+        pytest.skip("the AVX2 level exists only on x86-64 with AVX2")
+    name = f"genserve_cpu_kernels_avx2_{cpu_kernels._content_hash()}"
+    cache = environment_cache() / "kernels"
+    if not (cache / name / f"{name}.so").is_file():
+        pytest.skip(f"no prebuilt AVX2-level library in {cache} (the bootstrap with the mask)")
+    env = {**os.environ, "GENSERVE_CPU_FEATURES_MASK": "avx2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "genserve.kernels.cpu", "--cache-dir", str(cache)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "genserve CPU kernels: ready" in proc.stdout
+    assert f"level AVX2, library {cache / name / name}.so" in proc.stdout
+    assert "compiled=False" in proc.stdout + proc.stderr

@@ -39,9 +39,9 @@ import structlog
 from genserve.engine.adapter_manager import AdapterManager, acquire_requested
 from genserve.engine.engine_loop import Delivery, EngineLoop, StepObservation
 from genserve.engine.engine_thread import EngineThread
-from genserve.engine.mailbox import RequestStream
-from genserve.engine.outputs import GenerationRequest, TokenOutput
-from genserve.engine.request import FinishReason, Request
+from genserve.engine.mailbox import RequestStream, deliver
+from genserve.engine.outputs import GenerationRequest, TokenOutput, scheduler_request
+from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import Scheduler
 from genserve.step import AdapterRef, Runner
 from genserve.tokenizer import Tokenizer
@@ -229,18 +229,8 @@ class AsyncEngine:
         """Register the request's mailbox and post it to the engine thread."""
         if not self.is_ready:  # the adapter's load gave shutdown or a failure time to come
             raise EngineUnavailableError(self.dead_reason or "the engine is not serving")
-        request = Request(
-            req_id=req.req_id,
-            prompt_token_ids=list(req.prompt_token_ids),
-            sampling=req.sampling,
-            stopping=req.stopping,
-            grammar=req.grammar.new_state() if req.grammar is not None else None,
-            # The adapter is part of every block hash: the same prompt under two adapters
-            # never shares KV.
-            cache_salt=f"lora:{adapter.adapter_id}" if adapter else None,
-            adapter=adapter,
-            fork_of=req.fork_of,
-        )
+        grammar = req.grammar.new_state() if req.grammar is not None else None
+        request = scheduler_request(req, adapter, grammar)
         self._core.scheduler.check_request(request)  # reads only the fixed KV capacity
         detok = self._tokenizer.detokenizer(
             req.prompt_token_ids,
@@ -279,15 +269,4 @@ class AsyncEngine:
 
     def _deliver(self, delivery: Delivery) -> None:
         """gRPC loop: fill the request queues, then tell the observers."""
-        clients = self._clients
-        for req_id, out in delivery.outputs:
-            client = clients.get(req_id)
-            if client is None:  # aborted while its step was running
-                continue
-            client.num_outputs += out.token is not None
-            if out.final is not None:
-                self._finish(req_id, client)
-            client.queue.put_nowait(out)
-        if delivery.observation is not None:
-            for observer in self.step_observers:
-                observer(delivery.observation)
+        deliver(delivery, self._clients, self._finish, self.step_observers)

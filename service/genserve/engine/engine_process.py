@@ -51,7 +51,7 @@ import structlog
 from genserve.engine import step_wire as wire
 from genserve.engine.engine_loop import Delivery, EngineLoop
 from genserve.engine.engine_thread import EngineThread
-from genserve.engine.outputs import GenerationRequest
+from genserve.engine.outputs import GenerationRequest, scheduler_request
 from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import Scheduler
 from genserve.step import AdapterRef, Runner
@@ -369,7 +369,7 @@ class _Arrivals:
     def _post_add(
         self, req: GenerationRequest, adapter: AdapterRef | None, grammar: GrammarState | None
     ) -> None:
-        request = wire.scheduler_request(req, adapter, grammar)
+        request = scheduler_request(req, adapter, grammar)
         detok = self._tokenizer.detokenizer(
             req.prompt_token_ids,
             req.stop,

@@ -1,17 +1,20 @@
-"""A request's outputs on their way to its stream: the mailbox the engine's delivery fills
-and the stream's generator drains, on the gRPC event loop.  Shared by the in-process engine
-(``engine/async_engine.py``) and the ``--engine-process`` front (``engine/process_engine.py``)."""
+"""A request's outputs on their way to its stream: the mailbox the stream's generator drains
+on the gRPC event loop, and the delivery of a step's outputs that fills the mailboxes.  Shared
+by the in-process engine (``engine/async_engine.py``) and the ``--engine-process`` front
+(``engine/process_engine.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.request import FinishReason
 
-__all__ = ["Mailbox", "RequestStream"]
+__all__ = ["Mailbox", "RequestStream", "deliver"]
 
 
 class Mailbox:
@@ -68,3 +71,26 @@ class RequestStream:
             error=message,
         )
         return TokenOutput(index=self.num_outputs, token=None, final=final)
+
+
+def deliver(
+    delivery: Delivery,
+    clients: Mapping[str, RequestStream],
+    finish: Callable[[str, RequestStream], None],
+    observers: Sequence[Callable[[StepObservation], None]],
+) -> None:
+    """gRPC loop: put each output in its request's mailbox, in order, then tell the step
+    observers.  An output whose request is no longer in ``clients`` (aborted while its step
+    ran) is dropped; a final output first calls ``finish(req_id, stream)``, which removes the
+    stream from ``clients``, so the stream is marked finished before its reader sees the end."""
+    for req_id, out in delivery.outputs:
+        client = clients.get(req_id)
+        if client is None:  # aborted while its step was running
+            continue
+        client.num_outputs += out.token is not None
+        if out.final is not None:
+            finish(req_id, client)
+        client.queue.put_nowait(out)
+    if delivery.observation is not None:
+        for observer in observers:
+            observer(delivery.observation)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from genserve.engine.request import FinishReason, StoppingCriteria
-from genserve.step import SamplingParams
+from genserve.engine.request import FinishReason, Request, StoppingCriteria
+from genserve.step import AdapterRef, SamplingParams
 
 if TYPE_CHECKING:
-    from genserve.engine.grammar import CompiledGrammar
+    from genserve.engine.grammar import CompiledGrammar, GrammarState
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,28 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the stop string / stop token's text
     fork_of: str | None = None  # best_of / n follower: shares this request's prompt KV
+
+
+def scheduler_request(
+    req: GenerationRequest,
+    adapter: AdapterRef | None = None,
+    grammar: GrammarState | None = None,
+) -> Request:
+    """The scheduler's request for ``req``, under ``adapter`` and with ``grammar``'s fresh
+    state: what the in-process engine adds, what the engine process adds from an ADD message
+    and what the ``--engine-process`` front checks against the KV capacity."""
+    return Request(
+        req_id=req.req_id,
+        prompt_token_ids=list(req.prompt_token_ids),
+        sampling=req.sampling,
+        stopping=req.stopping,
+        grammar=grammar,
+        # The adapter is part of every block hash: the same prompt under two adapters
+        # never shares KV.
+        cache_salt=f"lora:{adapter.adapter_id}" if adapter else None,
+        adapter=adapter,
+        fork_of=req.fork_of,
+    )
 
 
 # TokenInfo and TokenOutput are not frozen: the engine thread makes one of each per generated

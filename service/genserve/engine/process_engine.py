@@ -41,8 +41,8 @@ from genserve.engine.async_engine import EngineUnavailableError
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
 from genserve.engine.grammar_spec import GrammarSpec
-from genserve.engine.mailbox import RequestStream
-from genserve.engine.outputs import GenerationRequest, TokenOutput
+from genserve.engine.mailbox import RequestStream, deliver
+from genserve.engine.outputs import GenerationRequest, TokenOutput, scheduler_request
 from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import check_request
 from genserve.engine.scheduler_output import SchedulerStats
@@ -205,7 +205,7 @@ class ProcessEngine:
     def _submit(self, req: GenerationRequest, adapter: AdapterRef | None) -> RequestStream:
         if not self.is_ready:  # the adapter's wait gave shutdown or a death time to come
             raise EngineUnavailableError(self._dead_reason or "the engine is not serving")
-        check_request(wire.scheduler_request(req, adapter), self._hello.max_tokens_per_request)
+        check_request(scheduler_request(req, adapter), self._hello.max_tokens_per_request)
         client = RequestStream(req)
         self._clients[req.req_id] = client
         self._send(wire.add_message(req, adapter))
@@ -267,18 +267,7 @@ class ProcessEngine:
     def _on_step(self, delivery: Delivery, stats: SchedulerStats, num_steps: int) -> None:
         self._stats = stats
         self._num_steps = num_steps
-        clients = self._clients
-        for req_id, out in delivery.outputs:
-            client = clients.get(req_id)
-            if client is None:  # aborted while its step was running
-                continue
-            client.num_outputs += out.token is not None
-            if out.final is not None:
-                self._finish(req_id, client)
-            client.queue.put_nowait(out)
-        if delivery.observation is not None:
-            for observer in self.step_observers:
-                observer(delivery.observation)
+        deliver(delivery, self._clients, self._finish, self.step_observers)
 
     def _on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]

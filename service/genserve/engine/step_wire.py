@@ -17,16 +17,12 @@ from __future__ import annotations
 import dataclasses
 import pickle
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.outputs import GenerationRequest, TokenInfo, TokenOutput
-from genserve.engine.request import Request
 from genserve.engine.scheduler import SchedulerStats
 from genserve.step import AdapterRef, NewRequestData, ScheduledChunk, SchedulerOutput
-
-if TYPE_CHECKING:
-    from genserve.engine.grammar import GrammarState
 
 # Message kinds, the first item of every message tuple.
 # engine -> front
@@ -78,28 +74,6 @@ def add_message(req: GenerationRequest, adapter: AdapterRef | None) -> tuple[Any
     if req.grammar is not None:
         req = dataclasses.replace(req, grammar=None)
     return (ADD, req, spec, adapter)
-
-
-def scheduler_request(
-    req: GenerationRequest,
-    adapter: AdapterRef | None = None,
-    grammar: GrammarState | None = None,
-) -> Request:
-    """The scheduler's request for an ADD message's ``req`` (the child runs it, the front
-    checks it against the KV capacity), as :class:`~genserve.engine.async_engine.
-    AsyncEngine` builds it in one process."""
-    return Request(
-        req_id=req.req_id,
-        prompt_token_ids=list(req.prompt_token_ids),
-        sampling=req.sampling,
-        stopping=req.stopping,
-        grammar=grammar,
-        # The adapter is part of every block hash: the same prompt under two adapters
-        # never shares KV.
-        cache_salt=f"lora:{adapter.adapter_id}" if adapter else None,
-        adapter=adapter,
-        fork_of=req.fork_of,
-    )
 
 
 # --------------------------------------------------------------------------- a step's delivery

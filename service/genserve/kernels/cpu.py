@@ -298,9 +298,20 @@ def _load_finished(library: Path) -> bool:
     return True
 
 
+def _library_name(level: str) -> str:
+    return f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
+
+
+def library_path() -> Path:
+    """The library this process builds or loads: the configured level (a mask hiding
+    ``avx512f`` makes it AVX2) and the cache directory that holds, or will hold, it."""
+    name = _library_name(_isa_level())
+    return _library(_build_directory(name), name)
+
+
 def _build_and_load() -> bool:
     level = _isa_level()
-    name = f"genserve_cpu_kernels_{level.lower()}_{_content_hash()}"
+    name = _library_name(level)
     directory = _build_directory(name)
     compiled = not _library(directory, name).is_file()
     started = time.monotonic()
@@ -345,14 +356,32 @@ def _build_and_load() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Build the kernels now (bootstrap); exit status 0 either way, the server falls back."""
+    """Build the kernels now (bootstrap); exit status 0 either way, the server falls back.
+    A mask (``--cpu-features-mask``, default ``$GENSERVE_CPU_FEATURES_MASK``) builds the
+    library a server started with that mask loads: ``avx2`` builds the AVX2-level one."""
+    from genserve.kernels.cpu_features import parse_mask
+
     parser = argparse.ArgumentParser(description="Build genserve's CPU kernels into the cache.")
     # Default $GENSERVE_CACHE/kernels (config.environment_cache): where a server started in the
     # same environment looks.
     parser.add_argument("--cache-dir", type=Path, default=_settings.cache_dir)
-    configure(parser.parse_args(argv).cache_dir)
+    parser.add_argument(
+        "--cpu-features-mask",
+        default=os.environ.get("GENSERVE_CPU_FEATURES_MASK", ""),
+        help="CPU features the kernels treat as absent, as the server's --cpu-features-mask "
+        "(kernels/cpu_features.py): avx2 builds the AVX2-level library",
+    )
+    args = parser.parse_args(argv)
+    try:
+        hidden = parse_mask(args.cpu_features_mask)
+    except ValueError as exc:  # a typo must not build the full CPU's library under its label
+        parser.error(f"--cpu-features-mask: {exc}")
+    configure(args.cache_dir, hidden_features=hidden)
     ok = load()
     print(f"genserve CPU kernels: {'ready' if ok else 'unavailable (torch fallback)'}")
+    print(f"level {_isa_level()}, library {library_path()}")
+    if hidden:
+        print(f"hidden CPU features: {','.join(hidden)}")
     return 0
 
 
