@@ -218,6 +218,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             dtype=getattr(torch, dtype_name),
             device=device,
             parallel=ParallelContext.single(),
+            trust_remote_code=config.trust_remote_code,
             prefill_attention=config.gpu_prefill_attention,
         )
     try:

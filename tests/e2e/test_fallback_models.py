@@ -200,3 +200,53 @@ def test_fallback_with_speculation(tokenizer_dir: Path, tmp_path: Path) -> None:
     for result, (ids, logprobs) in zip(served, expected, strict=True):
         assert [t.id for t in result.details.tokens] == ids
         assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
+
+
+def test_remote_code_checkpoint_with_trust_remote_code(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint whose classes are its own code (``auto_map`` → modeling files in the
+    directory) is served by the fallback under ``--trust-remote-code`` with generate()'s
+    tokens.  The model runner once derived its serving path without the flag, so such a
+    checkpoint stopped the start with transformers' "contains custom code" error."""
+    import json
+
+    model_dir = make_fallback_model(tmp_path / "custom", "qwen2", tokenizer_dir, seed=7)
+    prompts = _prompts()[:2]
+    # The remote class subclasses Qwen2ForCausalLM unchanged: the same weights give the same
+    # tokens, so the reference is generate() on the checkpoint before it became remote code.
+    expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS, ignore_eos=True)
+    (model_dir / "configuration_custom.py").write_text(
+        "from transformers import Qwen2Config\n\n\n"
+        "class CustomQwen2Config(Qwen2Config):\n    model_type = 'custom_qwen2'\n"
+    )
+    (model_dir / "modeling_custom.py").write_text(
+        "from transformers import Qwen2ForCausalLM\n\n"
+        "from .configuration_custom import CustomQwen2Config\n\n\n"
+        "class CustomQwen2ForCausalLM(Qwen2ForCausalLM):\n    config_class = CustomQwen2Config\n"
+    )
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(
+        model_type="custom_qwen2",
+        architectures=["CustomQwen2ForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_custom.CustomQwen2Config",
+            "AutoModelForCausalLM": "modeling_custom.CustomQwen2ForCausalLM",
+        },
+    )
+    (model_dir / "config.json").write_text(json.dumps(config))
+    params = pb.GenerateParameters(
+        max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, details=True
+    )
+    with (
+        inproc_server(model_dir, *SERVER_ARGS, "--trust-remote-code") as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        stub = pb_grpc.TextGenerationServiceStub(channel)
+        info = stub.Info(pb.InfoRequest())
+        served = [
+            stub.Generate(pb.GenerateRequest(inputs=[prompt], parameters=params)).results[0]
+            for prompt in prompts
+        ]
+    assert (info.architecture, info.implementation) == ("CustomQwen2ForCausalLM", "transformers")
+    for result, (ids, logprobs) in zip(served, expected, strict=True):
+        assert [t.id for t in result.details.tokens] == ids
+        assert [t.logprob for t in result.details.tokens] == pytest.approx(logprobs, abs=1e-3)
