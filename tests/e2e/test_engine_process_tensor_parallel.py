@@ -35,7 +35,11 @@ from genserve.engine.process_engine import ProcessEngine
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.prompts import varied_prompts
-from tests.e2e.test_tensor_parallel_failures import NOT_SERVING, start_calls, watch_health
+from tests.e2e.test_tensor_parallel_failures import (
+    kill_shard_and_check_reported,
+    start_calls,
+    watch_health,
+)
 from tests.e2e.tp_utils import (
     SERVER_ARGS,
     engine_children,
@@ -159,20 +163,7 @@ def test_shard_killed_mid_generation_ends_the_server(tiny_llama: Path) -> None:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             health = watch_health(channel)
             calls = start_calls(stub)
-            killed_at = time.monotonic()
-            os.kill(worker, signal.SIGKILL)
-            for call in calls:
-                assert call.ended.wait(10), "an in-flight call hangs after the shard died"
-            shard = f"shard 1 (pid {worker})"
-            for call in calls:
-                assert call.code == grpc.StatusCode.UNAVAILABLE, (call.code, call.details)
-                assert shard in call.details
-            deadline = killed_at + 2.0
-            while not any(s == NOT_SERVING for _, s in health) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            not_serving = [t for t, status in health if status == NOT_SERVING]
-            assert not_serving, f"health never turned NOT_SERVING: {health}"
-            assert not_serving[0] - killed_at < 2.0
+            shard = kill_shard_and_check_reported(worker, calls, health)
         assert server.proc.wait(timeout=30) == 1
         failure_lines = [
             line for line in server.logs().splitlines() if "shard_failure_exit" in line

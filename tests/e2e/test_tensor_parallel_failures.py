@@ -106,6 +106,31 @@ def start_calls(stub: pb_grpc.TextGenerationServiceStub) -> list[Call]:
     return calls
 
 
+def kill_shard_and_check_reported(
+    worker: int, calls: list[Call], health: list[tuple[float, int]]
+) -> str:
+    """SIGKILL shard 1's ``worker`` while ``calls`` stream; check every call ends UNAVAILABLE
+    naming the shard and health turns NOT_SERVING within 2 s.  Returns the shard's name."""
+    killed_at = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    for call in calls:
+        assert call.ended.wait(10), "an in-flight call hangs after the shard died"
+    shard = f"shard 1 (pid {worker})"
+    for call in calls:
+        assert call.code == grpc.StatusCode.UNAVAILABLE, (call.code, call.details)
+        assert shard in call.details
+    # The Watch update travels on its own stream, so it may land just after the calls
+    # failed: wait for it up to the 2 s the server has to report the death.
+    deadline = killed_at + 2.0
+    not_serving = [t for t, status in health if status == NOT_SERVING]
+    while not not_serving and time.monotonic() < deadline:
+        time.sleep(0.02)
+        not_serving = [t for t, status in health if status == NOT_SERVING]
+    assert not_serving, f"health never turned NOT_SERVING: {health}"
+    assert not_serving[0] - killed_at < 2.0
+    return shard
+
+
 def test_worker_killed_mid_generation(tiny_llama: Path) -> None:
     with start_servers([(tiny_llama, SERVER_ARGS + shard_args(2))]) as (server,):
         (worker,) = shard_workers(server)
@@ -113,24 +138,7 @@ def test_worker_killed_mid_generation(tiny_llama: Path) -> None:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             health = watch_health(channel)
             calls = start_calls(stub)
-            killed_at = time.monotonic()
-            os.kill(worker, signal.SIGKILL)
-
-            for call in calls:
-                assert call.ended.wait(10), "an in-flight call hangs after the shard died"
-            shard = f"shard 1 (pid {worker})"
-            for call in calls:
-                assert call.code == grpc.StatusCode.UNAVAILABLE, (call.code, call.details)
-                assert shard in call.details
-            # The Watch update travels on its own stream, so it may land just after the calls
-            # failed: wait for it up to the 2 s the server has to report the death.
-            deadline = killed_at + 2.0
-            not_serving = [t for t, status in health if status == NOT_SERVING]
-            while not not_serving and time.monotonic() < deadline:
-                time.sleep(0.02)
-                not_serving = [t for t, status in health if status == NOT_SERVING]
-            assert not_serving, f"health never turned NOT_SERVING: {health}"
-            assert not_serving[0] - killed_at < 2.0
+            shard = kill_shard_and_check_reported(worker, calls, health)
             # While it lingers, new calls are refused with the reason.
             try:
                 stub.Health(pb.HealthRequest(), timeout=2)
