@@ -208,6 +208,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
             cpu_kernels=not config.disable_cpu_kernels,
             deterministic=config.deterministic,
             cpu_int_dot=config.cpu_int_dot,
+            cpu_features_mask=config.cpu_features_mask,
             expert_parallel=config.expert_parallel,
             gpu_prefill_attention=config.gpu_prefill_attention,
         )

@@ -47,6 +47,8 @@ class WorkerSpec:
     kernel_cache_dir: str | None = None  # genserve.kernels.cpu's build cache (None: default)
     cpu_kernels: bool = True
     cpu_int_dot: str = "auto"  # issue #28 --cpu-int-dot (auto | on | off)
+    # --cpu-features-mask as given (validated by rank 0): features every rank's kernels hide
+    cpu_features_mask: str = ""
     deterministic: bool = False  # --deterministic: batch-invariant kernels
     expert_parallel: bool = False  # --expert-parallel: whole routed experts per rank
     prefill_attention: str = "auto"  # issue #29 --gpu-prefill-attention
@@ -90,6 +92,8 @@ class WorkerSpec:
         if not self.cpu_kernels:
             args.append("--disable-cpu-kernels")
         args.append(f"--cpu-int-dot={self.cpu_int_dot}")
+        if self.cpu_features_mask:
+            args.append(f"--cpu-features-mask={self.cpu_features_mask}")
         if self.deterministic:
             args.append("--deterministic")
         if self.expert_parallel:

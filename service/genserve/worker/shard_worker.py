@@ -41,6 +41,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--kernel-cache-dir", default=None)
     p.add_argument("--disable-cpu-kernels", action="store_true")
     p.add_argument("--cpu-int-dot", choices=("auto", "on", "off"), default="auto")
+    # rank 0's --cpu-features-mask (already parsed there): every rank runs the same kernels
+    p.add_argument("--cpu-features-mask", default="")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--expert-parallel", action="store_true")
     p.add_argument(
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> None:
 
     from genserve.kernels import cpu as cpu_kernels
     from genserve.kernels import int_dot
+    from genserve.kernels.cpu_features import parse_mask
     from genserve.logging import configure_logging
     from genserve.model.loader import ResolvedModel
     from genserve.worker.model_runner import ModelRunner
@@ -113,8 +116,13 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.num_threads)
     cache_dir = Path(args.kernel_cache_dir) if args.kernel_cache_dir is not None else None
     cpu_kernels.configure(
-        cache_dir, enabled=not args.disable_cpu_kernels, batch_invariant=args.deterministic
+        cache_dir,
+        enabled=not args.disable_cpu_kernels,
+        batch_invariant=args.deterministic,
+        hidden_features=parse_mask(args.cpu_features_mask),
     )
+    if args.cpu_features_mask:
+        log.warning("cpu_features_hidden", features=",".join(cpu_kernels.hidden_features()))
     int_dot.configure(args.cpu_int_dot, args.dtype)  # every rank multiplies as rank 0 does
     device = rank_device(args.rank, torch.cuda.is_available())
     group = init_shard_group(

@@ -196,6 +196,9 @@ class ShardSettings:
     cpu_kernels: bool  # False: --disable-cpu-kernels
     deterministic: bool = False  # --deterministic: batch-invariant kernels on every rank
     cpu_int_dot: str = "auto"  # --cpu-int-dot: every rank multiplies as rank 0 does
+    # --cpu-features-mask (or its environment variable): every rank hides the same features,
+    # so no rank runs other kernels than rank 0 (an emulation for testing and benchmarking)
+    cpu_features_mask: str = ""
     expert_parallel: bool = False  # --expert-parallel: whole routed experts per rank
     # --gpu-prefill-attention: every rank attends a step's prompt rows the same way
     gpu_prefill_attention: PrefillAttentionFlag = "auto"
@@ -233,6 +236,7 @@ def launch_sharded_runner(
         cpu_kernels=settings.cpu_kernels,
         deterministic=settings.deterministic,
         cpu_int_dot=settings.cpu_int_dot,
+        cpu_features_mask=settings.cpu_features_mask,
         expert_parallel=settings.expert_parallel,
         prefill_attention=settings.gpu_prefill_attention,
         rope_scaling=model.rope_scaling,
