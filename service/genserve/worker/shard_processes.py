@@ -179,12 +179,18 @@ class ShardProcesses:
             return
         self.fail(reason)
 
+    def expect_exits(self) -> None:
+        """From here on a worker's exit is the shutdown, not a failure.  Called before the
+        SHUTDOWN message is sent: a worker that obeys it at once may exit before
+        :meth:`stop` runs, and its watcher must not report the group broken."""
+        with self._lock:
+            self._stopping = True
+
     def stop(self, timeout_s: float) -> None:
         """Make every worker exit: from here on exits are expected.  Waits ``timeout_s`` for
         them to leave by themselves (after a SHUTDOWN message), then closes the lifeline
         (workers exit on it), then SIGTERM, then SIGKILL.  Idempotent."""
-        with self._lock:
-            self._stopping = True
+        self.expect_exits()
         deadline = time.monotonic() + timeout_s
         for proc in self.procs.values():
             _wait(proc, deadline - time.monotonic())

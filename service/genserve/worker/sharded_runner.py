@@ -168,6 +168,7 @@ class ShardedModelRunner(ModelRunner):
             self._closed = True
             whole = acquired and self.processes.failure is None
             if whole:
+                self.processes.expect_exits()  # a worker may obey before stop() below
                 try:
                     self._channel.send(ShutdownMessage())
                 except Exception:
