@@ -6,12 +6,15 @@ accelerate, ~1.1 s)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from genserve.model import families
+import pytest
+
+from genserve.model import derived_memo, families
 from genserve.model.config import load_model_config
 from genserve.model.derived_memo import DerivedMemo, memo_key
 from genserve.tokenizer import Tokenizer
@@ -117,3 +120,32 @@ def test_a_remembered_start_imports_no_config_class(
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_old_memos_are_pruned_least_recently_used_first(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(derived_memo, "MAX_MEMO_FILES", 8)
+    memo = tmp_path / "memo"
+    memo.mkdir()
+
+    def aged(name: str, age: int) -> Path:
+        path = memo / name
+        if not path.exists():
+            path.write_bytes(b"another model's memo")
+        os.utime(path, (1_000_000 + age, 1_000_000 + age))
+        return path
+
+    stale = [aged(f"{i:032x}.spec.pickle", i) for i in range(8)]
+    spec = families.load_model_config(tiny_model_dir)
+    kept = DerivedMemo(memo, tiny_model_dir, False)
+    kept.remember_spec(spec)  # 9 files: the 5 oldest go, down to half the limit
+    path = kept._path("spec.pickle")
+    assert path is not None
+    assert sorted(memo.iterdir()) == sorted([*stale[5:], path])
+
+    aged(path.name, 0)  # the oldest now, until it is read
+    newer = [aged(f"{100 + i:032x}.spec.pickle", 10 + i) for i in range(5)]
+    assert kept.spec() == spec  # a read makes it the most recently used
+    derived_memo._prune(memo)  # 9 files: the 3 stale and 2 of the newer ones go
+    assert sorted(memo.iterdir()) == sorted([*newer[2:], path])

@@ -44,6 +44,11 @@ _SCHEME = "derived-v1"
 # code (model/model_cache.py); hidden files (the record's temporary copies) are skipped too.
 _IGNORED = frozenset({"entry.json"})
 _READ_BY_CONTENT = ("config.json", "tokenizer_config.json")
+# Every changed file, transformers upgrade or genserve version makes new memos (two files of
+# ~1 KB each) and nothing reads the old ones again: past this many files a write drops the
+# least recently used down to half of it (a read touches its memo), so the directory stays
+# small whatever the history.
+MAX_MEMO_FILES = 512
 
 
 @functools.cache
@@ -103,9 +108,12 @@ class DerivedMemo:
         if path is None:
             return None
         try:
-            return path.read_bytes()
+            data = path.read_bytes()
         except OSError:
             return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: kept by _prune
+        return data
 
     def _write(self, kind: str, data: bytes) -> None:
         path = self._path(kind)
@@ -116,6 +124,7 @@ class DerivedMemo:
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(data)
             tmp.replace(path)  # readers see the whole memo or none
+            _prune(path.parent)
 
     def spec(self) -> ModelConfig | None:
         """The native spec remembered for the directory, or None."""
@@ -151,3 +160,17 @@ class DerivedMemo:
             return
         record: dict[str, Any] = {"module": cls.__module__, "name": cls.__qualname__}
         self._write("tokenizer.json", json.dumps(record).encode())
+
+
+def _prune(memo_dir: Path) -> None:
+    """Drop the least recently used memos once there are more than MAX_MEMO_FILES."""
+    entries = []
+    for entry in os.scandir(memo_dir):
+        with contextlib.suppress(OSError):
+            entries.append((entry.stat().st_mtime, entry.path))
+    if len(entries) <= MAX_MEMO_FILES:
+        return
+    entries.sort()
+    for _, path in entries[: len(entries) - MAX_MEMO_FILES // 2]:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
