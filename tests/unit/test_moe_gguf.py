@@ -337,3 +337,33 @@ def test_released_mxfp4_blocks_repack_exactly() -> None:
     # transformers hands the forward [E, in, out]
     expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
     assert np.array_equal(got, expected.numpy())
+
+
+@needs_kernels
+def test_moe_gguf_speed_times_the_served_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench/moe_gguf_speed.py`` times the experts in the layout the server runs them
+    (``QuantizedExperts.serving``: Q8_0 packed in groups of 16 rows on AVX512-VNNI), not the
+    file's, and ``--dense`` adds the dense kernels' MLP of equal bytes."""
+    from genserve.bench import moe_gguf_speed
+    from genserve.testing.moe_gguf import write_moe_gguf
+    from genserve.testing.tiny_model import default_tokenizer_dir
+    from tests.utils.moe_models import make_moe_model
+
+    model_dir = make_moe_model(
+        tmp_path / "q3", "qwen3_moe", default_tokenizer_dir(), seed=4, mlp_only_layers=[]
+    )
+    gguf, _ = write_moe_gguf(tmp_path / "q3.gguf", model_dir, "Q8_0", "Q8_0")
+    layers = moe_gguf_speed._experts(str(gguf), int(int_dot.Isa.AUTO), 1)
+    assert len(layers) == 1
+    assert layers[0].types == layers[0].serving(int(int_dot.Isa.AUTO)).types
+    packs = (
+        int_dot.Isa.AVX512_VNNI in int_dot.available_isas() and layers[0].gate.shape[1] % 16 == 0
+    )
+    assert layers[0].types[0] == (PACKED_Q8_0 if packs else "Q8_0")
+    args = [str(gguf), "--calls", "1", "--top-k", "2", "--layers", "1", "--dense", "--small-pages"]
+    assert moe_gguf_speed.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"| 0 | {', '.join(layers[0].types)} |" in out
+    assert "| dense MLP (as layer 0) |" in out
