@@ -117,6 +117,10 @@ def test_bad_adapters_get_their_status_and_the_server_keeps_serving(
         _generate(lora_stub, "hello", str(tmp_path / "no-such-adapter"))
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
     assert "no-such-adapter" in str(missing.value.details())
+    with pytest.raises(grpc.RpcError) as missing_stream:  # GenerateStream maps it the same
+        _stream(lora_stub, "hello", str(tmp_path / "no-such-adapter"))
+    assert missing_stream.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no-such-adapter" in str(missing_stream.value.details())
 
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
@@ -128,6 +132,10 @@ def test_bad_adapters_get_their_status_and_the_server_keeps_serving(
         _generate(lora_stub, "hello", str(corrupt))
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot read it" in str(bad.value.details())
+    with pytest.raises(grpc.RpcError) as bad_stream:
+        _stream(lora_stub, "hello", str(corrupt))
+    assert bad_stream.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot read it" in str(bad_stream.value.details())
 
     other_base = tiny_model_factory("llama", hidden_size=96, num_attention_heads=6,
                                     num_key_value_heads=3)  # fmt: skip
@@ -138,6 +146,16 @@ def test_bad_adapters_get_their_status_and_the_server_keeps_serving(
     assert "q_proj" in str(shape.value.details())
 
     assert _generate(lora_stub, "still serving", "ko2").details.generated_tokens > 0
+    assert len(_stream(lora_stub, "still streaming", "ko2")) == MAX_NEW
+
+
+def _stream(
+    stub: pb_grpc.TextGenerationServiceStub, prompt: str, adapter: str
+) -> list[pb.GenerateStreamResponse]:
+    params = pb.GenerateParameters(
+        max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, ignore_eos=True, adapter_id=adapter
+    )
+    return list(stub.GenerateStream(pb.GenerateStreamRequest(inputs=prompt, parameters=params)))
 
 
 def test_python_client_passes_adapter_id(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -179,7 +179,7 @@ class AsyncEngine:
             )
 
     # ----------------------------------------------------------------- requests
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenOutput]:
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         """Yield the request's tokens as they are generated; the last output has ``final``.
 
         Closing the iterator early (client gone, deadline) aborts the request: it leaves the

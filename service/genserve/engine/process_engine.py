@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import structlog
@@ -172,7 +172,7 @@ class ProcessEngine:
         await asyncio.to_thread(self._engine.kill)
 
     # ----------------------------------------------------------------- requests
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenOutput]:
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
         """Yield the request's tokens as the engine process generates them; the last output
         has ``final``.  Closing the iterator early aborts the request in the engine."""
         if not self.is_ready:

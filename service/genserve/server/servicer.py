@@ -29,7 +29,7 @@ from genserve.server.conversion.convert import Conversion, RequestConverter
 from genserve.server.conversion.errors import RequestError
 from genserve.server.conversion.limits import Limits
 from genserve.server.generate_render import Collected, generate_response, stream_message
-from genserve.server.observe import RequestObserver, bind_call
+from genserve.server.observe import RequestObserver, SequenceRecord, bind_call
 from genserve.tokenizer import Tokenizer
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
@@ -45,6 +45,19 @@ class _CallFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# What the engine raises for a request it will not run (no token was generated).
+_ENGINE_REFUSALS = (EngineUnavailableError, AdapterNotFoundError, AdapterError)
+
+
+def _engine_failure(exc: Exception) -> _CallFailed:
+    """The status an engine refusal (one of ``_ENGINE_REFUSALS``) maps to."""
+    if isinstance(exc, EngineUnavailableError):
+        return _CallFailed(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, AdapterNotFoundError):
+        return _CallFailed(grpc.StatusCode.NOT_FOUND, str(exc))
+    return _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 def _request_id(context: grpc.aio.ServicerContext) -> str:
@@ -147,17 +160,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             with self.observer.track(req) as record:
                 async for out in self._require().engine.generate(req):
                     if out.final is not None:
-                        record.finished(out.final)
-                        failure = self._failure_for(out.final)
-                        if failure is not None:
-                            raise failure
+                        self._check_final(record, out.final)
                     yield out
-        except EngineUnavailableError as exc:
-            raise _CallFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        except AdapterNotFoundError as exc:
-            raise _CallFailed(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except AdapterError as exc:
-            raise _CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except _ENGINE_REFUSALS as exc:
+            raise _engine_failure(exc) from None
+
+    def _check_final(self, record: SequenceRecord, final: FinalInfo) -> None:
+        """Record the sequence's last output; raise the call's failure if it is one."""
+        record.finished(final)
+        failure = self._failure_for(final)
+        if failure is not None:
+            raise failure
 
     async def _collect_all(self, reqs: tuple[GenerationRequest, ...]) -> list[Collected]:
         """Generate admitted sequences concurrently (counted in flight meanwhile); raises the
@@ -210,13 +223,24 @@ class TextGenerationServicer(pb_grpc.TextGenerationServiceServicer):  # type: ig
             await context.abort(exc.code, exc.message)
         self._in_flight += 1
         write = context.write
+        req = conv.sequences[0]
         try:
-            # aclosing: a cancellation that lands in write() leaves the output stream
-            # suspended at a yield; closing it now aborts the request at once (its KV is
-            # freed) instead of when the generator is garbage-collected.
-            async with contextlib.aclosing(self._stream(conv.sequences[0])) as outputs:
-                async for out in outputs:
-                    await write(stream_message(conv, out))
+            # What _stream does, written out here so the engine's output generator is the
+            # only async-generator hop per streamed token (a hop is a frame resume on the
+            # gRPC loop, whose every microsecond per token competes with the step's compute
+            # threads on a small CPU: docs/benchmarks/cpu.md, 2026-11-27).
+            with self.observer.track(req) as record:
+                # aclosing: a cancellation that lands in write() leaves the engine's output
+                # stream suspended at a yield; closing it now aborts the request at once
+                # (its KV is freed) instead of when the generator is garbage-collected.
+                async with contextlib.aclosing(self._require().engine.generate(req)) as outputs:
+                    async for out in outputs:
+                        if out.final is not None:
+                            self._check_final(record, out.final)
+                        await write(stream_message(conv, out))
+        except _ENGINE_REFUSALS as exc:
+            failure = _engine_failure(exc)
+            await context.abort(failure.code, failure.message)
         except _CallFailed as exc:
             await context.abort(exc.code, exc.message)
         finally:
