@@ -75,6 +75,7 @@ _HEADERS += [
         "int_dot_ymm_vnni.inc",
         "kquant_decode.inc",
         "kquant_int_row.inc",
+        "kquant_int_row_pairs.inc",
         "kquant_ymm_row.inc",
         "kquant_zmm_row.inc",
         "kquant_rows.h",

@@ -299,10 +299,14 @@ inline void scale_vectors(const KBlock& b, I* out) {
 inline I scaled_dot(I w, I x, I s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s); }
 inline I ymm_scale_operand(I s16) { return s16; }  // VPMADDWD's pairs: the scale twice
 inline I ymm_scaled_dot(I w, I x, I s) { return scaled_dot(w, x, s); }
-#include "kquant_int_row.inc"
+#include "kquant_int_row_pairs.inc"  // 2+ activation rows: two chunks per scale VPMADDWD
 #include "kquant_ymm_row.inc"
 }  // namespace
 RunRows run() { return &run_rows_ymm; }
+// x [rows, K] as KRowJob::xq_paired wants it.
+void pair_rows(const int8_t* x, int64_t rows, int64_t k, int8_t* out) {
+  pair_activations(x, rows, k, out);
+}
 }  // namespace kquant_avx2
 #pragma GCC pop_options
 
@@ -470,6 +474,14 @@ void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef typ
     job.xd = qx.d.data_ptr<float>();
     job.xsums = qx.sums.data_ptr<int16_t>();
   }
+#if defined(__x86_64__)
+  at::Tensor paired;
+  if (run == kquant_avx2::run() && M > 1) {  // its 2+-row path's layout, once per call
+    paired = at::empty({M, K}, x.options().dtype(at::kChar));
+    kquant_avx2::pair_rows(job.xq, M, K, paired.data_ptr<int8_t>());
+    job.xq_paired = paired.data_ptr<int8_t>();
+  }
+#endif
   // Each chunk streams >= ~32 KB of weights (a few rows at 1B sizes), a multiple of 8 rows so
   // that the one-row path's 4-row passes stay whole; shares a busy thread gets help with
   // (row_shares.h).

@@ -80,6 +80,10 @@ struct KRowJob {
   // out += the product (kquant_linear_add_: the residual add of the one-op decode layer); only
   // without a bias, so that the sum is the per-op path's residual + y in the same rounding.
   bool accumulate = false;
+  // xq with each 64 inputs' two 32-byte chunks interleaved by 16-bit words, as the AVX2 path
+  // multiplies them for 2+ activation rows (kquant_int_row_pairs.inc); nullptr: that path
+  // interleaves xq itself, per call of the runner.
+  const int8_t* xq_paired = nullptr;
 
   const KSegment& segment_of(int64_t row) const {
     int64_t s = 0;
