@@ -6,6 +6,9 @@ arguments) a model directory with ``genserve.testing.tiny_model.make_tiny_model`
 architecture.  The models use the embedded default model's tokenizer, which the first call
 converts and caches like the server does.
 
+``default_model_float32`` is transformers' float32 model of the embedded default model, loaded
+once per session for every test that compares against it.
+
 ``triton_interpreter`` is one Python process with Triton's interpreter on
 (``tests/utils/triton_interpreter.py``) that every interpreted Triton kernel check shares.
 """
@@ -15,11 +18,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.utils.triton_interpreter import TritonInterpreter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TINY_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -46,6 +52,29 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFac
 def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_factory: TinyModelFactory) -> Path:
     """One tiny model per architecture (the test runs for each)."""
     return tiny_model_factory(str(request.param))
+
+
+@pytest.fixture(scope="session")
+def default_model_float32() -> PreTrainedModel:
+    """transformers' float32 model of the embedded default model (SmolLM2-135M), dequantized
+    by transformers itself from the GGUF: the reference of test_model_default_slow,
+    test_gguf_weights, test_default_model, test_chat_default_model and
+    test_lora_default_model.  One load takes ~15-20 s of CPU (gguf-py reads the 49,152-token
+    vocabulary and dequantizes every block), so it is loaded once.  Shared read-only: users
+    run it under ``torch.inference_mode()`` (``generate()`` copies its generation config
+    before applying arguments) and never change its weights; one that wraps it (PEFT injects
+    LoRA layers in place) wraps a ``copy.deepcopy``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from genserve.config import load_config
+    from genserve.model.loader import default_gguf_path, resolve_model
+
+    model_dir = resolve_model(None, cache_dir=load_config([]).genserve_cache / "models").local_dir
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, gguf_file=str(default_gguf_path())
+    )
+    return model.eval()
 
 
 @pytest.fixture(scope="session")

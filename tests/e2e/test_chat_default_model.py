@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 
-from genserve.model.loader import resolve_model, transformers_weights_kwargs
+from genserve.model.loader import resolve_model
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.conftest import DefaultModelServer
@@ -52,7 +52,9 @@ def _messages(conversation: list[dict[str, str]]) -> list[pb.ChatMessage]:
     return [pb.ChatMessage(role=m["role"], content=m["content"]) for m in conversation]
 
 
-def test_chat_matches_transformers(served: tuple[LiveServer, int]) -> None:
+def test_chat_matches_transformers(
+    served: tuple[LiveServer, int], default_model_float32: PreTrainedModel
+) -> None:
     server, _ = served
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.TextGenerationServiceStub(channel)
@@ -71,9 +73,7 @@ def test_chat_matches_transformers(served: tuple[LiveServer, int]) -> None:
             replies = list(pool.map(chat, CONVERSATIONS))
     model_dir = resolve_model(None).local_dir
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
-    ).eval()
+    model = default_model_float32  # tests/conftest.py: loaded once per session, read-only
     with torch.inference_mode():
         for conversation, reply in zip(CONVERSATIONS, replies, strict=True):
             prompt = tok.apply_chat_template(

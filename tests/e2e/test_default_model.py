@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 
-from genserve.model.loader import resolve_model, transformers_weights_kwargs
+from genserve.model.loader import resolve_model
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.conftest import DefaultModelServer
@@ -63,14 +63,14 @@ def _counter(served: Served, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def hf_reference() -> list[tuple[list[int], list[float], str]]:
+def hf_reference(
+    default_model_float32: PreTrainedModel,
+) -> list[tuple[list[int], list[float], str]]:
     """transformers' greedy new tokens, their logprobs and the decoded text for each of
     ``PROMPTS`` (float32): the same for both servers, so computed once."""
     model_dir = resolve_model(None).local_dir
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
-    )
+    model = default_model_float32  # tests/conftest.py: loaded once per session, read-only
     reference = []
     with torch.inference_mode():
         for prompt in PROMPTS:

@@ -7,6 +7,7 @@ int8 activations move the logits a little, so agreement is stated and bounded in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -76,6 +77,31 @@ def _bf16_native() -> bool:
     return cpu_kernels.load() and bool(torch.ops.genserve.bf16_gemm_native())
 
 
+INT_PROMPTS = varied_prompts(6, seed=5)
+INT_NEW_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class KQuantReference:
+    """The Q4_K_M file of the integer-path tests and transformers' greedy tokens on it."""
+
+    model: Path
+    expected: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def k_quant_reference(tmp_path_factory: pytest.TempPathFactory) -> KQuantReference:
+    """Made once for the three prompt paths: the file (seeded, so the same every time) and
+    its transformers reference (the same prompts and length) do not depend on the path, and
+    loading the file in transformers parses its vocabulary twice (~8 s).  Read-only: each
+    test serves the file from a fresh cache of its own."""
+    root = tmp_path_factory.mktemp("k-quant-reference")
+    model = make_tiny_gguf(root / "tiny-Q4_K_M.gguf", "Q4_K_M", seed=7)
+    entry = resolve_model(str(model), cache_dir=fresh_cache(root) / "models").local_dir
+    expected = [ids for ids, _ in hf_greedy(entry, INT_PROMPTS, INT_NEW_TOKENS)]
+    return KQuantReference(model, expected)
+
+
 @pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
 @pytest.mark.skipif(not int_dot.available_isas(), reason="no integer kernel path (no AVX2)")
 @pytest.mark.parametrize(
@@ -92,7 +118,10 @@ def _bf16_native() -> bool:
     ],
 )
 def test_k_quants_on_the_integer_path_agree_with_transformers(
-    tmp_path: Path, prompt_path: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    prompt_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    k_quant_reference: KQuantReference,
 ) -> None:
     """Q4_K_M with ``--cpu-int-dot on``: K-quant and Q8_0 matrices multiplied by int8
     activations.  Stated agreement (docs/cpu/integer-kernels.md): at least half of all greedy
@@ -109,10 +138,10 @@ def test_k_quants_on_the_integer_path_agree_with_transformers(
     monkeypatch.setenv(prefill_gemm.ENV_MIN_ROWS, "2" if prompt_path == "bf16" else "0")
     monkeypatch.setenv(prefill_gemm.ENV_INT_GEMM_MIN_ROWS, "2")
     mask = ("--cpu-features-mask", "avx2") if prompt_path == "int-gemm" else ()
-    model = make_tiny_gguf(tmp_path / "tiny-Q4_K_M.gguf", "Q4_K_M", seed=7)
+    model = k_quant_reference.model
     cache = fresh_cache(tmp_path)
-    prompts = varied_prompts(6, seed=5)
-    new_tokens = 12
+    prompts = INT_PROMPTS
+    new_tokens = INT_NEW_TOKENS
     params = pb.GenerateParameters(max_new_tokens=new_tokens, details=True)
     args = (*PARITY_SERVER_ARGS, "--genserve-cache", str(cache), "--cpu-int-dot", "on", *mask)
     try:
@@ -133,8 +162,7 @@ def test_k_quants_on_the_integer_path_agree_with_transformers(
     finally:  # the in-process server's mask must not outlive it in this test process
         cpu_kernels._settings.hidden_features = ()
         torch.ops.genserve.set_hidden_cpu_features([])
-    entry = resolve_model(str(model), cache_dir=cache / "models").local_dir
-    expected = [ids for ids, _ in hf_greedy(entry, prompts, new_tokens)]
+    expected = k_quant_reference.expected
     prefixes = [_agreeing_prefix(a, b) for a, b in zip(served, expected, strict=True)]
     print(f"integer path: agreeing prefixes {prefixes} of {new_tokens}")
     assert sum(prefixes) >= 0.5 * new_tokens * len(prompts), prefixes

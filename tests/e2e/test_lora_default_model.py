@@ -5,6 +5,7 @@ PEFT + transformers generate() on the same float32 weights, logprobs within 1e-3
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,9 +14,9 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 
-from genserve.model.loader import default_gguf_path, transformers_weights_kwargs
+from genserve.model.loader import default_gguf_path
 from genserve.testing.tiny_model import default_tokenizer_dir
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
@@ -76,7 +77,7 @@ def _reference(model: Any, tok: Any, prompt: str) -> tuple[list[int], list[float
 
 
 def test_default_model_with_a_peft_adapter_matches_peft(
-    server: LiveServer, model_dir: Path, adapter_dir: Path
+    server: LiveServer, model_dir: Path, adapter_dir: Path, default_model_float32: PreTrainedModel
 ) -> None:
     from peft import PeftModel
 
@@ -94,11 +95,10 @@ def test_default_model_with_a_peft_adapter_matches_peft(
         with ThreadPoolExecutor(len(jobs)) as pool:
             results = dict(zip(jobs, pool.map(generate, jobs), strict=True))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    base = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
-    )
+    base = default_model_float32  # tests/conftest.py: loaded once per session
     expected_base = {p: _reference(base, tok, p) for p in PROMPTS}
-    tuned = PeftModel.from_pretrained(base, str(adapter_dir))
+    # PEFT injects the LoRA layers into the model it wraps: a copy, not the shared one.
+    tuned = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_dir))
     expected_tuned = {p: _reference(tuned, tok, p) for p in PROMPTS}
     differs = 0
     for (prompt, adapter), result in results.items():

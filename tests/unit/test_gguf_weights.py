@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
-from transformers import AutoModelForCausalLM
+from transformers import PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from genserve.config import load_config
@@ -36,15 +36,14 @@ def default_converted() -> Path:
 
 @pytest.mark.slow
 def test_default_model_blocks_dequantize_to_the_converted_weights(
-    default_converted: Path,
+    default_converted: Path, default_model_float32: PreTrainedModel
 ) -> None:
     config = json.loads((default_converted / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     quantized = read_gguf_quantized(default_gguf_path(), heads, kv_heads)
-    # What transformers loads from the file (it dequantizes with gguf-py's dequantizer).
-    floats = AutoModelForCausalLM.from_pretrained(
-        str(default_converted), dtype=torch.float32, gguf_file=str(default_gguf_path())
-    ).state_dict()
+    # What transformers loads from the file (it dequantizes with gguf-py's dequantizer):
+    # tests/conftest.py's session model, loaded from this file with gguf_file=.
+    floats = default_model_float32.state_dict()
 
     layers = config["num_hidden_layers"]
     # 7 Q4_1 matrices per layer, the Q8_0 embedding; the output is tied (no output.weight).

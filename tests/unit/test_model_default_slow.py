@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 
 from genserve.config import load_config
-from genserve.model.loader import resolve_model, transformers_weights_kwargs
+from genserve.model.loader import resolve_model
 from genserve.step import NewRequestData, SamplingParams, ScheduledChunk, SchedulerOutput
 from genserve.worker.model_runner import ModelRunner
 
@@ -43,15 +43,11 @@ def generate(runner: ModelRunner, prompts: list[list[int]]) -> list[list[tuple[i
     return results
 
 
-def test_default_model_matches_transformers() -> None:
+def test_default_model_matches_transformers(default_model_float32: PreTrainedModel) -> None:
     resolved = resolve_model(None, cache_dir=load_config([]).genserve_cache / "models")
     tok = AutoTokenizer.from_pretrained(str(resolved.local_dir))
     prompts = [tok(p).input_ids for p in PROMPTS]
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(resolved.local_dir),
-        dtype=torch.float32,
-        **transformers_weights_kwargs(resolved.local_dir),
-    )
+    hf = default_model_float32  # tests/conftest.py: loaded once per session, read-only
     expected = []
     first_logprobs = []  # float32's whole first-token distribution per prompt
     with torch.inference_mode():

@@ -102,16 +102,12 @@ def _norms(cfg: dict[str, Any]) -> list[str]:
 def _add_tokenizer(writer: Any, source: Path, vocab: int) -> int:
     """Copy ``source``'s tokenizer metadata, padded with control tokens up to ``vocab``
     entries; returns the vocabulary size written."""
-    from gguf import GGUFReader, GGUFValueType
+    from genserve.testing.tiny_gguf import tokenizer_fields
 
-    reader = GGUFReader(source)
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
-        value = field.contents()
+    num_tokens = 0
+    for key, value, vtype, sub in tokenizer_fields(source):
         if key == "tokenizer.ggml.tokens":
+            num_tokens = len(value)
             value = [
                 *value,
                 *(f"<|reserved_special_token_{i}|>" for i in range(vocab - len(value))),
@@ -121,8 +117,7 @@ def _add_tokenizer(writer: Any, source: Path, vocab: int) -> int:
         elif key == "tokenizer.ggml.scores":
             value = [*value, *([0.0] * (vocab - len(value)))]
         writer.add_key_value(key, value, vtype, sub_type=sub)
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    return max(vocab, len(tokens.data))
+    return max(vocab, num_tokens)
 
 
 def write_q4_k_m_gguf(

@@ -13,6 +13,7 @@ reference and prompts tokenize as for the real model.
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import zlib
 from collections.abc import Mapping
@@ -71,16 +72,35 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _copy_tokenizer(writer: Any, source: Path) -> None:
+# One ``tokenizer.*`` metadata entry: key, value, value type, element type (arrays).
+TokenizerField = tuple[str, Any, Any, Any]
+
+
+def tokenizer_fields(source: Path) -> tuple[TokenizerField, ...]:
+    """``source``'s ``tokenizer.*`` metadata as gguf-py reads it.  Parsed once per file
+    version and process: gguf-py's reader walks the embedded model's 49,152 tokens and their
+    merges element by element (~5 s), and a test session writes dozens of tiny GGUFs with
+    that tokenizer.  The values are shared: callers copy before changing one."""
+    stat = source.stat()
+    return _tokenizer_fields(source.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_fields(source: Path, mtime_ns: int, size: int) -> tuple[TokenizerField, ...]:
     from gguf import GGUFReader, GGUFValueType
 
-    reader = GGUFReader(source)
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    fields: list[TokenizerField] = []
+    for key, field in GGUFReader(source).fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
+            fields.append((key, field.contents(), vtype, sub))
+    return tuple(fields)
+
+
+def _copy_tokenizer(writer: Any, source: Path) -> None:
+    for key, value, vtype, sub in tokenizer_fields(source):
+        writer.add_key_value(key, value, vtype, sub_type=sub)
 
 
 # Where a K-quant block keeps its float16 super-block scales, and a value for them that keeps
