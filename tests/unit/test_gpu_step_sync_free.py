@@ -483,3 +483,19 @@ def test_sampled_step_in_the_graph_equals_eager_sampling_on_cuda(
         eager.decode()
     eager_runner.shutdown()
     assert in_graph.tokens == eager.tokens
+
+
+@pytest.mark.usefixtures("cuda_path_on_cpu")
+def test_longrope_decode_step_never_waits(tiny_model_factory: TinyModelFactory) -> None:
+    """Phi-3's longrope picks short or long factors from each sequence's length on the
+    device: a value read there (``bool(long.any())``) invalidated every CUDA graph capture of
+    Phi-3 models on an H200 (session 13), so they ran eagerly."""
+    runner = _runner(tiny_model_factory("phi3", seed=3), explicit=True)
+    assert runner.model._gpu_tables == [None]  # angles computed per step, from lengths
+    stream = _Stream(runner, 4, GREEDY)
+    stream.decode()
+    with SyncAudit(layer=runner.model._layers[1], graphs=runner._graphs) as audit:
+        stream.decode()
+    problems = {k: v for k, v in audit.counts.details.items() if not k.startswith("kernel:")}
+    assert audit.counts.syncs == 0, problems
+    assert audit.counts.implicit == 0, problems

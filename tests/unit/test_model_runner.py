@@ -363,3 +363,34 @@ def test_presence_penalty_survives_preemption(tiny_model_factory: TinyModelFacto
     unpenalised = plain.add("p", prompts[0], 20)
     plain.run()
     assert [s.token_id for s in ref.out] != [s.token_id for s in unpenalised.out]
+
+
+def test_longrope_prompt_chunks_rotate_by_the_whole_prompt(
+    tiny_model_factory: TinyModelFactory,
+) -> None:
+    """Phi-3's longrope (original context 128 in the tiny model): prompts of 130 and 200
+    tokens prefilled in chunks of at most 48 rotate every chunk with the long factors, as
+    transformers' one-forward prefill does (before, a chunk ending below 128 took the short
+    ones); a 95-token prompt stays below and short."""
+    model_dir = tiny_model_factory("phi3")
+    driver = Driver(make_runner(model_dir), budget=48)
+    prompts = random_prompts([130, 95, 200], seed=4)
+    reqs = [driver.add(f"r{i}", p, 8) for i, p in enumerate(prompts)]
+    driver.run()
+    for req in reqs:
+        assert_matches_hf(model_dir, req, 8)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["chunks", "per-token"])
+def test_prompt_rows_carry_the_whole_prompts_length(per_token: bool) -> None:
+    """What length-dependent rotary reads (``sequence_lengths``): a decode row its context, a
+    prompt chunk's rows the whole prompt (``SeqSpec.known_len``), also when --deterministic
+    attends each prompt token as a row of its own."""
+    from genserve.model.attention import SeqSpec, TorchPagedAttention
+
+    backend = TorchPagedAttention(
+        torch.device("cpu"), use_cpu_kernel=per_token, per_token=per_token
+    )
+    seqs = [SeqSpec(1, 9, (0,)), SeqSpec(3, 0, (1,), known_len=130), SeqSpec(2, 4, (2,))]
+    meta = backend.build(seqs, 1, BLOCK_SIZE)
+    assert meta.sequence_lengths().tolist() == [10, 130, 130, 130, 6, 6]

@@ -6,9 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from genserve.model.loader import transformers_weights_kwargs
+
+
+def _attention_kwargs(model_dir: Path) -> dict[str, str]:
+    """Eager attention where the model soft-caps its attention scores (Gemma 2): SDPA cannot,
+    and transformers 5.17 picked SDPA for Gemma 2 and dropped the cap (5.24 picks eager)."""
+    config = AutoConfig.from_pretrained(str(model_dir))
+    softcap = getattr(getattr(config, "text_config", config), "attn_logit_softcapping", None)
+    return {"attn_implementation": "eager"} if softcap else {}
 
 
 def hf_greedy(
@@ -19,7 +27,10 @@ def hf_greedy(
     ``ignore_eos`` or a server that never stops early)."""
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, **transformers_weights_kwargs(model_dir)
+        str(model_dir),
+        dtype=torch.float32,
+        **transformers_weights_kwargs(model_dir),
+        **_attention_kwargs(model_dir),
     )
     model.eval()
     results = []

@@ -65,15 +65,24 @@ _NO_PIN = contextlib.nullcontext()
 class SeqSpec:
     """One sequence of the step: ``num_tokens`` new tokens at positions ``start_pos ..``,
     its KV living in ``block_ids`` (at least ``ceil((start_pos + num_tokens) / block_size)``
-    entries)."""
+    entries).  ``known_len``: the length of the sequence as known when the step was
+    scheduled (a prompt chunk's whole prompt; 0: this chunk's end)."""
 
     num_tokens: int
     start_pos: int
     block_ids: tuple[int, ...]
+    known_len: int = 0
 
     @property
     def context_len(self) -> int:
         return self.start_pos + self.num_tokens
+
+    @property
+    def rotary_len(self) -> int:
+        """The length that length-dependent rotary (longrope, dynamic NTK) sees for these
+        tokens: transformers prefills a prompt in one forward, so every chunk of a prompt
+        rotates by the whole prompt's length, not by where the chunk happens to end."""
+        return max(self.known_len, self.context_len)
 
 
 class AttentionMetadata(Protocol):
@@ -165,6 +174,7 @@ class _Prefill:
     num_tokens: int
     start_pos: int
     block_ids: torch.Tensor  # [num_blocks_needed]
+    rotary_len: int  # SeqSpec.rotary_len
     # Masks by sliding window (None: full causal); built on first use.
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
@@ -205,6 +215,9 @@ class TorchAttentionMetadata:
     # (set then, for steps with prefills); "sdpa-pinned" fixes SDPA's backends.
     prefill_mode: PrefillAttention = "sdpa"
     varlen: VarlenBatch | None = None
+    # [num_decodes] SeqSpec.rotary_len where a row's differs from its context (the per-token
+    # rows of a prompt chunk under --deterministic); None: decode_context_lens.
+    decode_rotary_lens: torch.Tensor | None = None
     _decode_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -217,9 +230,10 @@ class TorchAttentionMetadata:
         return HEADS_FIRST
 
     def sequence_lengths(self) -> torch.Tensor:
-        ends = [self.decode_context_lens]
+        rows = self.decode_rotary_lens
+        ends = [self.decode_context_lens if rows is None else rows]
         for p in self.prefills:
-            ends.append(torch.full((p.num_tokens,), p.start_pos + p.num_tokens, device=self.device))
+            ends.append(torch.full((p.num_tokens,), p.rotary_len, device=self.device))
         return torch.cat(ends)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -513,7 +527,7 @@ class TorchPagedAttention:
             seqs = [
                 *seqs[:num_decodes],
                 *(
-                    SeqSpec(1, seq.start_pos + i, seq.block_ids)
+                    SeqSpec(1, seq.start_pos + i, seq.block_ids, seq.rotary_len)
                     for seq in seqs[num_decodes:]
                     for i in range(seq.num_tokens)
                 ),
@@ -529,6 +543,13 @@ class TorchPagedAttention:
         pack.add("decode_blocks", table.reshape(-1))
         pack.add("decode_positions", decode_positions)
         pack.add("decode_context_lens", decode_positions + 1)  # once per step, not per layer
+        rotary_lens = np.fromiter(
+            (s.rotary_len for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes
+        )
+        # Only --deterministic's per-token rows of a prompt chunk differ from their context.
+        per_row_rotary = bool((rotary_lens != decode_positions + 1).any())
+        if per_row_rotary:
+            pack.add("decode_rotary_lens", rotary_lens)
         for i, seq in enumerate(seqs[num_decodes:]):
             needed = -(-seq.context_len // block_size)
             pack.add(f"prefill{i}", np.asarray(seq.block_ids[:needed], dtype=np.int64))
@@ -550,7 +571,9 @@ class TorchPagedAttention:
         token_start = num_decodes
         for i, seq in enumerate(seqs[num_decodes:]):
             blocks = on_device[f"prefill{i}"]
-            prefills.append(_Prefill(token_start, seq.num_tokens, seq.start_pos, blocks))
+            prefills.append(
+                _Prefill(token_start, seq.num_tokens, seq.start_pos, blocks, seq.rotary_len)
+            )
             token_start += seq.num_tokens
         return TorchAttentionMetadata(
             slots=on_device["slots"],
@@ -559,6 +582,7 @@ class TorchPagedAttention:
             decode_max_blocks=max_blocks,
             decode_positions=on_device["decode_positions"],
             decode_context_lens=on_device["decode_context_lens"],
+            decode_rotary_lens=on_device["decode_rotary_lens"] if per_row_rotary else None,
             prefills=prefills,
             device=dev,
             use_cpu_kernel=self.use_cpu_kernel,

@@ -27,6 +27,7 @@ class FlashAttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+    rotary_lens: torch.Tensor  # [num_tokens] int64, each token's SeqSpec.rotary_len
 
     @property
     def fused_kv_slots(self) -> torch.Tensor | None:
@@ -37,8 +38,7 @@ class FlashAttentionMetadata:
         return BLOCKS_FIRST
 
     def sequence_lengths(self) -> torch.Tensor:
-        q_lens = self.cu_seqlens_q.diff().long()
-        return torch.repeat_interleave(self.cu_seqlens_k.diff().long(), q_lens)
+        return self.rotary_lens
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]
@@ -103,6 +103,7 @@ class FlashPagedAttention:
         cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
         table, _ = block_table(seqs, block_size)
+        rotary = np.repeat(np.asarray([s.rotary_len for s in seqs], dtype=np.int64), q_lens)
         return FlashAttentionMetadata(
             slots=torch.from_numpy(slot_mapping(seqs, num_decodes, block_size)).to(dev),
             cu_seqlens_q=torch.from_numpy(cu_q).to(dev),
@@ -110,4 +111,5 @@ class FlashPagedAttention:
             max_seqlen_q=int(q_lens.max(initial=0)),
             max_seqlen_k=int(k_lens.max(initial=0)),
             block_table=torch.from_numpy(table.astype(np.int32)).to(dev),
+            rotary_lens=torch.from_numpy(rotary).to(dev),
         )

@@ -162,9 +162,10 @@ class RotaryEmbedding(nn.Module):
             if lengths is None:
                 lengths = rope_scaling.sequence_lengths(positions)
             long = lengths > original
-            if bool(long.any()):
-                long_freqs = positions[:, None].float() * self.long_inv_freq[None, :]
-                freqs = torch.where(long[:, None], long_freqs, freqs)
+            # Both sets, chosen per token on the device: asking whether any token is long
+            # (``bool(long.any())``) is a value read that CUDA graph capture cannot take.
+            long_freqs = positions[:, None].float() * self.long_inv_freq[None, :]
+            freqs = torch.where(long[:, None], long_freqs, freqs)
         return freqs
 
     def cos_sin(

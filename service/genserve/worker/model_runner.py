@@ -482,7 +482,7 @@ class ModelRunner:
         if self.backend is None:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
 
-        plan = layout(step)
+        plan = layout(step, self._known_len)
         placeholders = [
             i for i, c in enumerate(plan.chunks[: plan.num_single]) if c.token_from_last_step
         ]
@@ -652,6 +652,12 @@ class ModelRunner:
         from a worker thread while steps run.  Raises
         :class:`~genserve.model.adapter_errors.AdapterError` for an adapter that does not fit."""
         self._adapters.prepare(ref)
+
+    def _known_len(self, req_id: str) -> int:
+        """Prompt + output tokens of ``req_id`` when it was (re)admitted: a prompt chunk's
+        whole sequence (see ``SeqSpec.rotary_len``)."""
+        state = self._requests.get(req_id)
+        return 0 if state is None else state.num_tokens
 
     def _state(self, req_id: str) -> RequestState:
         state = self._requests.get(req_id)

@@ -10,6 +10,7 @@ attention backends batch them into one op.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,8 +58,11 @@ class StepLayout:
         return rows, rows == list(range(len(rows)))
 
 
-def layout(step: SchedulerOutput) -> StepLayout:
-    """The flat-batch order of ``step``'s chunks (see the module docstring)."""
+def layout(step: SchedulerOutput, known_len: Callable[[str], int] | None = None) -> StepLayout:
+    """The flat-batch order of ``step``'s chunks (see the module docstring).  ``known_len``:
+    a request's sequence length as the runner knows it (prompt + output tokens), asked for
+    prompt chunks only, whose rows then carry the whole prompt's length
+    (``SeqSpec.known_len``)."""
     chunks = [c for c in step.chunks if len(c.token_ids) == 1]
     num_single = len(chunks)
     chunks += [c for c in step.chunks if c.num_draft_tokens]
@@ -69,7 +73,8 @@ def layout(step: SchedulerOutput) -> StepLayout:
         seqs += [SeqSpec(1, c.start_pos + j, c.block_ids) for j in range(len(c.token_ids))]
     num_decodes = len(seqs)
     seqs += [
-        SeqSpec(len(c.token_ids), c.start_pos, c.block_ids) for c in chunks[num_decode_chunks:]
+        SeqSpec(len(c.token_ids), c.start_pos, c.block_ids, known_len(c.req_id) if known_len else 0)
+        for c in chunks[num_decode_chunks:]
     ]
     return StepLayout(chunks, num_single, num_decode_chunks, seqs, num_decodes)
 
