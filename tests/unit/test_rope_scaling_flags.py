@@ -36,10 +36,15 @@ def _hf_scaled(model_dir: Path, kind: str, factor: float) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
 
 
-@pytest.mark.parametrize(("kind", "factor"), [("linear", 4.0), ("dynamic", 2.0)])
+@pytest.mark.parametrize(
+    ("kind", "factor", "budget"),
+    [("linear", 4.0, 256), ("dynamic", 2.0, 256), ("dynamic", 2.0, 32)],
+)
 def test_rope_flags_match_transformers_past_context(
-    tiny_model_factory: TinyModelFactory, kind: str, factor: float
+    tiny_model_factory: TinyModelFactory, kind: str, factor: float, budget: int
 ) -> None:
+    """``budget`` 32: the 90-token prompt is prefilled in chunks, each scaled by the whole
+    prompt's length as transformers' one-forward prefill is (not by where it ends)."""
     model_dir = tiny_model_factory("llama", seed=11, max_position_embeddings=MAX_POS)
     runner = ModelRunner(
         ResolvedModel(model_dir, "tiny", rope_scaling=kind, rope_factor=factor),
@@ -52,7 +57,7 @@ def test_rope_flags_match_transformers_past_context(
     # One prompt past the context, one inside it, batched together: the dynamic scaling of
     # one sequence must not leak into the other.
     prompts = random_prompts([90, 20], seed=12)
-    driver = Driver(runner, budget=256)
+    driver = Driver(runner, budget=budget)
     reqs = [driver.add(f"r{i}", p, 10) for i, p in enumerate(prompts)]
     driver.run()
     hf = _hf_scaled(model_dir, kind, factor)
