@@ -7,7 +7,9 @@
 #   bash scripts/gpu-check.sh OUT_DIR [STAGE ...]
 #
 # STAGE: setup tests make profile bench-1b compile-1b bench-8b compile-8b table (default: all,
-# in that order; run a few per call where one call is limited to 10 minutes); also runner-8b
+# in that order; run a few per call where one call is limited to 10 minutes); also
+# compile-8b-par (the compiled transformers baseline at $HF_BATCHES, one process per batch
+# compiling at once, then each measured alone: ~2 minutes for 1,64,256 on an H200); runner-8b
 # (runner_bench alone, batch 1 and 64, graphs, profiled) and serve-8b (the server over gRPC
 # at $LEVELS streams, overlapped scheduling on and off, no baseline); mixed-attn and serve-mixed
 # (issue #29's A/B of --gpu-prefill-attention triton | sdpa | sdpa-pinned: one layer's attention
@@ -187,6 +189,25 @@ for stage in "${stages[@]}"; do
     # runs one short level there too, because the suite always starts with the server.
     compile-1b) bench 1b-compile "$models/llama-3.2-1b-shape" 1 static-compile "$hf_batches" ;;
     compile-8b) bench 8b-compile "$models/llama-3.1-8b-shape" 1 static-compile "$hf_batches" ;;
+    compile-8b-par)  # the compiled baseline, one process per batch size, compiled at once
+      # (each compile is ~50 s of the slow host), then measured one at a time, alone.
+      note "transformers static + compile, 8B, batches $hf_batches, compiled in parallel"
+      go=$out/hf-go; rm -f "$go" "$go".*
+      pids=()
+      for b in ${hf_batches//,/ }; do
+        timeout "${COMPILE_TIMEOUT:-400}" "$py" -m genserve.bench.hf_only \
+          --model-id "$models/llama-3.1-8b-shape" --device cuda --modes static-compile \
+          --batch-sizes "$b" --max-new-tokens "$new_tokens" --go-file "$go" \
+          --out "$out/hf-8b-par" >"$out/hf-8b-par-b$b.log" 2>&1 &
+        pids+=($!)
+      done
+      n=${#pids[@]}; waited=0
+      while [ "$(ls "$go".ready-b* 2>/dev/null | wc -l)" -lt "$n" ] && [ $waited -lt "${COMPILE_TIMEOUT:-400}" ]; do
+        sleep 2; waited=$((waited + 2))
+      done
+      touch "$go"
+      for pid in "${pids[@]}"; do wait "$pid" || { note "compile-8b-par: a batch FAILED"; status=1; }; done
+      grep -h hf_static "$out"/hf-8b-par-b*.log ;;
     table)
       gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
       "$py" -m genserve.bench.gpu_table --out "$out" --device "$gpu" \

@@ -137,3 +137,36 @@ def test_hf_only_writes_each_batch_as_it_finishes(tiny_model_dir: Path, tmp_path
     ]  # fmt: skip
     assert all(r["num_failed"] == 0 and r["num_requests"] == r["concurrency"] for r in rows)
     assert hf_only.main([*argv[:4], "--modes", "nope", "--out", str(out)]) == 2
+
+
+def test_hf_only_go_file_gates_measurements_one_at_a_time(tmp_path: Path) -> None:
+    """``--go-file``: each process says it has compiled (a ready file), waits for the go file,
+    then measures holding an exclusive lock, so measurements never overlap."""
+    import threading
+    import time
+
+    from genserve.bench.hf_only import _gate
+
+    go = tmp_path / "go"
+    events: list[tuple[str, int]] = []
+
+    def measure(batch: int) -> None:
+        with _gate(go, batch):
+            events.append(("in", batch))
+            time.sleep(0.2)
+            events.append(("out", batch))
+
+    threads = [threading.Thread(target=measure, args=(b,)) for b in (1, 64)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not all((tmp_path / f"go.ready-b{b}").exists() for b in (1, 64)):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.1)
+    assert events == []  # nobody measures before the go file
+    go.touch()
+    for t in threads:
+        t.join(timeout=10)
+    assert [kind for kind, _ in events] == ["in", "out", "in", "out"]
+    assert events[0][1] == events[1][1] != events[2][1] == events[3][1]

@@ -17,10 +17,12 @@ works for any batch size, unlike streamers.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,7 @@ def run_static_generate(
     batch_size: int,
     compile: bool = True,
     on_done: Callable[[int], None] | None = None,
+    measure_gate: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> RunResult:
     """``generate()`` with ``cache_implementation="static"`` at a fixed ``batch_size``, every
     batch padded to the longest prompt, and the forward compiled when ``compile`` (on CUDA
@@ -197,7 +200,9 @@ def run_static_generate(
     devices, which is slow).  One unmeasured batch runs first so compilation and graph capture
     stay outside the measured span.  The last batch is filled up with repeated prompts when
     ``len(prompts)`` is not a multiple of ``batch_size`` (a static cache has a fixed batch);
-    only the real prompts are recorded."""
+    only the real prompts are recorded.  ``measure_gate``: entered around the measured span
+    only (after compilation), so several processes can compile at once and measure one at
+    a time (``python -m genserve.bench.hf_only --go-file``)."""
     from transformers import CompileConfig
 
     pad_to = max(len(tokenizer(p.text)["input_ids"]) for p in prompts)
@@ -215,10 +220,11 @@ def run_static_generate(
         model, tokenizer, padded[:batch_size], batch_size, generate_kwargs=kwargs, pad_to=pad_to
     )
     system = "hf_static_compile" if compile else "hf_static"
-    result = run_padded_generate(
-        model, tokenizer, padded, batch_size, on_done, generate_kwargs=kwargs, pad_to=pad_to,
-        system=system,
-    )  # fmt: skip
+    with measure_gate() if measure_gate is not None else contextlib.nullcontext():
+        result = run_padded_generate(
+            model, tokenizer, padded, batch_size, on_done, generate_kwargs=kwargs,
+            pad_to=pad_to, system=system,
+        )  # fmt: skip
     records = result.records[: len(prompts)]
     wall = max(r.end for r in records) - min(r.start for r in records)
     return RunResult(

@@ -13,8 +13,13 @@ leaves the batch sizes it finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import functools
 import json
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from genserve.bench import hf_baseline
@@ -38,14 +43,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt set (as genserve-bench)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--out", type=Path, required=True, help="directory for results.jsonl")
+    p.add_argument(
+        "--go-file",
+        type=Path,
+        default=None,
+        help="compile, touch GO_FILE.ready-bN, then wait for GO_FILE to exist and measure "
+        "holding an exclusive lock on GO_FILE.lock: processes started together compile at once "
+        "(minutes each on a GPU machine's slow host) and measure one at a time, alone",
+    )
     return p
 
 
-def _run(model: object, tokenizer: object, mode: str, prompts: list[Prompt], b: int) -> RunResult:
+@contextlib.contextmanager
+def _gate(go_file: Path, batch_size: int) -> Iterator[None]:
+    """Ready → wait for ``go_file`` → measure under an exclusive ``flock`` (see --go-file)."""
+    go_file.with_name(f"{go_file.name}.ready-b{batch_size}").touch()
+    while not go_file.exists():
+        time.sleep(0.2)
+    with go_file.with_name(go_file.name + ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _run(
+    model: object, tokenizer: object, mode: str, prompts: list[Prompt], b: int, go: Path | None
+) -> RunResult:
+    gate = None if go is None else functools.partial(_gate, go, b)
     if mode == "eager":
-        return hf_baseline.run_padded_generate(model, tokenizer, prompts, b)
+        with gate() if gate is not None else contextlib.nullcontext():
+            return hf_baseline.run_padded_generate(model, tokenizer, prompts, b)
     return hf_baseline.run_static_generate(
-        model, tokenizer, prompts, b, compile=mode == "static-compile"
+        model, tokenizer, prompts, b, compile=mode == "static-compile", measure_gate=gate
     )
 
 
@@ -72,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     with (args.out / "results.jsonl").open("a") as sink:
         for b in batch_sizes:
             for mode in modes:
-                summary = summarise(_run(model, tokenizer, mode, prompts[:b], b))
+                summary = summarise(_run(model, tokenizer, mode, prompts[:b], b, args.go_file))
                 sink.write(json.dumps(summary, default=str) + "\n")
                 sink.flush()
                 print(format_table([summary]), flush=True)
