@@ -39,6 +39,7 @@ from genserve.engine.engine_process import (
 )
 from genserve.engine.heap import freeze_startup_heap, unfreeze_heap
 from genserve.engine.process_engine import ProcessEngine
+from genserve.engine.rotary_salt import LengthRotary, length_rotary
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
 from genserve.engine.step_wire import EngineHello
@@ -410,7 +411,16 @@ def batch_arrivals(mode: str, graphs_replayed: bool) -> bool:
     return mode == "on" or (mode == "auto" and graphs_replayed)
 
 
-def _scheduler(config: Config, limits: ServingLimits, graphs_replayed: bool) -> Scheduler:
+def _length_rotary(runner: Any) -> LengthRotary | None:
+    """The served model's length-dependent rotary, if any (None for the transformers
+    fallback, whose runner has no ``config.rope``)."""
+    rope = getattr(getattr(runner, "config", None), "rope", None)
+    return None if rope is None else length_rotary(rope.rope_type, rope.params)
+
+
+def _scheduler(
+    config: Config, limits: ServingLimits, graphs_replayed: bool, runner: Any
+) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             num_blocks=limits.num_kv_blocks,
@@ -421,6 +431,7 @@ def _scheduler(config: Config, limits: ServingLimits, graphs_replayed: bool) -> 
             max_num_running=config.max_batch_size,
             policy=SchedulePolicy(config.schedule_policy),
             enable_prefix_caching=not config.disable_prefix_caching,
+            length_rotary=_length_rotary(runner),
             waiting_served_ratio=config.waiting_served_ratio,
             max_waiting_tokens=config.max_waiting_tokens,
             batch_arrivals=batch_arrivals(config.prefill_batching, graphs_replayed),
@@ -485,7 +496,9 @@ def _engine_child(config: Config, from_front: Any, to_front: Any) -> None:
     try:
         loaded = _load(config, link.part_died)
         served = loaded.config if loaded.config is not None else config
-        scheduler = _scheduler(served, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes))
+        scheduler = _scheduler(
+            served, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes), loaded.runner
+        )
         assert loaded.model_dir is not None
         summary = _EngineSummary(
             loaded.info.SerializeToString(),
@@ -684,7 +697,12 @@ class Service:
             loaded = load_result
             config = loaded.config if loaded.config is not None else self.config
             engine = AsyncEngine(
-                _scheduler(config, loaded.limits, bool(loaded.info.cuda_graph_batch_sizes)),
+                _scheduler(
+                    config,
+                    loaded.limits,
+                    bool(loaded.info.cuda_graph_batch_sizes),
+                    loaded.runner,
+                ),
                 loaded.runner,
                 loaded.tokenizer,
                 overlap=config.overlap_scheduling,

@@ -394,3 +394,13 @@ def test_prompt_rows_carry_the_whole_prompts_length(per_token: bool) -> None:
     seqs = [SeqSpec(1, 9, (0,)), SeqSpec(3, 0, (1,), known_len=130), SeqSpec(2, 4, (2,))]
     meta = backend.build(seqs, 1, BLOCK_SIZE)
     assert meta.sequence_lengths().tolist() == [10, 130, 130, 130, 6, 6]
+
+
+def test_the_served_scheduler_salts_by_rotary_regime(tiny_model_factory: TinyModelFactory) -> None:
+    """The launcher hands the scheduler the model's length-dependent rotary (Phi-3's
+    longrope with its original context), and nothing for position-only rotary."""
+    from genserve.cli import _length_rotary
+    from genserve.engine.rotary_salt import LengthRotary
+
+    assert _length_rotary(make_runner(tiny_model_factory("phi3"))) == LengthRotary("longrope", 128)
+    assert _length_rotary(make_runner(tiny_model_factory("llama"))) is None

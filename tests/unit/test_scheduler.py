@@ -6,6 +6,7 @@ import pytest
 from scheduler_fakes import Harness, reference_output
 
 from genserve.engine.request import FinishReason, Request, RequestStatus, StoppingCriteria
+from genserve.engine.rotary_salt import LengthRotary, combine, length_rotary
 from genserve.engine.scheduler import Scheduler
 from genserve.engine.scheduler_config import SchedulePolicy, SchedulerConfig
 from genserve.step import RunnerOutput, SamplingParams
@@ -209,6 +210,38 @@ def test_prefix_cache_hit_is_reported_and_output_unchanged() -> None:
     stats = h.sched.stats()
     assert stats.prefix_cache_hits == 20 and stats.prefix_cache_queries == 20 + 21 + 21
     h.assert_all_blocks_free()
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_length_dependent_rotary_shares_blocks_within_a_regime(kind: str) -> None:
+    """Longrope / dynamic NTK rotate a prompt by its whole length (original context 24
+    here): a prompt past it must not reuse the blocks a shorter prompt computed with the
+    same tokens, and a prompt inside it shares as usual.  Longrope has one long regime, so
+    two long prompts share; dynamic NTK scales by the exact length, so they do not."""
+    h = Harness(cfg(length_rotary=LengthRotary(kind, 24)))  # type: ignore[arg-type]
+    shared = list(range(1, 21))
+    h.add("short", shared, max_new_tokens=2)
+    h.run()
+    h.add("short-too", [*shared, 90], max_new_tokens=2)  # 21 tokens: same regime
+    h.add("long", [*shared, *range(100, 110)], max_new_tokens=2)  # 30 tokens
+    h.run()
+    h.add("long-too", [*shared, *range(100, 110), 7], max_new_tokens=2)  # 31 tokens
+    h.run()
+    cached = {r: h.reqs[r].num_cached_tokens for r in ("short-too", "long", "long-too")}
+    assert cached["short-too"] == 20 and cached["long"] == 0  # blocks of 4 tokens
+    assert cached["long-too"] == (28 if kind == "longrope" else 0)
+    assert h.reqs["long"].cache_salt == ("rope:long" if kind == "longrope" else "rope:ntk:30")
+    h.assert_all_blocks_free()
+
+
+def test_rotary_regime_joins_an_adapter_salt() -> None:
+    assert combine("lora:a", LengthRotary("longrope", 8).salt(9)) == "lora:a|rope:long"
+    assert combine("lora:a", LengthRotary("longrope", 8).salt(8)) == "lora:a"
+    assert combine(None, None) is None
+    assert length_rotary("longrope", {"original_max_position_embeddings": 4096}) == (
+        LengthRotary("longrope", 4096)
+    )
+    assert length_rotary("yarn", {"original_max_position_embeddings": 4096}) is None
 
 
 def test_prefix_caching_disabled_computes_everything() -> None:

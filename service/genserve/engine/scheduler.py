@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from genserve.engine import rotary_salt
 from genserve.engine.adapter_cycling import AdapterCycler
 from genserve.engine.admission import Admission, choose_admissions
 from genserve.engine.request import FinishReason, Request, RequestStatus, stop_reason
@@ -255,6 +256,9 @@ class Scheduler:
         if req.req_id in self._requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.check_request(req)
+        if self.config.length_rotary is not None:
+            regime = self.config.length_rotary.salt(len(req.prompt_token_ids))
+            req.cache_salt = rotary_salt.combine(req.cache_salt, regime)
         self._requests[req.req_id] = req
         self._arrival_seq[req.req_id] = self._next_arrival_seq
         self._next_arrival_seq += 1

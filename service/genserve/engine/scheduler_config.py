@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from genserve.engine.rotary_salt import LengthRotary
+
 
 class SchedulePolicy(enum.Enum):
     """Order in which waiting requests are admitted (``--schedule-policy``)."""
@@ -39,6 +41,9 @@ class SchedulerConfig:
     lpm_max_queue_len: int = 128
     # --disable-prefix-caching turns this off.
     enable_prefix_caching: bool = True
+    # The model's length-dependent rotary (longrope, dynamic NTK): prompts share cached
+    # blocks only within one rotary regime (engine/rotary_salt.py).  None: position only.
+    length_rotary: LengthRotary | None = None
     # --waiting-served-ratio / --max-waiting-tokens: TGI's admission policy, used when
     # chunked prefill is disabled or ``batch_arrivals`` is set (genserve.engine.scheduler_policy).
     waiting_served_ratio: float = 1.2

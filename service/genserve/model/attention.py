@@ -65,8 +65,8 @@ _NO_PIN = contextlib.nullcontext()
 class SeqSpec:
     """One sequence of the step: ``num_tokens`` new tokens at positions ``start_pos ..``,
     its KV living in ``block_ids`` (at least ``ceil((start_pos + num_tokens) / block_size)``
-    entries).  ``known_len``: the length of the sequence as known when the step was
-    scheduled (a prompt chunk's whole prompt; 0: this chunk's end)."""
+    entries).  ``known_len``: the length the sequence is known to reach (a prompt chunk's
+    whole prompt; 0: this chunk's end)."""
 
     num_tokens: int
     start_pos: int

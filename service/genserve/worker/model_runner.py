@@ -654,10 +654,12 @@ class ModelRunner:
         self._adapters.prepare(ref)
 
     def _known_len(self, req_id: str) -> int:
-        """Prompt + output tokens of ``req_id`` when it was (re)admitted: a prompt chunk's
-        whole sequence (see ``SeqSpec.rotary_len``)."""
+        """``req_id``'s prompt length: what every chunk of its prompt rotates by under
+        length-dependent rotary (``SeqSpec.rotary_len``), also when a preempted request's
+        prompt is computed again, so the blocks match the prefix-cache salt of its prompt
+        (``engine/rotary_salt.py``)."""
         state = self._requests.get(req_id)
-        return 0 if state is None else state.num_tokens
+        return 0 if state is None else state.num_prompt_tokens
 
     def _state(self, req_id: str) -> RequestState:
         state = self._requests.get(req_id)

@@ -60,9 +60,8 @@ class StepLayout:
 
 def layout(step: SchedulerOutput, known_len: Callable[[str], int] | None = None) -> StepLayout:
     """The flat-batch order of ``step``'s chunks (see the module docstring).  ``known_len``:
-    a request's sequence length as the runner knows it (prompt + output tokens), asked for
-    prompt chunks only, whose rows then carry the whole prompt's length
-    (``SeqSpec.known_len``)."""
+    a request's prompt length, asked for prompt chunks only, whose rows then carry the whole
+    prompt's length (``SeqSpec.known_len``)."""
     chunks = [c for c in step.chunks if len(c.token_ids) == 1]
     num_single = len(chunks)
     chunks += [c for c in step.chunks if c.num_draft_tokens]
