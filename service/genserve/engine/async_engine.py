@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -40,9 +40,10 @@ from genserve.engine.adapter_manager import AdapterManager, acquire_requested
 from genserve.engine.engine_loop import Delivery, EngineLoop, StepObservation
 from genserve.engine.engine_thread import EngineThread
 from genserve.engine.mailbox import RequestStream, deliver
-from genserve.engine.outputs import GenerationRequest, TokenOutput, scheduler_request
+from genserve.engine.outputs import GenerationRequest, scheduler_request
 from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import Scheduler
+from genserve.engine.streaming import EngineUnavailableError, StreamingEngine
 from genserve.step import AdapterRef, Runner
 from genserve.tokenizer import Tokenizer
 
@@ -53,11 +54,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot take requests: still loading, shutting down, or a shard died."""
-
-
-class AsyncEngine:
+class AsyncEngine(StreamingEngine):
     """Serves token streams per request from an engine loop running on its own thread."""
 
     def __init__(
@@ -179,35 +176,6 @@ class AsyncEngine:
             )
 
     # ----------------------------------------------------------------- requests
-    async def generate(self, req: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
-        """Yield the request's tokens as they are generated; the last output has ``final``.
-
-        Closing the iterator early (client gone, deadline) aborts the request: it leaves the
-        batch at the next step and its KV blocks return to the pool.  One async-generator
-        layer between the request's mailbox and the caller: every layer costs the gRPC loop
-        a frame resume per streamed token (#29)."""
-        if not self.is_ready:
-            raise EngineUnavailableError(self.dead_reason or "the engine is not serving")
-        if req.req_id in self._clients:
-            raise ValueError(f"duplicate request id {req.req_id!r}")
-        adapter = await self._acquire_adapter(req.adapter_id)
-        num_generated = 0
-        client: RequestStream | None = None
-        try:
-            client = self._submit(req, adapter)
-            get = client.queue.get
-            while True:
-                out = await get()
-                num_generated += out.token is not None
-                yield out
-                if out.final is not None:
-                    return
-        finally:
-            if client is not None and not client.finished:
-                self.abort(req.req_id)
-            if adapter is not None and self.adapters is not None:
-                self.adapters.release(adapter, num_generated)
-
     async def _acquire_adapter(self, requested: str | None) -> AdapterRef | None:
         """The request's LoRA adapter pinned into a runner slot (loaded off the engine's
         critical path: validation runs in a thread while the batch keeps stepping)."""

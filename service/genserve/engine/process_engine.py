@@ -30,22 +30,22 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 
 from genserve.engine import step_wire as wire
 from genserve.engine.adapter_manager import AdapterManager, acquire_requested
-from genserve.engine.async_engine import EngineUnavailableError
 from genserve.engine.engine_loop import Delivery, StepObservation
 from genserve.engine.engine_process import EngineProcess
 from genserve.engine.grammar_spec import GrammarSpec
 from genserve.engine.mailbox import RequestStream, deliver
-from genserve.engine.outputs import GenerationRequest, TokenOutput, scheduler_request
+from genserve.engine.outputs import GenerationRequest, scheduler_request
 from genserve.engine.request import FinishReason
 from genserve.engine.scheduler import check_request
 from genserve.engine.scheduler_output import SchedulerStats
+from genserve.engine.streaming import EngineUnavailableError, StreamingEngine
 from genserve.step import AdapterRef
 
 __all__ = ["ProcessEngine"]
@@ -53,7 +53,7 @@ __all__ = ["ProcessEngine"]
 log = structlog.get_logger(__name__)
 
 
-class ProcessEngine:
+class ProcessEngine(StreamingEngine):
     """Serves token streams per request from an engine loop running in a child process."""
 
     def __init__(
@@ -172,31 +172,6 @@ class ProcessEngine:
         await asyncio.to_thread(self._engine.kill)
 
     # ----------------------------------------------------------------- requests
-    async def generate(self, req: GenerationRequest) -> AsyncGenerator[TokenOutput, None]:
-        """Yield the request's tokens as the engine process generates them; the last output
-        has ``final``.  Closing the iterator early aborts the request in the engine."""
-        if not self.is_ready:
-            raise EngineUnavailableError(self._dead_reason or "the engine is not serving")
-        if req.req_id in self._clients:
-            raise ValueError(f"duplicate request id {req.req_id!r}")
-        adapter = await self._acquire_adapter(req.adapter_id)
-        num_generated = 0
-        client: RequestStream | None = None
-        try:
-            client = self._submit(req, adapter)
-            get = client.queue.get
-            while True:
-                out = await get()
-                num_generated += out.token is not None
-                yield out
-                if out.final is not None:
-                    return
-        finally:
-            if client is not None and not client.finished:
-                self.abort(req.req_id)
-            if adapter is not None and self.adapters is not None:
-                self.adapters.release(adapter, num_generated)
-
     async def _acquire_adapter(self, requested: str | None) -> AdapterRef | None:
         """The request's LoRA adapter, validated and pinned into a runner slot here (the
         child's runner reads and installs it: ``engine_process._Arrivals``)."""

@@ -32,9 +32,10 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
-from genserve.engine.async_engine import EngineUnavailableError, StepObservation
+from genserve.engine.async_engine import StepObservation
 from genserve.engine.outputs import FinalInfo, GenerationRequest
 from genserve.engine.request import FinishReason
+from genserve.engine.streaming import EngineUnavailableError
 from genserve.logging import bind_request_id
 from genserve.metrics import STEP_KINDS, Metrics
 from genserve.tracing import epoch_ns, retro_span

@@ -18,10 +18,11 @@ import grpc
 import structlog
 
 from genserve.chat_template import ChatRenderer
-from genserve.engine.async_engine import AsyncEngine, EngineUnavailableError
+from genserve.engine.async_engine import AsyncEngine
 from genserve.engine.outputs import FinalInfo, GenerationRequest, TokenOutput
 from genserve.engine.process_engine import ProcessEngine
 from genserve.engine.request import FinishReason
+from genserve.engine.streaming import EngineUnavailableError
 from genserve.model.adapter_errors import AdapterError, AdapterNotFoundError
 from genserve.server.chat_render import ChatStreamAssembler, chat_response
 from genserve.server.chat_reply import ChatFeatures
