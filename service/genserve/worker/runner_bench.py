@@ -4,6 +4,7 @@
     python -m genserve.worker.runner_bench [--model-id ID] [--dtype bfloat16]
         [--batch 1 32] [--prompt-len 40] [--new-tokens 128] [--hf] [--profile]
         [--model-impl transformers] [--cpu-int-dot on] [--quantize gguf|int8|int4|none]
+        [--cpu-features-mask avx2]
 
 For each batch size: one prefill step of ``batch`` prompts, then ``new-tokens - 1`` decode
 steps of the whole batch; prints decode tokens/s and ms/step.  ``--hf`` runs padded
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -170,16 +172,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--cpu-int-dot", choices=["off", "auto", "on"], default="auto", help="as the server's"
     )
+    parser.add_argument(
+        "--cpu-features-mask",
+        default=os.environ.get("GENSERVE_CPU_FEATURES_MASK", ""),
+        help="CPU features the kernels treat as absent, as the server's (avx2: an AVX2-only "
+        "CPU's kernels on this one)",
+    )
     args = parser.parse_args(argv)
     from genserve.kernels import int_dot
+    from genserve.kernels.cpu_features import parse_mask
 
+    try:
+        hidden = parse_mask(args.cpu_features_mask)
+    except ValueError as exc:  # a typo must not time the full CPU's kernels under its label
+        parser.error(f"--cpu-features-mask: {exc}")
     int_dot.configure(args.cpu_int_dot, args.dtype)
-    if args.disable_cpu_kernels or args.deterministic:
+    if args.disable_cpu_kernels or args.deterministic or hidden:
         from genserve.kernels import cpu as cpu_kernels
 
         cpu_kernels.configure(
-            enabled=not args.disable_cpu_kernels, batch_invariant=args.deterministic
+            enabled=not args.disable_cpu_kernels,
+            batch_invariant=args.deterministic,
+            hidden_features=hidden,
         )
+        if hidden:
+            print(f"hidden CPU features: {','.join(hidden)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
