@@ -485,12 +485,25 @@ def test_sampled_step_in_the_graph_equals_eager_sampling_on_cuda(
     assert in_graph.tokens == eager.tokens
 
 
+_DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+
+
 @pytest.mark.usefixtures("cuda_path_on_cpu")
-def test_longrope_decode_step_never_waits(tiny_model_factory: TinyModelFactory) -> None:
+@pytest.mark.parametrize("arch", ["phi3", "llama-dynamic"])
+def test_length_dependent_rotary_decode_step_never_waits(
+    tiny_model_factory: TinyModelFactory, arch: str
+) -> None:
     """Phi-3's longrope picks short or long factors from each sequence's length on the
     device: a value read there (``bool(long.any())``) invalidated every CUDA graph capture of
-    Phi-3 models on an H200 (session 13), so they ran eagerly."""
-    runner = _runner(tiny_model_factory("phi3", seed=3), explicit=True)
+    Phi-3 models on an H200 (session 13), so they ran eagerly.  Dynamic NTK scales by the
+    lengths on the device too."""
+    if arch == "phi3":
+        model_dir = tiny_model_factory("phi3", seed=3)
+    else:
+        model_dir = tiny_model_factory(
+            "llama", seed=3, max_position_embeddings=64, rope_parameters=_DYNAMIC
+        )
+    runner = _runner(model_dir, explicit=True)
     assert runner.model._gpu_tables == [None]  # angles computed per step, from lengths
     stream = _Stream(runner, 4, GREEDY)
     stream.decode()
