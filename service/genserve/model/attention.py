@@ -522,6 +522,7 @@ class TorchPagedAttention:
         """Every array of the step's metadata is gathered on the host and sent in one
         asynchronous copy (``model/step_upload.py``): no blocking upload, no value read."""
         dev = self.device
+        per_row_rotary = False  # rows whose rotary length is not their context's
         if self.per_token and num_decodes < len(seqs):
             # The flat batch is unchanged: decodes, then each chunk's tokens in order.
             seqs = [
@@ -533,6 +534,7 @@ class TorchPagedAttention:
                 ),
             ]
             num_decodes = len(seqs)
+            per_row_rotary = True
         has_prefills = num_decodes < len(seqs)
         table, max_blocks = block_table(seqs[:num_decodes], block_size)
         decode_positions = np.fromiter(
@@ -543,13 +545,9 @@ class TorchPagedAttention:
         pack.add("decode_blocks", table.reshape(-1))
         pack.add("decode_positions", decode_positions)
         pack.add("decode_context_lens", decode_positions + 1)  # once per step, not per layer
-        rotary_lens = np.fromiter(
-            (s.rotary_len for s in seqs[:num_decodes]), dtype=np.int64, count=num_decodes
-        )
-        # Only --deterministic's per-token rows of a prompt chunk differ from their context.
-        per_row_rotary = bool((rotary_lens != decode_positions + 1).any())
-        if per_row_rotary:
-            pack.add("decode_rotary_lens", rotary_lens)
+        if per_row_rotary:  # --deterministic's rows of a prompt chunk: the whole prompt's
+            rotary = (s.rotary_len for s in seqs[:num_decodes])
+            pack.add("decode_rotary_lens", np.fromiter(rotary, np.int64, count=num_decodes))
         for i, seq in enumerate(seqs[num_decodes:]):
             needed = -(-seq.context_len // block_size)
             pack.add(f"prefill{i}", np.asarray(seq.block_ids[:needed], dtype=np.int64))
