@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from genserve import serving_defaults
 from genserve.adapter_metrics import AdapterCollector
 from genserve.chat_template import ChatRenderer, load_template_override
 from genserve.config import VERSION, Config, load_config, runtime_environment
@@ -516,7 +517,7 @@ def _engine_child(config: Config, from_front: Any, to_front: Any) -> None:
         scheduler,
         loaded.runner,
         loaded.tokenizer,
-        served.overlap_scheduling,
+        bool(served.overlap_scheduling),  # None (auto, not decided: tests): off
         loaded.grammars,
         summary,
         from_front,
@@ -705,7 +706,7 @@ class Service:
                 ),
                 loaded.runner,
                 loaded.tokenizer,
-                overlap=config.overlap_scheduling,
+                overlap=bool(config.overlap_scheduling),  # None: not decided (tests): off
             )
             model_config = loaded.runner.config
         adapter_settings = AdapterSettings(
@@ -866,6 +867,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(cache_main(args[1:]))
     config = load_config(args)
+    asked = (config.overlap_scheduling, config.engine_process)
+    config = serving_defaults.decide(config, serving_defaults.visible_gpus())
     # --json-output: stdout/stderr lines that bypass the logger (progress bars, libraries'
     # prints, C++ warnings, worker processes) are wrapped into JSON objects too.
     stray = capture_stray_output() if config.json_output else None
@@ -874,6 +877,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info("runtime_environment", **runtime_environment())
     cache: Path = config.genserve_cache
     log.info("starting", version=VERSION, model_id=config.model_id or "(default)", cache=str(cache))
+    if None in asked:
+        log.info(
+            "serving_defaults",
+            overlap_scheduling=config.overlap_scheduling,
+            engine_process=config.engine_process,
+            reason="auto: on where the model serves on CUDA (the engine process on one GPU)",
+        )
     code = asyncio.run(serve(config))
     # serve() has stopped everything that needs an orderly stop.  Skip interpreter teardown:
     # a thread may still be inside torch — the model still loading when SIGTERM came (its

@@ -75,8 +75,10 @@ class Config:
     schedule_policy: SchedulePolicy = "fcfs"
     disable_prefix_caching: bool = False
     disable_grammar_support: bool = False
-    overlap_scheduling: bool = False  # issue #29: schedule step n + 1 while step n runs
-    engine_process: bool = False  # issue #29: the engine loop in a spawned child process
+    # issue #29: schedule step n + 1 while step n runs; None: on CUDA only (serving_defaults)
+    overlap_scheduling: bool | None = None
+    # issue #29: the engine loop in a spawned child process; None: on one CUDA GPU only
+    engine_process: bool | None = None
     prefill_batching: PrefillBatching = "auto"  # issue #29: TGI's admission rule, chunked too
     # issue #29: how CUDA steps with prompt rows attend (model/attention_backend.py)
     gpu_prefill_attention: GpuPrefillAttention = "auto"
@@ -238,6 +240,8 @@ class _Flag:
     parse: Callable[[str], Any] | None = None  # None: a switch (store_true)
     env: tuple[str, ...] = ()
     choices: tuple[str, ...] | None = None
+    # A switch with a --no- form whose default (None) the launcher decides (on CUDA: on).
+    negatable: bool = False
 
 
 def _flag(
@@ -248,6 +252,7 @@ def _flag(
     aliases: Sequence[str] = (),
     env: Sequence[str] = (),
     choices: Sequence[str] | None = None,
+    negatable: bool = False,
 ) -> _Flag:
     names = ("--" + dest.replace("_", "-"), *aliases)
     return _Flag(
@@ -257,6 +262,7 @@ def _flag(
         parse=parse,
         env=tuple(env) or (dest.upper(),),
         choices=tuple(choices) if choices else None,
+        negatable=negatable,
     )
 
 
@@ -318,8 +324,10 @@ FLAGS: tuple[_Flag, ...] = (
         "Schedule step n + 1 before step n's tokens are known (its decode tokens are filled "
         "on the device from step n's) and stream step n while step n + 1 runs; stop "
         "conditions apply one step late and the extra token is dropped, so outputs are "
-        "unchanged. Meant for CUDA; off by default (no gain measured on CPU).",
+        "unchanged. auto: on where the model serves on CUDA, off on CPU (no gain measured "
+        "there).",
         _SWITCH,
+        negatable=True,
     ),
     _flag(
         "engine_process",
@@ -327,8 +335,11 @@ FLAGS: tuple[_Flag, ...] = (
         "its own, so the gRPC process's Python work does not hold the engine's GIL "
         "(docs/gpu-step.md). Structured output, LoRA adapters and tensor parallelism "
         "(--num-shard, --sharded: the engine process is rank 0 and starts the other ranks) "
-        "work as without it. Meant for CUDA; off by default.",
+        "work as without it. auto: on where the model serves on one CUDA GPU (an H200 "
+        "served 1.66x the tokens at 256 streams with it), off on CPU and across several "
+        "GPUs (not yet run there).",
         _SWITCH,
+        negatable=True,
     ),
     _flag("max_stop_sequences", "Largest number of stop sequences per request.", int),
     _flag("max_top_n_tokens", "Largest top_n_tokens per request.", int),
@@ -609,6 +620,15 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, flag.dest)
         env_text = ", ".join(name for name in flag.env if name)
         help_text = f"{flag.help} [env: {env_text}]" if env_text else flag.help
+        if flag.parse is None and flag.negatable:
+            parser.add_argument(
+                *flag.names,
+                dest=flag.dest,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text + " [default: auto]",
+            )
+            continue
         if flag.parse is None:
             parser.add_argument(*flag.names, dest=flag.dest, action="store_true", help=help_text)
             continue
@@ -652,7 +672,7 @@ def load_config(
     values: dict[str, Any] = {}
     for flag in FLAGS:
         given = getattr(args, flag.dest)
-        if flag.parse is None:
+        if flag.parse is None and not flag.negatable:
             given = True if given else None
         if given is None:
             try:

@@ -154,3 +154,24 @@ def test_cpu_default_kv_cache_holds_a_few_full_length_requests() -> None:
     # The memory budget still caps the CPU default.
     limits = derive_limits(Config(), 4096, 1000, on_cuda=False)
     assert (limits.num_kv_blocks, limits.kv_sized_by) == (1000, "memory")
+
+
+def test_cuda_switches_default_to_the_machine() -> None:
+    """--overlap-scheduling and --engine-process are auto: on where the model serves on CUDA
+    (the engine process on one GPU), off on CPU; what the user says stays."""
+    from genserve.serving_defaults import decide
+
+    def switches(argv: list[str], gpus: int, environ: dict[str, str] | None = None) -> tuple:
+        config = decide(load_config(argv, environ or {}), gpus)
+        return config.overlap_scheduling, config.engine_process
+
+    assert load_config([], {}).engine_process is None  # undecided until the launcher decides
+    assert switches([], 0) == (False, False)
+    assert switches([], 1) == (True, True)
+    assert switches([], 2) == (True, False)  # every GPU sharded: the engine process stays in
+    assert switches(["--num-shard", "1"], 2) == (True, True)
+    assert switches(["--no-engine-process"], 1) == (True, False)
+    assert switches(["--no-overlap-scheduling"], 1) == (False, True)
+    assert switches([], 1, {"ENGINE_PROCESS": "false"}) == (True, False)
+    assert switches(["--engine-process", "--overlap-scheduling"], 0) == (True, True)
+    assert switches(["--sharded", "false", "--num-shard", "2"], 2) == (True, False)

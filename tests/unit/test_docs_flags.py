@@ -54,12 +54,17 @@ def test_rows_carry_env_vars_and_defaults_from_the_code() -> None:
     rows = _rows(_hook().render_flags(build_parser()))
     defaults = Config()
     for flag in FLAGS:
-        row = rows[", ".join(f"`{name}`" for name in flag.names)]
+        names = [*flag.names]
+        if flag.negatable:  # argparse's --no- form beside each name
+            names = [n for name in flag.names for n in (name, "--no-" + name[2:])]
+        row = rows[", ".join(f"`{name}`" for name in names)]
         for env in filter(None, flag.env):
             assert f"`{env}`" in row.split(" | ")[1]
         default = getattr(defaults, flag.dest)
         cell = row.split(" | ")[2]
-        if flag.parse is None:
+        if flag.negatable:  # decided by the launcher (serving_defaults)
+            assert default is None and cell == "`auto`"
+        elif flag.parse is None:
             assert cell == "off"
         elif isinstance(default, (int, float, str)):
             assert cell == f"`{default}`"
