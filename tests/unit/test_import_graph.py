@@ -24,7 +24,10 @@ PACKAGE = "genserve"
 # Units on one layer are siblings: neither may import the other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "bench"),  # launchers: flags → objects, wiring; the benchmark harness
-    ("cache_cli",),  # genserve cache list|prune (the launcher dispatches to it)
+    (
+        "cache_cli",  # genserve cache list|prune (the launcher dispatches to it)
+        "serving_defaults",  # the launcher's auto switches (CUDA: overlap, engine process)
+    ),
     ("server",),  # gRPC: conversion of requests, the servicer, rendering, observability
     ("engine", "worker", "testing"),  # scheduling | execution (Runner) | tiny test models
     ("model",),  # parts, families, weights, adapters on disk
