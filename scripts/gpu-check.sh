@@ -122,7 +122,7 @@ for stage in "${stages[@]}"; do
       grep -E "^genserve|^cuda graphs|tok/s" "$out/runner-8b.log" ;;
     serve-8b)  # the whole server over gRPC, no baseline, with and without overlapped scheduling
       for overlap in on off; do
-        flag=(); [ $overlap = on ] && flag=(--overlap-scheduling)
+        flag=(--no-overlap-scheduling); [ $overlap = on ] && flag=(--overlap-scheduling)
         note "serve 8B, overlap $overlap, streams $levels"
         timeout "${SERVE_TIMEOUT:-600}" "$py" -m genserve.bench.cli --launch --no-progress \
           --out "$out/serve-8b-$overlap" --concurrency "$levels" --num-prompts 64 \
@@ -169,7 +169,7 @@ for stage in "${stages[@]}"; do
         && cat "$out/mixed-steps.jsonl" || { note "mixed-steps FAILED"; status=1; } ;;
     serve-proc)  # the 8B server at 256 and 64 streams, the engine in a process of its own or not
       for mode in ${PROC_VALUES:-on off}; do
-        flag=(); [ $mode = on ] && flag=(--engine-process)
+        flag=(--no-engine-process); [ $mode = on ] && flag=(--engine-process)
         note "serve 8B, streams ${PROC_LEVELS:-256,64}, --engine-process $mode"
         timeout "${SERVE_TIMEOUT:-240}" "$py" -m genserve.bench.cli --launch --no-progress \
           --out "$out/serve-proc-$mode" --concurrency "${PROC_LEVELS:-256,64}" \
