@@ -384,16 +384,24 @@ def test_longrope_prompt_chunks_rotate_by_the_whole_prompt(
 @pytest.mark.parametrize("per_token", [False, True], ids=["chunks", "per-token"])
 def test_prompt_rows_carry_the_whole_prompts_length(per_token: bool) -> None:
     """What length-dependent rotary reads (``sequence_lengths``): a decode row its context, a
-    prompt chunk's rows the whole prompt (``SeqSpec.known_len``), also when --deterministic
-    attends each prompt token as a row of its own."""
+    prompt chunk's rows the whole prompt (``SeqSpec.known_len``), a chunk that recomputes a
+    preempted request's prompt (5 tokens) and outputs the prompt's length, then each output's
+    own position + 1 (as when it was decoded), also when --deterministic attends each prompt
+    token as a row of its own; a chunk with no known length its own end."""
     from genserve.model.attention import SeqSpec, TorchPagedAttention
 
     backend = TorchPagedAttention(
         torch.device("cpu"), use_cpu_kernel=per_token, per_token=per_token
     )
-    seqs = [SeqSpec(1, 9, (0,)), SeqSpec(3, 0, (1,), known_len=130), SeqSpec(2, 4, (2,))]
+    seqs = [
+        SeqSpec(1, 9, (0,)),
+        SeqSpec(3, 0, (1,), known_len=130),
+        SeqSpec(5, 3, (2,), known_len=5),
+        SeqSpec(2, 4, (3,)),
+    ]
     meta = backend.build(seqs, 1, BLOCK_SIZE)
-    assert meta.sequence_lengths().tolist() == [10, 130, 130, 130, 6, 6]
+    assert meta.sequence_lengths().tolist() == [10, 130, 130, 130, 5, 5, 6, 7, 8, 6, 6]
+    assert [s.rotary_lens().tolist() for s in seqs[1:]] == [[130] * 3, [5, 5, 6, 7, 8], [6, 6]]
 
 
 def test_the_served_scheduler_salts_by_rotary_regime(tiny_model_factory: TinyModelFactory) -> None:

@@ -1,7 +1,7 @@
 """Prefix-cache keys for models whose rotary angles depend on the sequence's length.
 
 Under longrope (Phi-3, Phi-4-mini) and dynamic NTK a prompt's keys are rotated by the whole
-prompt's length, as transformers' one-forward prefill does (``SeqSpec.rotary_len``): a
+prompt's length, as transformers' one-forward prefill does (``SeqSpec.rotary_lens``): a
 block computed for a short prompt is not the block a long prompt sharing those tokens needs.
 So a request's blocks are salted with its prompt's regime: longrope has two (at or below
 the original context: the short factors; above: the long ones); dynamic NTK scales by the

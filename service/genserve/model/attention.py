@@ -65,8 +65,8 @@ _NO_PIN = contextlib.nullcontext()
 class SeqSpec:
     """One sequence of the step: ``num_tokens`` new tokens at positions ``start_pos ..``,
     its KV living in ``block_ids`` (at least ``ceil((start_pos + num_tokens) / block_size)``
-    entries).  ``known_len``: the length the sequence is known to reach (a prompt chunk's
-    whole prompt; 0: this chunk's end)."""
+    entries).  ``known_len``: the prompt's length, for the tokens of a prompt chunk (0: not
+    known; this chunk's end stands for it)."""
 
     num_tokens: int
     start_pos: int
@@ -78,11 +78,23 @@ class SeqSpec:
         return self.start_pos + self.num_tokens
 
     @property
-    def rotary_len(self) -> int:
-        """The length that length-dependent rotary (longrope, dynamic NTK) sees for these
-        tokens: transformers prefills a prompt in one forward, so every chunk of a prompt
+    def rotary_base(self) -> int:
+        """The prompt length that length-dependent rotary (longrope, dynamic NTK) starts
+        from: transformers prefills a prompt in one forward, so every chunk of a prompt
         rotates by the whole prompt's length, not by where the chunk happens to end."""
-        return max(self.known_len, self.context_len)
+        return self.known_len or self.context_len
+
+    @property
+    def rotary_len(self) -> int:
+        """A one-token row's length under length-dependent rotary (see :meth:`rotary_lens`)."""
+        return max(self.rotary_base, self.context_len)
+
+    def rotary_lens(self) -> np.ndarray:
+        """``[num_tokens]`` int64: each token's length under length-dependent rotary, as one
+        uninterrupted run computes it: a prompt token the whole prompt's, a later token (a
+        preempted request's output computed again) its own position + 1, as when decoded."""
+        ends = np.arange(self.start_pos + 1, self.context_len + 1, dtype=np.int64)
+        return np.maximum(ends, self.rotary_base)
 
 
 class AttentionMetadata(Protocol):
@@ -174,7 +186,7 @@ class _Prefill:
     num_tokens: int
     start_pos: int
     block_ids: torch.Tensor  # [num_blocks_needed]
-    rotary_len: int  # SeqSpec.rotary_len
+    rotary_base: int  # SeqSpec.rotary_base
     # Masks by sliding window (None: full causal); built on first use.
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
@@ -233,7 +245,12 @@ class TorchAttentionMetadata:
         rows = self.decode_rotary_lens
         ends = [self.decode_context_lens if rows is None else rows]
         for p in self.prefills:
-            ends.append(torch.full((p.num_tokens,), p.rotary_len, device=self.device))
+            first = p.start_pos + 1  # SeqSpec.rotary_lens, on the device
+            ends.append(
+                torch.arange(first, first + p.num_tokens, device=self.device).clamp_(
+                    min=p.rotary_base
+                )
+            )
         return torch.cat(ends)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -528,7 +545,7 @@ class TorchPagedAttention:
             seqs = [
                 *seqs[:num_decodes],
                 *(
-                    SeqSpec(1, seq.start_pos + i, seq.block_ids, seq.rotary_len)
+                    SeqSpec(1, seq.start_pos + i, seq.block_ids, seq.rotary_base)
                     for seq in seqs[num_decodes:]
                     for i in range(seq.num_tokens)
                 ),
@@ -570,7 +587,7 @@ class TorchPagedAttention:
         for i, seq in enumerate(seqs[num_decodes:]):
             blocks = on_device[f"prefill{i}"]
             prefills.append(
-                _Prefill(token_start, seq.num_tokens, seq.start_pos, blocks, seq.rotary_len)
+                _Prefill(token_start, seq.num_tokens, seq.start_pos, blocks, seq.rotary_base)
             )
             token_start += seq.num_tokens
         return TorchAttentionMetadata(

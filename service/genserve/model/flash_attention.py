@@ -27,7 +27,7 @@ class FlashAttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32
-    rotary_lens: torch.Tensor  # [num_tokens] int64, each token's SeqSpec.rotary_len
+    rotary_lens: torch.Tensor  # [num_tokens] int64 (SeqSpec.rotary_lens)
 
     @property
     def fused_kv_slots(self) -> torch.Tensor | None:
@@ -103,7 +103,7 @@ class FlashPagedAttention:
         cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
         table, _ = block_table(seqs, block_size)
-        rotary = np.repeat(np.asarray([s.rotary_len for s in seqs], dtype=np.int64), q_lens)
+        rotary = np.concatenate([s.rotary_lens() for s in seqs]) if seqs else np.zeros(0, np.int64)
         return FlashAttentionMetadata(
             slots=torch.from_numpy(slot_mapping(seqs, num_decodes, block_size)).to(dev),
             cu_seqlens_q=torch.from_numpy(cu_q).to(dev),

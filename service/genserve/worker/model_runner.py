@@ -655,9 +655,10 @@ class ModelRunner:
 
     def _known_len(self, req_id: str) -> int:
         """``req_id``'s prompt length: what every chunk of its prompt rotates by under
-        length-dependent rotary (``SeqSpec.rotary_len``), also when a preempted request's
-        prompt is computed again, so the blocks match the prefix-cache salt of its prompt
-        (``engine/rotary_salt.py``)."""
+        length-dependent rotary (``SeqSpec.rotary_lens``).  A preempted request computed
+        again rotates its prompt so and its outputs by their own positions, as when they
+        were decoded: its blocks come out as the first time, under its prompt's prefix-cache
+        salt (``engine/rotary_salt.py``)."""
         state = self._requests.get(req_id)
         return 0 if state is None else state.num_prompt_tokens
 
