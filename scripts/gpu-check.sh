@@ -9,7 +9,8 @@
 # STAGE: setup tests make profile bench-1b compile-1b bench-8b compile-8b table (default: all,
 # in that order; run a few per call where one call is limited to 10 minutes); also
 # compile-8b-par (the compiled transformers baseline at $HF_BATCHES, one process per batch
-# compiling at once, then each measured alone: ~2 minutes for 1,64,256 on an H200); runner-8b
+# compiling at once, then each measured alone: ~2 minutes for 1,64,256 on an H200);
+# serve-defaults (the 8B server with no tuning flag, as a user starts it, at $LEVELS); runner-8b
 # (runner_bench alone, batch 1 and 64, graphs, profiled) and serve-8b (the server over gRPC
 # at $LEVELS streams, overlapped scheduling on and off, no baseline); mixed-attn and serve-mixed
 # (issue #29's A/B of --gpu-prefill-attention triton | sdpa | sdpa-pinned: one layer's attention
@@ -167,6 +168,17 @@ for stage in "${stages[@]}"; do
       # steps; its tok/s is a cost model, not this GPU).
       "$py" -m genserve.bench.mixed_steps --streams 64 256 >"$out/mixed-steps.jsonl" 2>&1 \
         && cat "$out/mixed-steps.jsonl" || { note "mixed-steps FAILED"; status=1; } ;;
+    serve-defaults)  # the 8B server as a user starts it: the launcher's defaults (on one CUDA
+      # GPU: overlapped scheduling and the engine process), 4 client processes, $LEVELS
+      note "serve 8B with the default flags, streams $levels"
+      timeout "${SERVE_TIMEOUT:-300}" "$py" -m genserve.bench.cli --launch --no-progress \
+        --out "$out/serve-defaults" --concurrency "$levels" --client-processes 4 \
+        --num-prompts 4096 --max-new-tokens "$new_tokens" --max-duration "${DEFAULTS_DURATION:-12}" \
+        --model-id "$models/llama-3.1-8b-shape" -- --model-id "$models/llama-3.1-8b-shape" \
+        --dtype bfloat16 --max-concurrent-requests 512 --max-batch-size 256 \
+        >"$out/serve-defaults.log" 2>&1 || { note "serve-defaults FAILED"; status=1; }
+      grep -o "serving_defaults.*" "$out/serve-defaults/server.log" | tail -n 1
+      tail -n 12 "$out/serve-defaults.log" ;;
     serve-proc)  # the 8B server at 256 and 64 streams, the engine in a process of its own or not
       for mode in ${PROC_VALUES:-on off}; do
         flag=(--no-engine-process); [ $mode = on ] && flag=(--engine-process)
