@@ -618,13 +618,25 @@ class Service:
             tls="mutual" if self.config.tls_client_ca_file else bool(credentials),
             api_key=self.config.api_key is not None,
         )
-        if self.config.engine_process:
-            self._loading = asyncio.ensure_future(_load_engine_process(self.config))
-        else:
-            self._loading = asyncio.ensure_future(
-                _load_in_thread(self.config, self._on_shard_failure)
-            )
+        self._loading = asyncio.ensure_future(self._load())
         return self.port
+
+    async def _load(self) -> Loaded | tuple[Loaded, EngineProcess, EngineHello]:
+        """Decide the switches left to the launcher (``serving_defaults``: it imports torch to
+        count GPUs, so after the port is open and off the event loop), then load here or in
+        the engine process."""
+        if self.config.overlap_scheduling is None or self.config.engine_process is None:
+            gpus = await asyncio.to_thread(serving_defaults.visible_gpus)
+            self.config = serving_defaults.decide(self.config, gpus)
+            log.info(
+                "serving_defaults",
+                overlap_scheduling=self.config.overlap_scheduling,
+                engine_process=self.config.engine_process,
+                reason="auto: on where the model serves on CUDA (the engine process on one GPU)",
+            )
+        if self.config.engine_process:
+            return await _load_engine_process(self.config)
+        return await _load_in_thread(self.config, self._on_shard_failure)
 
     async def wait_ready(self) -> None:
         """Raises what loading raised (LimitsError, FileNotFoundError, ...)."""
@@ -867,8 +879,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(cache_main(args[1:]))
     config = load_config(args)
-    asked = (config.overlap_scheduling, config.engine_process)
-    config = serving_defaults.decide(config, serving_defaults.visible_gpus())
     # --json-output: stdout/stderr lines that bypass the logger (progress bars, libraries'
     # prints, C++ warnings, worker processes) are wrapped into JSON objects too.
     stray = capture_stray_output() if config.json_output else None
@@ -877,13 +887,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info("runtime_environment", **runtime_environment())
     cache: Path = config.genserve_cache
     log.info("starting", version=VERSION, model_id=config.model_id or "(default)", cache=str(cache))
-    if None in asked:
-        log.info(
-            "serving_defaults",
-            overlap_scheduling=config.overlap_scheduling,
-            engine_process=config.engine_process,
-            reason="auto: on where the model serves on CUDA (the engine process on one GPU)",
-        )
     code = asyncio.run(serve(config))
     # serve() has stopped everything that needs an orderly stop.  Skip interpreter teardown:
     # a thread may still be inside torch — the model still loading when SIGTERM came (its
