@@ -176,10 +176,11 @@ def start_server(
     and yield it once health says SERVING (or, with ``wait_serving=False``, once the port
     answers health at all, i.e. while the model may still be loading).  ``env`` is added to
     this process's environment; ``port`` defaults to a free one (if another process takes it
-    before genserve binds it, up to three ports are tried).  On exit the server gets SIGTERM
-    (then SIGKILL)."""
+    before genserve binds it, up to three ports are tried, each with a new ``--master-port``
+    where ``extra_args`` give one).  On exit the server gets SIGTERM (then SIGKILL)."""
     for attempt in range(3):
-        server = _launch(model_dir, extra_args, env, free_port() if port is None else port)
+        args = extra_args if attempt == 0 else _new_master_port(extra_args)
+        server = _launch(model_dir, args, env, free_port() if port is None else port)
         server.credentials = credentials
         try:
             server.wait_for(want_serving=wait_serving, timeout_s=timeout_s)
@@ -203,8 +204,17 @@ def start_server(
         server.discard()
 
 
-# What a genserve whose port was taken prints (grpc's own error, or server/app.py's).
-_BIND_FAILURES = ("Failed to bind to address", "cannot listen on")
+# What a genserve whose port was taken prints (grpc's own error, or server/app.py's; EADDRINUSE:
+# torch.distributed's store on a sharded server's --master-port).
+_BIND_FAILURES = ("Failed to bind to address", "cannot listen on", "EADDRINUSE")
+
+
+def _new_master_port(args: tuple[str, ...]) -> tuple[str, ...]:
+    """``args`` with another free ``--master-port`` (a retry after a lost port race)."""
+    out = list(args)
+    if "--master-port" in out:
+        out[out.index("--master-port") + 1] = str(free_port())
+    return tuple(out)
 
 
 def _launch(
