@@ -115,8 +115,13 @@ def test_threads_bias_and_bfloat16_do_not_change_the_sums(fmt: str) -> None:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)  # one task per panel: the order of sums never changes
     assert torch.equal(panels.linear(x, bias), one + bias)
+    # bfloat16 x is quantized as it is and the output rounded as it is stored, on every path
     half = x.to(torch.bfloat16)
-    assert torch.equal(panels.linear(half, None), panels.linear(half.float(), None).bfloat16())
+    for isa in int_dot.available_isas():
+        for b in (None, bias):
+            got = panels.linear(half, b, isa)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, panels.linear(half.float(), b, isa).bfloat16())
 
 
 def test_activations_are_rounded_per_block_of_32_like_llama_cpp_q8_0() -> None:
@@ -335,3 +340,16 @@ def test_q4_0_without_mins_in_the_bf16_gemm_and_the_decode_layer() -> None:
         x, stored.data, stored.scales, stored.mins, 4, 64, None, 0
     )
     assert torch.equal(got, want)
+
+
+def test_large_inputs_quantize_into_their_own_buffers() -> None:
+    """Up to 1 MiB of quantized activations reuse the calling thread's buffers, larger inputs
+    (prefill) get their own; either way each row's result is the same."""
+    if not int_dot.available_isas():
+        pytest.skip("no integer dot-product path on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    panels = IntDotPanels.pack(q8_0(torch.randn(64, 2048, generator=gen)))
+    x = torch.randn(600, 2048, generator=gen).bfloat16()  # 1.2 MiB of int8 activations
+    big = panels.linear(x, None)
+    for rows in (slice(0, 1), slice(598, 600), slice(0, 600)):
+        assert torch.equal(panels.linear(x[rows], None), big[rows])

@@ -156,6 +156,26 @@ def test_integer_paths_equal_a_float64_product_of_the_same_int8_activations(
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", list(Isa)[1:], ids=lambda i: i.name)
+@pytest.mark.parametrize("m", [1, 8, 33])
+def test_integer_paths_take_bfloat16_as_its_float32_widening(
+    mixed: KQuantWeight, isa: Isa, m: int
+) -> None:
+    """A bfloat16 x is quantized as it is and the output rounded as it is stored: the same
+    bits as widening x to float32 and rounding the float32 output, bias included."""
+    if isa not in _int_isas():
+        pytest.skip(f"this CPU has no {isa.name} path")
+    torch.manual_seed(20 + m)
+    xb = (torch.randn(m, mixed.in_features) * 3).bfloat16()
+    bias = torch.randn(mixed.out_features)
+    layer = mixed.serving(int(isa))
+    for b in (None, bias):
+        got = layer.linear(xb, b)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, layer.linear(xb.float(), b).bfloat16())
+
+
+@needs_kernels
 def test_activation_quantizer_is_llama_cpp_q8_k() -> None:
     torch.manual_seed(0)
     x = torch.randn(5, 768) * 3

@@ -46,6 +46,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_features.h"
@@ -83,17 +84,42 @@ struct Job {
   IntPanels w;
   int64_t rows, panels, n;
   const float* bias;
-  float* out;  // [rows, n]
+  float* out;  // [rows, n], or nullptr when the output is out_bf16
   bool accumulate;
+  // A bfloat16 model's output, rounded as it is stored (nullptr: float32 `out`).  The value
+  // is the float32 result rounded to nearest even, as the .to(bfloat16) copy it replaces: that
+  // copy and its float32 buffer were ~3 us of a one-row projection's fixed cost.
+  c10::BFloat16* out_bf16 = nullptr;
 };
+
+// src rounded to bfloat16 (to nearest even; NaN stays NaN) into dst: written branch-free so
+// that the compiler vectorises it.
+inline void store_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t c = 0; c < n; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, src + c, 4);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    out[c] = src[c] != src[c] ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+  }
+}
 
 // Columns [32p, 32p + 32) ∩ [0, n) of rows [m0, m0 + rows) from scratch into the output.
 inline void store_rows(const Job& j, int64_t m0, int64_t rows, int64_t p, const float* scratch) {
   const int64_t col0 = p * kPanel, cols = std::min(kPanel, j.n - col0);
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = j.out + (m0 + r) * j.n + col0;
     const float* src = scratch + r * kPanel;
     const float* bias = j.bias == nullptr ? nullptr : j.bias + col0;
+    if (j.out_bf16 != nullptr) {
+      float summed[kPanel];
+      if (bias != nullptr) {
+        for (int64_t c = 0; c < cols; ++c) summed[c] = src[c] + bias[c];
+        src = summed;
+      }
+      store_bf16(src, j.out_bf16 + (m0 + r) * j.n + col0, cols);
+      continue;
+    }
+    float* dst = j.out + (m0 + r) * j.n + col0;
     if (j.accumulate) {
       for (int64_t c = 0; c < cols; ++c) dst[c] += bias != nullptr ? src[c] + bias[c] : src[c];
     } else if (bias != nullptr) {
@@ -342,14 +368,24 @@ inline void quantize_block_avx2(const float* src, int8_t* dst, float* d, int32_t
 }
 #endif
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* d,
+// T: float, or c10::BFloat16 widened a block at a time (exactly) into the same code, so that
+// a bfloat16 model's input needs no float32 copy of its own.
+template <class T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* d,
                    int32_t* sums, float* scaled_sums) {
   const int64_t B = Kp / kBlock;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float wide[kBlock];
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < B; ++b) {
         const int64_t k0 = b * kBlock, n = std::min(kBlock, K - k0);
-        const float* src = x + m * K + k0;
+        const float* src;
+        if constexpr (std::is_same_v<T, float>) {
+          src = x + m * K + k0;
+        } else {
+          for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<float>(x[m * K + k0 + i]);
+          src = wide;
+        }
         int8_t* dst = q + m * Kp + k0;
 #if defined(__AVX2__)
         if (n == kBlock) {
@@ -390,6 +426,64 @@ QuantizedRows quantize(const at::Tensor& x32, int64_t Kp) {
   return r;
 }
 
+// A call's quantized activations.  Up to kKeptBytes of them live in buffers the calling
+// thread keeps from call to call: a one-row projection's four small allocations (and their
+// frees) were a measurable part of its fixed cost at 135M sizes, where a layer's four
+// projections take ~100 us.  Larger inputs (prefill) get tensors of their own, so that no
+// thread holds a prompt-sized buffer after the call.
+class ActBuffers {
+ public:
+  ActBuffers(const at::Tensor& x, int64_t Kp) {
+    const int64_t M = x.size(0), K = x.size(1), B = Kp / kBlock;
+    int8_t* q;
+    float *d, *scaled;
+    int32_t* sums;
+    if (M * Kp <= kKeptBytes) {
+      Kept& k = kept();
+      if (static_cast<int64_t>(k.q.size()) < M * Kp) k.q.resize(M * Kp);
+      if (static_cast<int64_t>(k.d.size()) < M * B) {
+        k.d.resize(M * B);
+        k.sums.resize(M * B);
+        k.scaled.resize(M * B);
+      }
+      q = k.q.data();
+      d = k.d.data();
+      sums = k.sums.data();
+      scaled = k.scaled.data();
+    } else {
+      own_ = QuantizedRows{at::empty({M, Kp}, x.options().dtype(at::kChar)),
+                           at::empty({M, B}, x.options().dtype(at::kFloat)),
+                           at::empty({M, B}, x.options().dtype(at::kInt)),
+                           at::empty({M, B}, x.options().dtype(at::kFloat))};
+      q = own_.q.data_ptr<int8_t>();
+      d = own_.d.data_ptr<float>();
+      sums = own_.sums.data_ptr<int32_t>();
+      scaled = own_.scaled_sums.data_ptr<float>();
+    }
+    if (x.scalar_type() == at::kBFloat16) {
+      quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, Kp, q, d, sums, scaled);
+    } else {
+      quantize_rows(x.data_ptr<float>(), M, K, Kp, q, d, sums, scaled);
+    }
+    acts_ = QActs{q, d, sums, scaled};
+  }
+  const QActs& acts() const { return acts_; }
+
+ private:
+  static constexpr int64_t kKeptBytes = int64_t{1} << 20;
+  struct Kept {
+    std::vector<int8_t> q;
+    std::vector<float> d, scaled;
+    std::vector<int32_t> sums;
+  };
+  static Kept& kept() {
+    thread_local Kept buffers;
+    return buffers;
+  }
+  QuantizedRows own_;
+  QActs acts_{};
+};
+
 int64_t padded(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
 
 at::Tensor int_dot_linear_impl(const at::Tensor& x, const at::Tensor& data,
@@ -423,7 +517,10 @@ at::Tensor int_dot_linear_impl(const at::Tensor& x, const at::Tensor& data,
               " (1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI, 4 256-bit AVX512-VNNI)");
   const RunRange run = range_of(isa);
   TORCH_CHECK(run != nullptr, "int_dot_linear: no such instruction set path ", isa);
-  const auto xc = x.to(at::kFloat).contiguous();  // bfloat16 models: widened once
+  // bfloat16 models: quantized from x as it is and the output rounded as it is stored (no
+  // float32 copies); the accumulating form is float32 throughout.
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && into == nullptr;
+  const auto xc = bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
   const auto dc = data.contiguous();
   const auto sc = scales.contiguous();
   const auto mc = has_mins ? mins->contiguous() : at::Tensor();
@@ -439,16 +536,20 @@ at::Tensor int_dot_linear_impl(const at::Tensor& x, const at::Tensor& data,
                 "int_dot_linear_add_: a contiguous float32 [M, N] accumulator expected");
     accumulate = true;
   }
-  auto out = accumulate ? *into : at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
-  const QuantizedRows qx = quantize(xc, Kp);
-  const Job job{QActs{qx.q.data_ptr<int8_t>(), qx.d.data_ptr<float>(), qx.sums.data_ptr<int32_t>(),
-                      qx.scaled_sums.data_ptr<float>()},
-                IntPanels{dc.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sc.data_ptr()),
-                          has_mins ? reinterpret_cast<const uint16_t*>(mc.data_ptr()) : nullptr,
-                          bits, Kp, B},
-                M, P, N, b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                accumulate};
+  auto out = accumulate ? *into
+                        : at::empty({M, N}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const auto as_x_dtype = [&](const at::Tensor& y) {
+    return y.scalar_type() == x.scalar_type() || accumulate ? y : y.to(x.scalar_type());
+  };
+  if (M == 0 || N == 0) return as_x_dtype(out);
+  const ActBuffers qx(xc, Kp);
+  Job job{qx.acts(),
+          IntPanels{dc.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sc.data_ptr()),
+                    has_mins ? reinterpret_cast<const uint16_t*>(mc.data_ptr()) : nullptr, bits,
+                    Kp, B},
+          M, P, N, b.defined() ? b.data_ptr<float>() : nullptr,
+          bf16 ? nullptr : out.data_ptr<float>(), accumulate};
+  if (bf16) job.out_bf16 = out.data_ptr<c10::BFloat16>();
   // Tasks over (row block, panel) pairs, panel-major within a row block so that each thread
   // streams a contiguous band of W (its share, row_shares.h, which an idle thread helps
   // finish); each chunk of tasks moves >= ~128 KB of weights at one row.
@@ -456,7 +557,7 @@ at::Tensor int_dot_linear_impl(const at::Tensor& x, const at::Tensor& data,
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (Kp * kPanel * bits / 8));
   genserve_shares::parallel_shares(row_blocks * P, grain,
                                    [&](int64_t begin, int64_t end) { run(job, begin, end); });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return as_x_dtype(out);
 }
 
 }  // namespace

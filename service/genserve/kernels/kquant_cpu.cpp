@@ -33,7 +33,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_features.h"
@@ -396,17 +398,21 @@ inline bool quantize_block_avx512(const float* src, int8_t* dst, float* d, int16
 }
 #endif
 
-Q8K quantize_q8k(const at::Tensor& x32) {
-  const int64_t M = x32.size(0), K = x32.size(1), nb = K / 256;
-  Q8K r{at::empty({M, K}, x32.options().dtype(at::kChar)), at::empty({M, nb}, x32.options()),
-        at::empty({M, K / 16}, x32.options().dtype(at::kShort))};
-  const float* x = x32.data_ptr<float>();
-  int8_t* q = r.q.data_ptr<int8_t>();
-  float* d = r.d.data_ptr<float>();
-  int16_t* sums = r.sums.data_ptr<int16_t>();
+// Rows [M, K] of x (float, or c10::BFloat16 widened a block at a time, exactly, into the same
+// code) as Q8_K into q [M, K], d [M, K / 256], Σq [M, K / 16].
+template <class T>
+void quantize_q8k_into(const T* x, int64_t M, int64_t K, int8_t* q, float* d, int16_t* sums) {
+  const int64_t nb = K / 256;
   at::parallel_for(0, M * nb, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float wide[256];
     for (int64_t t = begin; t < end; ++t) {
-      const float* src = x + t * 256;  // row t / nb, block t % nb: contiguous
+      const float* src;  // row t / nb, block t % nb: contiguous
+      if constexpr (std::is_same_v<T, float>) {
+        src = x + t * 256;
+      } else {
+        for (int i = 0; i < 256; ++i) wide[i] = static_cast<float>(x[t * 256 + i]);
+        src = wide;
+      }
       int8_t* dst = q + t * 256;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       // The same values by 512-bit vectors (a one-row step quantizes 14 K inputs per layer,
@@ -429,10 +435,69 @@ Q8K quantize_q8k(const at::Tensor& x32) {
       }
     }
   });
+}
+
+Q8K quantize_q8k(const at::Tensor& x32) {
+  const int64_t M = x32.size(0), K = x32.size(1), nb = K / 256;
+  Q8K r{at::empty({M, K}, x32.options().dtype(at::kChar)), at::empty({M, nb}, x32.options()),
+        at::empty({M, K / 16}, x32.options().dtype(at::kShort))};
+  quantize_q8k_into(x32.data_ptr<float>(), M, K, r.q.data_ptr<int8_t>(), r.d.data_ptr<float>(),
+                    r.sums.data_ptr<int16_t>());
   return r;
 }
 
-// The product into `out` ([M, N] float32, contiguous): written, or added to with `accumulate`.
+// A call's Q8_K activations of float32 or bfloat16 x.  Up to kKeptBytes of them live in
+// buffers the calling thread keeps from call to call (a one-row projection's three small
+// allocations and frees were part of its fixed cost); larger inputs get tensors of their own,
+// so that no thread holds a prompt-sized buffer after the call.
+class Q8KActs {
+ public:
+  explicit Q8KActs(const at::Tensor& x) {
+    const int64_t M = x.size(0), K = x.size(1);
+    if (M * K <= kKeptBytes) {
+      Kept& k = kept();
+      if (static_cast<int64_t>(k.q.size()) < M * K) {
+        k.q.resize(M * K);
+        k.d.resize(M * K / 256);
+        k.sums.resize(M * K / 16);
+      }
+      q = k.q.data();
+      d = k.d.data();
+      sums = k.sums.data();
+    } else {
+      own_ = Q8K{at::empty({M, K}, x.options().dtype(at::kChar)),
+                 at::empty({M, K / 256}, x.options().dtype(at::kFloat)),
+                 at::empty({M, K / 16}, x.options().dtype(at::kShort))};
+      q = own_.q.data_ptr<int8_t>();
+      d = own_.d.data_ptr<float>();
+      sums = own_.sums.data_ptr<int16_t>();
+    }
+    if (x.scalar_type() == at::kBFloat16) {
+      quantize_q8k_into(x.data_ptr<c10::BFloat16>(), M, K, q, d, sums);
+    } else {
+      quantize_q8k_into(x.data_ptr<float>(), M, K, q, d, sums);
+    }
+  }
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  int16_t* sums = nullptr;
+
+ private:
+  static constexpr int64_t kKeptBytes = int64_t{1} << 20;
+  struct Kept {
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int16_t> sums;
+  };
+  static Kept& kept() {
+    thread_local Kept buffers;
+    return buffers;
+  }
+  Q8K own_;
+};
+
+// The product into `out` ([M, N] contiguous): written (float32, or bfloat16 rounded as it is
+// stored), or added to with `accumulate` (float32).
 void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef types,
                 at::IntArrayRef rows, const c10::optional<at::Tensor>& bias, int64_t isa,
                 at::Tensor& out, bool accumulate) {
@@ -447,9 +512,10 @@ void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef typ
   const std::vector<KSegment> segments =
       genserve_kquant::segments_of(data, types, rows, K, "kquant_linear");
   const int64_t N = segments.back().row0 + segments.back().rows;
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
-                  out.size(0) == M && out.size(1) == N,
-              "kquant_linear: the output must be float32 [M, N] contiguous");
+  const bool out_bf16 = out.scalar_type() == at::kBFloat16 && !accumulate;
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out_bf16) && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == M && out.size(1) == N,
+              "kquant_linear: the output must be float32 (or bfloat16) [M, N] contiguous");
   RunRows run = &float_rows;
   if (isa != genserve_ops::kIntDotNone) {
     run = int_path(isa);
@@ -463,16 +529,23 @@ void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef typ
     b = bias->to(at::kFloat).contiguous();
   }
   if (M == 0 || N == 0) return;
-  const auto xc = x.to(at::kFloat).contiguous();  // half-precision models: widened once
-  KRowJob job{nullptr, nullptr, nullptr, xc.data_ptr<float>(), K, M, N, segments.data(),
-              static_cast<int64_t>(segments.size()), 0, 0,
-              b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), accumulate};
-  Q8K qx;
+  // The integer path quantizes a float32 or bfloat16 x as it is; the float path (and float16
+  // x) reads a float32 copy.
+  const bool int_path_only = isa != genserve_ops::kIntDotNone &&
+                             (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+  const auto xc = int_path_only ? x.contiguous() : x.to(at::kFloat).contiguous();
+  KRowJob job{nullptr, nullptr, nullptr,
+              xc.scalar_type() == at::kFloat ? xc.data_ptr<float>() : nullptr, K, M, N,
+              segments.data(), static_cast<int64_t>(segments.size()), 0, 0,
+              b.defined() ? b.data_ptr<float>() : nullptr,
+              out_bf16 ? nullptr : out.data_ptr<float>(), accumulate};
+  if (out_bf16) job.out_bf16 = out.data_ptr<c10::BFloat16>();
+  std::optional<Q8KActs> qx;
   if (isa != genserve_ops::kIntDotNone) {
-    qx = quantize_q8k(xc);
-    job.xq = qx.q.data_ptr<int8_t>();
-    job.xd = qx.d.data_ptr<float>();
-    job.xsums = qx.sums.data_ptr<int16_t>();
+    qx.emplace(xc);
+    job.xq = qx->q;
+    job.xd = qx->d;
+    job.xsums = qx->sums;
   }
 #if defined(__x86_64__)
   at::Tensor paired;
@@ -500,9 +573,11 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, at::IntArr
   TORCH_CHECK(x.dim() == 2, "kquant_linear: x [M, K] expected");
   int64_t n = 0;
   for (const int64_t r : rows) n += r;
-  auto out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  // A bfloat16 model's output is rounded as it is stored (kquant_run); float16 through float32.
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto out = at::empty({x.size(0), n}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   kquant_run(x, data, types, rows, bias, isa, out, false);
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return x.scalar_type() == out.scalar_type() ? out : out.to(x.scalar_type());
 }
 
 at::Tensor& kquant_linear_add_(at::Tensor& acc, const at::Tensor& x, const at::Tensor& data,

@@ -76,7 +76,7 @@ struct KRowJob {
   int64_t num_segments;
   int64_t type, block_bytes;  // of the row being computed
   const float* bias;
-  float* out;  // [M, n]
+  float* out;  // [M, n], or nullptr when the output is out_bf16
   // out += the product (kquant_linear_add_: the residual add of the one-op decode layer); only
   // without a bias, so that the sum is the per-op path's residual + y in the same rounding.
   bool accumulate = false;
@@ -84,6 +84,9 @@ struct KRowJob {
   // multiplies them for 2+ activation rows (kquant_int_row_pairs.inc); nullptr: that path
   // interleaves xq itself, per call of the runner.
   const int8_t* xq_paired = nullptr;
+  // A bfloat16 model's output [M, n], rounded to nearest even as it is stored (as the
+  // .to(bfloat16) copy of a float32 output it replaces); never with `accumulate`.
+  c10::BFloat16* out_bf16 = nullptr;
 
   const KSegment& segment_of(int64_t row) const {
     int64_t s = 0;
@@ -91,6 +94,10 @@ struct KRowJob {
     return segments[s];
   }
   void store(int64_t m_row, int64_t col, float v) const {
+    if (out_bf16 != nullptr) {
+      out_bf16[m_row * n + col] = c10::BFloat16(bias == nullptr ? v : v + bias[col]);
+      return;
+    }
     float& o = out[m_row * n + col];
     if (accumulate) {
       // The finished sum first: under -fassociative-math the compiler may otherwise start
