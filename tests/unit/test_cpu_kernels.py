@@ -485,13 +485,20 @@ def test_decode_layer_op_equals_the_layer_by_layer_step(
         tokens = torch.tensor([7, 100, 3])
         positions = torch.tensor(lens)
 
-        def step(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        stack = model._decode_stack
+        assert stack is not None and stack.size() == config.num_layers
+
+        def step(fused: bool, whole_stack: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
             model._decode_layers_fused = fused
+            model._decode_stack = stack if whole_stack else None  # decode_layer per layer
             kv = [c.clone() for c in caches]
             hidden = model(tokens, positions, kv, backend.build(decodes, len(decodes), 16))
             return hidden, kv
 
         (fused_hidden, fused_kv), (plain_hidden, plain_kv) = step(True), step(False)
+        layer_hidden, layer_kv = step(True, whole_stack=False)
+        assert torch.equal(layer_hidden, plain_hidden)
+        assert all(torch.equal(a, b) for a, b in zip(layer_kv, plain_kv, strict=True))
     assert torch.equal(fused_hidden, plain_hidden)
     assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv, strict=True))
 
@@ -535,13 +542,20 @@ def test_every_native_family_decodes_through_the_fused_layer(
         tokens = torch.tensor([7, 100, 3])
         positions = torch.tensor(lens) - 1
 
-        def step(fused: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        stack = model._decode_stack
+        assert stack is not None and stack.size() == config.num_layers
+
+        def step(fused: bool, whole_stack: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
             model._decode_layers_fused = fused
+            model._decode_stack = stack if whole_stack else None  # decode_layer per layer
             kv = [c.clone() for c in caches]
             hidden = model(tokens, positions, kv, backend.build(decodes, len(decodes), 16))
             return hidden, kv
 
         (fused_hidden, fused_kv), (plain_hidden, plain_kv) = step(True), step(False)
+        layer_hidden, layer_kv = step(True, whole_stack=False)
+        assert torch.equal(layer_hidden, plain_hidden)
+        assert all(torch.equal(a, b) for a, b in zip(layer_kv, plain_kv, strict=True))
     assert torch.isfinite(fused_hidden).all()
     assert torch.equal(fused_hidden, plain_hidden)
     assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv, strict=True))

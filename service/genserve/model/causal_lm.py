@@ -4,13 +4,15 @@ layer), quantized weights and LoRA hooks, for any spec the families produce."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import structlog
 import torch
 from torch import nn
 
 from genserve.model.attention import AttentionMetadata, TorchAttentionMetadata
 from genserve.model.decoder import MLP, Attention, DecoderLayer
-from genserve.model.fused_decode import FusedDecodeArgs, unsupported_reason
+from genserve.model.fused_decode import FusedDecodeArgs, decode_stack, unsupported_reason
 from genserve.model.huge_pages import huge_page_region, release_freed_heap
 from genserve.model.layers import ParallelLMHead, VocabParallelEmbedding, _Packable
 from genserve.model.lora import LoraHook, ModuleSplit, StepAdapters
@@ -69,8 +71,11 @@ class DecoderForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.embed_tokens)
         self.num_local_kv_heads = layers[0].self_attn.num_kv_heads
-        # Decode-only CPU steps through genserve::decode_layer (set by use_fused_cpu_ops).
+        # Decode-only CPU steps through genserve::decode_layer (set by use_fused_cpu_ops),
+        # all layers in one genserve::decode_layers call where each is a whole-layer op.
         self._decode_layers_fused = False
+        self._decode_stack: torch.ScriptObject | None = None
+        self._decode_layers_op: Any = None  # genserve::decode_layers, resolved once
         # The fused GPU layer ops (set by use_fused_gpu_ops): per rotary embedding, its
         # cos/sin table by position, or None where angles are computed per step.
         self._gpu_fused = False
@@ -81,15 +86,23 @@ class DecoderForCausalLM(nn.Module):
         """The global layers' rotary embedding."""
         return self._rotaries[0]
 
-    def _angles(
+    def _angle_tables(
         self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the cos/sin it rotates by (shared objects: computed once per step)."""
+        """This step's cos/sin of each rotary embedding, then the identity's where some
+        layer has no rotary: layer i rotates by entry ``self._layer_tables[i]``."""
         lengths = meta.sequence_lengths() if self._needs_lengths else None
         tables = [r.cos_sin(positions, dtype, lengths) for r in self._rotaries]
         if len(self._rotaries) < max(self._layer_tables) + 1:  # no-rope layers: identity
             n, d = positions.shape[0], self.config.head_dim
             tables.append(identity_cos_sin(n, d, dtype, positions.device))
+        return tables
+
+    def _angles(
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the cos/sin it rotates by (shared objects: computed once per step)."""
+        tables = self._angle_tables(positions, dtype, meta)
         return [tables[i] for i in self._layer_tables]
 
     def _gpu_angles(
@@ -130,7 +143,6 @@ class DecoderForCausalLM(nn.Module):
             ):
                 x, residual = layer.forward_carry(x, residual, layer_angles, kv_cache, meta)
             return x if residual is None else residual + x
-        angles = self._angles(positions, x.dtype, meta)
         if (
             self._decode_layers_fused
             and isinstance(meta, TorchAttentionMetadata)
@@ -139,9 +151,18 @@ class DecoderForCausalLM(nn.Module):
             and meta.num_decodes == token_ids.shape[0]
         ):
             table = meta.decode_blocks.view(meta.num_decodes, meta.decode_max_blocks)
+            if self._decode_stack is not None:
+                tables = self._angle_tables(positions, x.dtype, meta)
+                out: torch.Tensor = self._decode_layers_op(
+                    x, self._decode_stack, kv_caches, [c for c, _ in tables],
+                    [s for _, s in tables], meta.slots, table, meta.decode_context_lens,
+                )  # fmt: skip
+                return out
+            angles = self._angles(positions, x.dtype, meta)
             for layer, kv_cache, (cos, sin) in zip(self._layers, kv_caches, angles, strict=True):
                 x = layer.decode_forward(x, cos, sin, kv_cache, meta, table)
             return x
+        angles = self._angles(positions, x.dtype, meta)
         for layer, kv_cache, (cos, sin) in zip(self._layers, kv_caches, angles, strict=True):
             x = layer.forward(x, cos, sin, kv_cache, meta)
         return x
@@ -215,6 +236,10 @@ class DecoderForCausalLM(nn.Module):
             self._decode_layers_fused = all(layer.fused_decode for layer in self._layers)
             if not self._decode_layers_fused:
                 reason = "a projection's weight layout (oneDNN-packed)"
+            else:
+                stack_args = [layer.decode_stack_args() for layer in self._layers]
+                self._decode_stack = decode_stack(stack_args, self._layer_tables)
+                self._decode_layers_op = torch.ops.genserve.decode_layers.default
         if reason is not None:
             log.info("fused_decode_layer_unused", reason=reason)
 
@@ -313,6 +338,7 @@ class DecoderForCausalLM(nn.Module):
             raise UnsupportedModelError(f"LoRA adapters are not supported: {blocker}")
         targets: dict[str, tuple[LoraHook, ModuleSplit]] = {}
         self._decode_layers_fused = False  # the fused layer op has no LoRA deltas
+        self._decode_stack = None
         for i, layer in enumerate(self._layers):
             attn, mlp = layer.self_attn, layer.mlp
             # lora_blocker refuses MoE and latent-attention models

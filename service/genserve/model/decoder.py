@@ -486,6 +486,15 @@ class DecoderLayer(nn.Module):
         self._fused_decode_call = (op, head, tail)
         self._moe_decode_op = ops.decode_moe_layer.default
 
+    def decode_stack_args(self) -> tuple[object, ...] | None:
+        """This layer's ``genserve::DecodeStack.add_layer`` arguments but the table index
+        (``decode_layer``'s without the step's tensors), or None where the op is not the
+        whole layer (no fused decode, or a mixture-of-experts layer)."""
+        if self.fused_decode is None or not isinstance(self.mlp, MLP):
+            return None
+        _, head, tail = self._fused_decode_call
+        return (*head, *tail)
+
     def load(self, weights: WeightSource, prefix: str) -> None:
         n = self.config.names
         self.self_attn.load(weights, prefix)

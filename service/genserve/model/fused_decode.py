@@ -3,6 +3,7 @@ layer of a decode-only CPU step in one op, and which layer specs it implements."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,3 +132,20 @@ class FusedDecodeArgs:
                 return None
             args.biases.append(getattr(linear, "bias", None))
         return args
+
+
+def decode_stack(
+    layer_args: Sequence[tuple[object, ...] | None], tables: Sequence[int]
+) -> torch.ScriptObject | None:
+    """A ``genserve::DecodeStack`` of every layer (``DecoderLayer.decode_stack_args``, layer i
+    rotating by table ``tables[i]``), which ``genserve::decode_layers`` runs in one call; None
+    where some layer is not a whole-layer op (a mixture of experts: those step layer by
+    layer).  Built once: the op keeps the layers' tensors, so a model whose weights or
+    layout change afterwards must build it again."""
+    if any(args is None for args in layer_args):
+        return None
+    stack: torch.ScriptObject = torch.classes.genserve.DecodeStack()
+    for args, table in zip(layer_args, tables, strict=True):
+        assert args is not None
+        stack.add_layer(*args, table)
+    return stack
