@@ -144,8 +144,9 @@ def decode_stack(
     layout change afterwards must build it again."""
     if any(args is None for args in layer_args):
         return None
-    stack: torch.ScriptObject = torch.classes.genserve.DecodeStack()
+    stack = torch.classes.genserve.DecodeStack()
     for args, table in zip(layer_args, tables, strict=True):
         assert args is not None
         stack.add_layer(*args, table)
-    return stack
+    built: torch.ScriptObject = stack
+    return built
