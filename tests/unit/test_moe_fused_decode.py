@@ -81,7 +81,7 @@ def _op_names(model: DecoderForCausalLM) -> list[str]:
     names = []
     for layer in model._layers:
         moe = isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.decode_args() is not None
-        names.append((layer._moe_decode_op if moe else layer._fused_decode_call[0]).name())
+        names.append((layer._moe_decode_op if moe else layer.fused_decode_call[0]).name())
     return names
 
 

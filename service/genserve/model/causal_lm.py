@@ -237,7 +237,13 @@ class DecoderForCausalLM(nn.Module):
             if not self._decode_layers_fused:
                 reason = "a projection's weight layout (oneDNN-packed)"
             else:
-                stack_args = [layer.decode_stack_args() for layer in self._layers]
+                # Each layer's decode_layer arguments but the step's tensors; a MoE layer's op
+                # is only its attention half, so such models step layer by layer.
+                stack_args = [
+                    (*layer.fused_decode_call[1], *layer.fused_decode_call[2])
+                    if isinstance(layer.mlp, MLP) else None
+                    for layer in self._layers
+                ]  # fmt: skip
                 self._decode_stack = decode_stack(stack_args, self._layer_tables)
                 self._decode_layers_op = torch.ops.genserve.decode_layers.default
         if reason is not None:

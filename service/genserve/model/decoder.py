@@ -307,7 +307,7 @@ def _make_mlp(
 class DecoderLayer(nn.Module):
     # Set by DecoderForCausalLM.use_fused_cpu_ops (unsharded models), through set_fused_decode.
     fused_decode: FusedDecodeArgs | None = None
-    _fused_decode_call: tuple[Any, tuple[Any, ...], tuple[Any, ...]]
+    fused_decode_call: tuple[Any, tuple[Any, ...], tuple[Any, ...]]
     _moe_decode_op: Any  # genserve::decode_moe_layer, resolved once (see set_fused_decode)
 
     def __init__(
@@ -444,7 +444,7 @@ class DecoderLayer(nn.Module):
         attention half, router and routed experts as one op (``genserve::decode_moe_layer``),
         any shared expert after it; experts off the CPU kernels: the attention half alone, then
         the experts as :meth:`forward` runs them.  The same sums in the same order every way."""
-        op, head, tail = self._fused_decode_call
+        op, head, tail = self.fused_decode_call
         args = (x, *head, cos, sin, kv_cache, meta.slots, block_table, meta.decode_context_lens,
                 *tail)  # fmt: skip
         mlp = self.mlp
@@ -483,17 +483,8 @@ class DecoderLayer(nn.Module):
         ops = torch.ops.genserve
         whole = isinstance(self.mlp, MLP)  # else its attention half (fused_decode.py)
         op = ops.decode_layer.default if whole else ops.decode_attention.default
-        self._fused_decode_call = (op, head, tail)
+        self.fused_decode_call = (op, head, tail)
         self._moe_decode_op = ops.decode_moe_layer.default
-
-    def decode_stack_args(self) -> tuple[object, ...] | None:
-        """This layer's ``genserve::DecodeStack.add_layer`` arguments but the table index
-        (``decode_layer``'s without the step's tensors), or None where the op is not the
-        whole layer (no fused decode, or a mixture-of-experts layer)."""
-        if self.fused_decode is None or not isinstance(self.mlp, MLP):
-            return None
-        _, head, tail = self._fused_decode_call
-        return (*head, *tail)
 
     def load(self, weights: WeightSource, prefix: str) -> None:
         n = self.config.names

@@ -137,11 +137,12 @@ class FusedDecodeArgs:
 def decode_stack(
     layer_args: Sequence[tuple[object, ...] | None], tables: Sequence[int]
 ) -> torch.ScriptObject | None:
-    """A ``genserve::DecodeStack`` of every layer (``DecoderLayer.decode_stack_args``, layer i
-    rotating by table ``tables[i]``), which ``genserve::decode_layers`` runs in one call; None
-    where some layer is not a whole-layer op (a mixture of experts: those step layer by
-    layer).  Built once: the op keeps the layers' tensors, so a model whose weights or
-    layout change afterwards must build it again."""
+    """A ``genserve::DecodeStack`` of every layer (its ``decode_layer`` arguments but the
+    step's tensors, from ``DecoderLayer.fused_decode_call``; layer i rotating by table
+    ``tables[i]``), which ``genserve::decode_layers`` runs in one call; None where some layer
+    is not a whole-layer op (a mixture of experts: those step layer by layer).  Built once:
+    the op keeps the layers' tensors, so a model whose weights or layout change afterwards
+    must build it again."""
     if any(args is None for args in layer_args):
         return None
     stack = torch.classes.genserve.DecodeStack()
