@@ -80,6 +80,7 @@ _HEADERS += [
         "kquant_zmm_row.inc",
         "kquant_rows.h",
         "row_shares.h",
+        "scratch_arrays.h",
         "moe_grouping.h",
         "moe_quant_row.inc",
         "moe_mxfp4_row.inc",

@@ -52,6 +52,7 @@
 #include "cpu_features.h"
 #include "int_dot.h"
 #include "row_shares.h"
+#include "scratch_arrays.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -92,16 +93,9 @@ struct Job {
   c10::BFloat16* out_bf16 = nullptr;
 };
 
-// src rounded to bfloat16 (to nearest even; NaN stays NaN) into dst: written branch-free so
-// that the compiler vectorises it.
+// src rounded to bfloat16 into dst, by c10's conversion (to nearest even), as .to() rounds.
 inline void store_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
-  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t c = 0; c < n; ++c) {
-    uint32_t bits;
-    std::memcpy(&bits, src + c, 4);
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    out[c] = src[c] != src[c] ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-  }
+  for (int64_t c = 0; c < n; ++c) dst[c] = c10::BFloat16(src[c]);
 }
 
 // Columns [32p, 32p + 32) ∩ [0, n) of rows [m0, m0 + rows) from scratch into the output.
@@ -426,40 +420,17 @@ QuantizedRows quantize(const at::Tensor& x32, int64_t Kp) {
   return r;
 }
 
-// A call's quantized activations.  Up to kKeptBytes of them live in buffers the calling
-// thread keeps from call to call: a one-row projection's four small allocations (and their
-// frees) were a measurable part of its fixed cost at 135M sizes, where a layer's four
-// projections take ~100 us.  Larger inputs (prefill) get tensors of their own, so that no
-// thread holds a prompt-sized buffer after the call.
+// A call's quantized activations, in scratch arrays (scratch_arrays.h: the calling thread's
+// kept buffers, or tensors of their own for prefill-sized inputs).
 class ActBuffers {
  public:
   ActBuffers(const at::Tensor& x, int64_t Kp) {
     const int64_t M = x.size(0), K = x.size(1), B = Kp / kBlock;
-    int8_t* q;
-    float *d, *scaled;
-    int32_t* sums;
-    if (M * Kp <= kKeptBytes) {
-      Kept& k = kept();
-      if (static_cast<int64_t>(k.q.size()) < M * Kp) k.q.resize(M * Kp);
-      if (static_cast<int64_t>(k.d.size()) < M * B) {
-        k.d.resize(M * B);
-        k.sums.resize(M * B);
-        k.scaled.resize(M * B);
-      }
-      q = k.q.data();
-      d = k.d.data();
-      sums = k.sums.data();
-      scaled = k.scaled.data();
-    } else {
-      own_ = QuantizedRows{at::empty({M, Kp}, x.options().dtype(at::kChar)),
-                           at::empty({M, B}, x.options().dtype(at::kFloat)),
-                           at::empty({M, B}, x.options().dtype(at::kInt)),
-                           at::empty({M, B}, x.options().dtype(at::kFloat))};
-      q = own_.q.data_ptr<int8_t>();
-      d = own_.d.data_ptr<float>();
-      sums = own_.sums.data_ptr<int32_t>();
-      scaled = own_.scaled_sums.data_ptr<float>();
-    }
+    using genserve_scratch::array;
+    int8_t* q = array<int8_t, 0>(M * Kp, own_[0], at::kChar);
+    float* d = array<float, 1>(M * B, own_[1], at::kFloat);
+    int32_t* sums = array<int32_t, 2>(M * B, own_[2], at::kInt);
+    float* scaled = array<float, 3>(M * B, own_[3], at::kFloat);
     if (x.scalar_type() == at::kBFloat16) {
       quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, Kp, q, d, sums, scaled);
     } else {
@@ -470,17 +441,7 @@ class ActBuffers {
   const QActs& acts() const { return acts_; }
 
  private:
-  static constexpr int64_t kKeptBytes = int64_t{1} << 20;
-  struct Kept {
-    std::vector<int8_t> q;
-    std::vector<float> d, scaled;
-    std::vector<int32_t> sums;
-  };
-  static Kept& kept() {
-    thread_local Kept buffers;
-    return buffers;
-  }
-  QuantizedRows own_;
+  at::Tensor own_[4];
   QActs acts_{};
 };
 

@@ -43,6 +43,7 @@
 #include "int_dot.h"
 #include "kquant_rows.h"
 #include "row_shares.h"
+#include "scratch_arrays.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -446,32 +447,16 @@ Q8K quantize_q8k(const at::Tensor& x32) {
   return r;
 }
 
-// A call's Q8_K activations of float32 or bfloat16 x.  Up to kKeptBytes of them live in
-// buffers the calling thread keeps from call to call (a one-row projection's three small
-// allocations and frees were part of its fixed cost); larger inputs get tensors of their own,
-// so that no thread holds a prompt-sized buffer after the call.
+// A call's Q8_K activations of float32 or bfloat16 x, in scratch arrays (scratch_arrays.h:
+// the calling thread's kept buffers, or tensors of their own for prefill-sized inputs).
 class Q8KActs {
  public:
   explicit Q8KActs(const at::Tensor& x) {
     const int64_t M = x.size(0), K = x.size(1);
-    if (M * K <= kKeptBytes) {
-      Kept& k = kept();
-      if (static_cast<int64_t>(k.q.size()) < M * K) {
-        k.q.resize(M * K);
-        k.d.resize(M * K / 256);
-        k.sums.resize(M * K / 16);
-      }
-      q = k.q.data();
-      d = k.d.data();
-      sums = k.sums.data();
-    } else {
-      own_ = Q8K{at::empty({M, K}, x.options().dtype(at::kChar)),
-                 at::empty({M, K / 256}, x.options().dtype(at::kFloat)),
-                 at::empty({M, K / 16}, x.options().dtype(at::kShort))};
-      q = own_.q.data_ptr<int8_t>();
-      d = own_.d.data_ptr<float>();
-      sums = own_.sums.data_ptr<int16_t>();
-    }
+    using genserve_scratch::array;
+    q = array<int8_t, 4>(M * K, own_[0], at::kChar);
+    d = array<float, 5>(M * K / 256, own_[1], at::kFloat);
+    sums = array<int16_t, 6>(M * K / 16, own_[2], at::kShort);
     if (x.scalar_type() == at::kBFloat16) {
       quantize_q8k_into(x.data_ptr<c10::BFloat16>(), M, K, q, d, sums);
     } else {
@@ -483,17 +468,7 @@ class Q8KActs {
   int16_t* sums = nullptr;
 
  private:
-  static constexpr int64_t kKeptBytes = int64_t{1} << 20;
-  struct Kept {
-    std::vector<int8_t> q;
-    std::vector<float> d;
-    std::vector<int16_t> sums;
-  };
-  static Kept& kept() {
-    thread_local Kept buffers;
-    return buffers;
-  }
-  Q8K own_;
+  at::Tensor own_[3];
 };
 
 // The product into `out` ([M, N] contiguous): written (float32, or bfloat16 rounded as it is
