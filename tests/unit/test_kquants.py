@@ -244,6 +244,29 @@ def test_256_bit_paths_are_batch_invariant_and_agree(
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", ["short", "long", "q6_k_only"])
+def test_avx512_vnni_path_is_batch_invariant(
+    mixed: KQuantWeight, long_rows: KQuantWeight, shape: str
+) -> None:
+    """kquant_zmm_row.inc: a one-row step (four weight rows a pass at K <= 4,096, one past it)
+    gives each row exactly what a batched step (8 activation rows a pass, then a 3-row tail)
+    gives it, with the Q4_K / Q5_K activations in nibble order (reordered once per call) and
+    Q6_K's as quantized (a Q6_K-only matrix reorders nothing); each within the float64 bound."""
+    if Isa.AVX512_VNNI not in _int_isas():
+        pytest.skip("this CPU has no AVX512-VNNI path")
+    w = {"short": mixed, "long": long_rows, "q6_k_only": _matrix("Q6_K", 7, 768, 8)}[shape]
+    torch.manual_seed(9)
+    x = torch.randn(11, w.in_features) * torch.rand(11, 1) * 4
+    served = w.serving(int(Isa.AVX512_VNNI))
+    batched = served.linear(x, None)
+    assert torch.equal(batched, torch.cat([served.linear(x[i : i + 1], None) for i in range(11)]))
+    q, d, _ = torch.ops.genserve.kquant_quantize(x)
+    xq = (q.double().view(11, -1, 256) * d.double()[..., None]).view(11, -1)
+    ref = _gguf_py(w).double()
+    assert ((batched.double() - xq @ ref.T).abs() <= 2e-6 * _bound(xq, ref) + 1e-6).all()
+
+
+@needs_kernels
 def test_bad_inputs_are_refused(mixed: KQuantWeight) -> None:
     op = torch.ops.genserve.kquant_linear
     x = torch.randn(2, 512)

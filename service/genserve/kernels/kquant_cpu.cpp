@@ -198,24 +198,6 @@ RunRows run() { return &run_rows; }
 }  // namespace kquant_avx512vnni
 #pragma GCC pop_options
 
-// ---- the same with Q4_K / Q5_K nibbles unpacked by GF2P8AFFINEQB (GFNI: Ice Lake and later,
-// Zen 4): one instruction per 64 weights in place of a shift and a mask.  A namespace of its
-// own, so that the code above never holds a GFNI instruction the compiler chose itself (GCC
-// expands some byte shifts into GF2P8AFFINEQB where GFNI is enabled) for CPUs without it
-// (Cascade Lake has AVX512-VNNI but no GFNI).  Same integer sums, bit-identical results.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,gfni")
-#define GENSERVE_KQ_GFNI 1
-namespace kquant_avx512vnni_gfni {
-namespace {
-#include "kquant_decode.inc"
-#include "kquant_zmm_row.inc"
-}  // namespace
-RunRows run() { return &run_rows; }
-}  // namespace kquant_avx512vnni_gfni
-#undef GENSERVE_KQ_GFNI
-#pragma GCC pop_options
-
 // The 256-bit paths share their scale layout: chunk c holds groups 2c, 2c + 1.
 #define GENSERVE_KQ_YMM_COMMON                                                              \
   using I = __m256i;                                                                        \
@@ -359,7 +341,7 @@ RunRows int_path(int64_t isa) {
     case genserve_ops::kIntDotAvxVnni:
       return kquant_avxvnni::run();
     case genserve_ops::kIntDotAvx512Vnni:
-      return GENSERVE_CPU_SUPPORTS("gfni") ? kquant_avx512vnni_gfni::run() : kquant_avx512vnni::run();
+      return kquant_avx512vnni::run();
     case genserve_ops::kIntDotVnni256Evex:
       return kquant_vnni256::run();
     default:
@@ -529,6 +511,13 @@ void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef typ
     kquant_avx2::pair_rows(job.xq, M, K, paired.data_ptr<int8_t>());
     job.xq_paired = paired.data_ptr<int8_t>();
   }
+  at::Tensor reordered_own;  // the AVX512-VNNI path's order for Q4_K / Q5_K, once per call
+  if (run == kquant_avx512vnni::run() &&
+      std::any_of(segments.begin(), segments.end(), [](const KSegment& s) { return s.type != kQ6K; })) {
+    int8_t* reordered = genserve_scratch::array<int8_t, 7>(M * K, reordered_own, at::kChar);
+    genserve_kquant::nibble_order(job.xq, M, K, reordered);
+    job.xq_nibble_order = reordered;
+  }
 #endif
   // Each chunk streams >= ~32 KB of weights (a few rows at 1B sizes), a multiple of 8 rows so
   // that the one-row path's 4-row passes stay whole; shares a busy thread gets help with
@@ -607,6 +596,23 @@ RunRows int_runner(int64_t isa) { return int_path(isa); }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_q8k(const at::Tensor& x32) {
   Q8K r = quantize_q8k(x32);
   return {r.q, r.d, r.sums};
+}
+
+void nibble_order(const int8_t* x, int64_t rows, int64_t k, int8_t* out) {
+  for (int64_t i = 0; i < rows * k; i += 128) {
+    std::memcpy(out + i, x + i, 32);
+    std::memcpy(out + i + 32, x + i + 64, 32);
+    std::memcpy(out + i + 64, x + i + 32, 32);
+    std::memcpy(out + i + 96, x + i + 96, 32);
+  }
+}
+
+at::Tensor nibble_ordered(const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) % 256 == 0,
+              "nibble_ordered: contiguous int8 [M, K] with K a multiple of 256 expected");
+  auto out = at::empty_like(q);
+  nibble_order(q.data_ptr<int8_t>(), q.size(0), q.size(1), out.data_ptr<int8_t>());
+  return out;
 }
 
 }  // namespace genserve_kquant

@@ -84,6 +84,10 @@ struct KRowJob {
   // multiplies them for 2+ activation rows (kquant_int_row_pairs.inc); nullptr: that path
   // interleaves xq itself, per call of the runner.
   const int8_t* xq_paired = nullptr;
+  // xq with each 128 inputs' middle 32-byte quarters swapped, the order the AVX512-VNNI path
+  // unpacks Q4_K / Q5_K nibbles in (kquant_zmm_row.inc); nullptr: that path reorders xq
+  // itself, per call of the runner.
+  const int8_t* xq_nibble_order = nullptr;
   // A bfloat16 model's output [M, n], rounded to nearest even as it is stored (as the
   // .to(bfloat16) copy of a float32 output it replaces); never with `accumulate`.
   c10::BFloat16* out_bf16 = nullptr;
@@ -127,5 +131,10 @@ RunRows int_runner(int64_t isa);
 // x [M, K] (float32, contiguous, K a multiple of 256) as the integer path's Q8_K activations:
 // (q int8 [M, K], d float32 [M, K / 256], Σq int16 [M, K / 16]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_q8k(const at::Tensor& x32);
+// Q8_K quants x [rows, K] as KRowJob::xq_nibble_order wants them: each 128 inputs' middle
+// 32-byte quarters swapped (inputs 0..31, 64..95, 32..63, 96..127), the order the AVX512-VNNI
+// path unpacks Q4_K / Q5_K nibbles in; into out, or as a new tensor.
+void nibble_order(const int8_t* x, int64_t rows, int64_t k, int8_t* out);
+at::Tensor nibble_ordered(const at::Tensor& q);
 
 }  // namespace genserve_kquant

@@ -267,6 +267,7 @@ RunRows q_int_path(int64_t isa, bool mxfp4 = false) {
 struct Acts {
   at::Tensor f;              // float32 [slots, K]
   at::Tensor q, d, sums;     // the integer path's int8 rows, scales, int16 sums of the q
+  at::Tensor q_nibbles;      // K-quants: q in the AVX512-VNNI path's nibble order
   int64_t per_scale = 0;     // inputs per scale (32: Q8_0, 256: Q8_K)
   int64_t per_sum = 0;       // inputs per sum (32: Q8_0, for kQ8_0R16; 16: Q8_K)
 };
@@ -309,6 +310,8 @@ Acts activations(const at::Tensor& x, const Format& f, bool integer) {
   if (!integer) return a;
   if (f.k_quant) {
     std::tie(a.q, a.d, a.sums) = genserve_kquant::quantize_rows_q8k(x);
+    // once per call here, not per task (m · K bytes)
+    a.q_nibbles = genserve_kquant::nibble_ordered(a.q);
     a.per_scale = 256;
     a.per_sum = 16;
   } else {
@@ -324,6 +327,7 @@ Acts by_slot(const Acts& a, const at::Tensor& slot_token) {
   out.per_sum = a.per_sum;
   out.f = a.f.index_select(0, slot_token);
   if (a.q.defined()) out.q = a.q.index_select(0, slot_token);
+  if (a.q_nibbles.defined()) out.q_nibbles = a.q_nibbles.index_select(0, slot_token);
   if (a.d.defined()) out.d = a.d.index_select(0, slot_token);
   if (a.sums.defined()) out.sums = a.sums.index_select(0, slot_token);
   return out;
@@ -390,6 +394,7 @@ void run_tasks(const std::vector<Task>& tasks, const Projection* projs,
       KRowJob job{};
       if (a.q.defined()) {
         job.xq = a.q.data_ptr<int8_t>() + s * p.K;
+        if (a.q_nibbles.defined()) job.xq_nibble_order = a.q_nibbles.data_ptr<int8_t>() + s * p.K;
         job.xd = a.d.data_ptr<float>() + s * (p.K / a.per_scale);
         job.xsums = a.sums.defined() ? a.sums.data_ptr<int16_t>() + s * (p.K / a.per_sum) : nullptr;
       }
