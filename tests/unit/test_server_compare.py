@@ -119,3 +119,67 @@ def test_request_failure_says_whether_the_server_was_running(tmp_path: Path) -> 
     gone.wait()
     message = request_failure(error, gone, tmp_path / "log")
     assert "had exited by itself (code 3)" in message and "RemoteProtocolError" in message
+
+
+# ------------------------------------------------------------------ --alternate's schedule
+def test_alternated_runs_pair_each_repeat_and_flip_the_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_alternated`` starts every server first, then runs each (repeat, streams) on each
+    server back to back with the order flipped every repeat, never two servers at once; the
+    table's paired ratios are the per-repeat ratios.  The servers here are stand-ins whose
+    clients emit tokens at a fixed rate (the real servers run in the benchmark)."""
+    import argparse
+    from contextlib import asynccontextmanager
+
+    from genserve.bench import server_compare as sc
+
+    events: list[tuple[str, str]] = []
+    busy: list[str] = []
+
+    def fake(name: str, rate: float):  # type: ignore[no-untyped-def]
+        @asynccontextmanager
+        async def start(model: Path, args: argparse.Namespace, log_dir: Path):  # type: ignore[no-untyped-def]
+            events.append(("start", name))
+
+            async def one(ids: list[int], new_tokens: int) -> list[float]:
+                assert busy in ([], [name]), "two servers worked at once"
+                busy.append(name)
+                await asyncio.sleep(0)
+                busy.remove(name)
+                events.append(("run", name))
+                return [i / rate for i in range(new_tokens)]
+
+            yield sc.Running(sc.ServerResult(name, 1.0, 10.0), one, pid=0)
+
+        return start
+
+    monkeypatch.setattr(
+        sc,
+        "_STARTS",
+        {"genserve": fake("genserve", 50.0), "llama-server": fake("llama-server", 40.0)},
+    )
+    monkeypatch.setattr(sc, "_SETTLE_S", 0.0)
+    args = argparse.Namespace(
+        servers="genserve,llama-server",
+        repeats=3,
+        streams=[1],
+        prompt_len=4,
+        new_tokens=8,
+        prefill=[],
+    )
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    results = asyncio.run(sc.run_alternated(model, args, tmp_path))
+    runs = [name for kind, name in events if kind == "run"]
+    assert events[:2] == [("start", "genserve"), ("start", "llama-server")]
+    # warm-ups, then repeat 0 in order, repeat 1 flipped, repeat 2 in order
+    assert runs == ["genserve", "llama-server"] * 2 + ["llama-server", "genserve"] + [
+        "genserve",
+        "llama-server",
+    ]
+    g, ll = results
+    assert g.decode_tok_s[1] == pytest.approx(50.0) and ll.decode_tok_s[1] == pytest.approx(40.0)
+    assert sc.paired_ratios(g, ll, 1) == pytest.approx([1.25] * 3)
+    table = sc.format_table(model, results, {}, alternated=True)
+    assert "| decode, 1 stream: alternated pairs | | | 1.25x [1.25-1.25] |" in table

@@ -4,7 +4,8 @@ the same GGUF file, both as servers on this machine (issue #28's real-size compa
     genserve-bench cpu --model model.Q4_0.gguf --streams 1,8 --new-tokens 64 \\
         --prefill 512,2048 --llama-cpp-bin /work/llamacpp/build/bin -- --cpu-int-dot on
 
-For each server in turn (never both at once: they share the cores):
+For each server in turn (never both at once: they share the cores), or with ``--alternate``
+both started (each while the other idles) and their runs alternated, one server at a time:
 
 * start it on the file (genserve: ``genserve --model-id FILE`` plus the arguments after
   ``--``; llama.cpp: ``llama-server -m FILE -t THREADS -np PARALLEL``, continuous batching),
@@ -20,6 +21,13 @@ For each server in turn (never both at once: they share the cores):
   second of time to first token (the prompt cache is off: nothing is reused).
 
 ``llama-bench -p N -n 0`` (llama.cpp's own prefill benchmark, no server) is reported beside.
+
+Why ``--alternate``: on the 2-vCPU KVM guests this project measures on, the read bandwidth
+switched between ~36 and ~64 GB/s from one minute to the next (docs/benchmarks/cpu.md, session
+14), and a one-stream decode step is ~90% weight streaming, so a server measured for a minute
+before the other could gain or lose ~20% on the minute alone.  Alternated, each genserve run
+has a llama-server run seconds beside it (the order flips every repeat), and the table adds
+the median and range of the ratios of those pairs.
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import httpx
@@ -46,6 +56,12 @@ from genserve.v1 import generate_pb2, generate_pb2_grpc
 _HOST = "127.0.0.1"
 # Token ids drawn for prompts stay clear of special tokens at either end of a vocabulary.
 _ID_RANGE = (1000, 30000)
+# Between alternated runs: lets the last run's worker threads stop spinning (OpenMP's and
+# llama.cpp's thread pools spin a while after their work) before the other server starts.
+_SETTLE_S = 0.5
+
+Client = Callable[[list[int], int], Awaitable[list[float]]]
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -59,6 +75,17 @@ class ServerResult:
     decode_tok_s: dict[int, float] = field(default_factory=dict)  # streams -> median
     decode_runs: dict[int, list[float]] = field(default_factory=dict)
     prefill_tok_s: dict[int, float] = field(default_factory=dict)  # prompt tokens -> rate
+
+
+@dataclass(slots=True)
+class Running:
+    """A started server: its figures so far, its client, its process id, and what to say when
+    a request to it fails (None: let the error through)."""
+
+    result: ServerResult
+    one: Client
+    pid: int
+    failure: Callable[[Exception], str] | None = None
 
 
 def free_port() -> int:
@@ -175,27 +202,85 @@ async def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: floa
 
 
 # ---------------------------------------------------------------------------- the runs
-async def _measure(
-    result: ServerResult,
-    one: Callable[[list[int], int], Awaitable[list[float]]],
-    args: argparse.Namespace,
-) -> None:
-    await one(random_prompts(1, 8, seed=99)[0], 4)  # warm-up
-    for rep in range(args.repeats):
-        for streams in args.streams:
-            prompts = random_prompts(streams, args.prompt_len, seed=rep)
-            runs = await asyncio.gather(*(one(p, args.new_tokens) for p in prompts))
-            rate = decode_rate(runs)
-            result.decode_runs.setdefault(streams, []).append(rate)
-            print(f"  {result.server} x{streams} repeat {rep}: {rate:.1f} tok/s", flush=True)
+async def _guarded(server: Running, run: Awaitable[_T]) -> _T:
+    try:
+        return await run
+    except httpx.HTTPError as error:
+        if server.failure is None:
+            raise
+        raise RuntimeError(server.failure(error)) from error
+
+
+async def _decode_run(server: Running, streams: int, rep: int, args: argparse.Namespace) -> None:
+    prompts = random_prompts(streams, args.prompt_len, seed=rep)
+    runs = await _guarded(
+        server, asyncio.gather(*(server.one(p, args.new_tokens) for p in prompts))
+    )
+    rate = decode_rate(runs)
+    result = server.result
+    result.decode_runs.setdefault(streams, []).append(rate)
+    print(f"  {result.server} x{streams} repeat {rep}: {rate:.1f} tok/s", flush=True)
+
+
+async def _warm_up(server: Running) -> None:
+    await _guarded(server, server.one(random_prompts(1, 8, seed=99)[0], 4))
+
+
+async def _prefill_and_finish(server: Running, args: argparse.Namespace) -> None:
+    result = server.result
     for streams, rates in result.decode_runs.items():
         result.decode_tok_s[streams] = statistics.median(rates)
     for length in args.prefill:
         prompt = random_prompts(1, length, seed=length)[0]
         start = time.perf_counter()
-        times = await one(prompt, 1)
+        times = await _guarded(server, server.one(prompt, 1))
         result.prefill_tok_s[length] = length / (times[0] - start)
         print(f"  {result.server} prefill {length}: {result.prefill_tok_s[length]:.1f} tok/s")
+    result.peak_rss_mib = vm_hwm_mib(server.pid)
+
+
+async def _measure(server: Running, args: argparse.Namespace) -> None:
+    await _warm_up(server)
+    for rep in range(args.repeats):
+        for streams in args.streams:
+            await _decode_run(server, streams, rep, args)
+    await _prefill_and_finish(server, args)
+
+
+async def run_alternated(
+    model: Path, args: argparse.Namespace, log_dir: Path
+) -> list[ServerResult]:
+    """Every server of ``--servers`` started in turn (each start-up while the others idle),
+    then each (repeat, streams) run on each server back to back, the order flipped every
+    repeat, one server working at a time; prefill last, one server after the other."""
+    async with AsyncExitStack() as stack:
+        servers = [
+            await stack.enter_async_context(_STARTS[name](model, args, log_dir))
+            for name in args.servers.split(",")
+        ]
+        for server in servers:
+            await _warm_up(server)
+        for rep in range(args.repeats):
+            order = servers if rep % 2 == 0 else servers[::-1]
+            for streams in args.streams:
+                for server in order:
+                    await asyncio.sleep(_SETTLE_S)
+                    await _decode_run(server, streams, rep, args)
+        for server in servers:
+            await asyncio.sleep(_SETTLE_S)
+            await _prefill_and_finish(server, args)
+        return [server.result for server in servers]
+
+
+def paired_ratios(a: ServerResult, b: ServerResult, streams: int) -> list[float]:
+    """a's rate over b's for each repeat both ran (alternated runs: seconds apart)."""
+    return [
+        x / y
+        for x, y in zip(
+            a.decode_runs.get(streams, []), b.decode_runs.get(streams, []), strict=False
+        )
+        if y > 0
+    ]
 
 
 def _context_tokens(args: argparse.Namespace) -> int:
@@ -203,7 +288,10 @@ def _context_tokens(args: argparse.Namespace) -> int:
     return max(lengths)
 
 
-async def run_genserve(model: Path, args: argparse.Namespace, log_dir: Path) -> ServerResult:
+@asynccontextmanager
+async def started_genserve(
+    model: Path, args: argparse.Namespace, log_dir: Path
+) -> AsyncIterator[Running]:
     port = free_port()
     total = _context_tokens(args)
     server_args = [
@@ -224,12 +312,19 @@ async def run_genserve(model: Path, args: argparse.Namespace, log_dir: Path) -> 
         pid = launched.pid
         assert pid is not None
         result = ServerResult("genserve", time.perf_counter() - started, vm_hwm_mib(pid))
-        await _measure(result, _genserve_client(f"{_HOST}:{port}"), args)
-        result.peak_rss_mib = vm_hwm_mib(pid)
-    return result
+        yield Running(result, _genserve_client(f"{_HOST}:{port}"), pid)
 
 
-async def run_llama_server(model: Path, args: argparse.Namespace, log_dir: Path) -> ServerResult:
+async def run_genserve(model: Path, args: argparse.Namespace, log_dir: Path) -> ServerResult:
+    async with started_genserve(model, args, log_dir) as server:
+        await _measure(server, args)
+    return server.result
+
+
+@asynccontextmanager
+async def started_llama_server(
+    model: Path, args: argparse.Namespace, log_dir: Path
+) -> AsyncIterator[Running]:
     port = free_port()
     exe = args.llama_cpp_bin / "llama-server"
     command = [
@@ -259,18 +354,27 @@ async def run_llama_server(model: Path, args: argparse.Namespace, log_dir: Path)
         result = ServerResult(
             "llama-server", time.perf_counter() - started, vm_hwm_mib(process.pid)
         )
-        try:
-            await _measure(result, _llama_client(url), args)
-        except httpx.HTTPError as error:
-            raise RuntimeError(request_failure(error, process, log_path)) from error
-        result.peak_rss_mib = vm_hwm_mib(process.pid)
+        yield Running(
+            result,
+            _llama_client(url),
+            process.pid,
+            lambda error: request_failure(error, process, log_path),
+        )
     finally:
         process.terminate()
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-    return result
+
+
+async def run_llama_server(model: Path, args: argparse.Namespace, log_dir: Path) -> ServerResult:
+    async with started_llama_server(model, args, log_dir) as server:
+        await _measure(server, args)
+    return server.result
+
+
+_STARTS = {"genserve": started_genserve, "llama-server": started_llama_server}
 
 
 def request_failure(error: Exception, process: subprocess.Popen[bytes], log_path: Path) -> str:
@@ -312,7 +416,12 @@ def llama_bench_prefill(model: Path, args: argparse.Namespace) -> dict[int, floa
     return {int(row["n_prompt"]): float(row["avg_ts"]) for row in json.loads(out)}
 
 
-def format_table(model: Path, results: list[ServerResult], bench_pp: dict[int, float]) -> str:
+def format_table(
+    model: Path,
+    results: list[ServerResult],
+    bench_pp: dict[int, float],
+    alternated: bool = False,
+) -> str:
     by = {r.server: r for r in results}
     g, ll = by.get("genserve"), by.get("llama-server")
     lines = [f"### {model.name} ({model.stat().st_size / 2**20:.0f} MiB)", ""]
@@ -330,6 +439,14 @@ def format_table(model: Path, results: list[ServerResult], bench_pp: dict[int, f
             g.decode_tok_s.get(s) if g else None,
             ll.decode_tok_s.get(s) if ll else None,
         )
+    if alternated and g and ll:
+        for s in streams:
+            pairs = paired_ratios(g, ll, s)
+            if pairs:
+                spread = f"{statistics.median(pairs):.2f}x [{min(pairs):.2f}-{max(pairs):.2f}]"
+                lines.append(
+                    f"| decode, {s} stream{'s' if s > 1 else ''}: alternated pairs | | | {spread} |"
+                )
     for n in sorted({n for r in results for n in r.prefill_tok_s}):
         row(
             f"prefill tok/s, {n}-token prompt (TTFT)",
@@ -367,6 +484,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--servers", default="genserve,llama-server", help="which servers to run, in order"
     )
+    parser.add_argument(
+        "--alternate",
+        action="store_true",
+        help="start every server, then alternate their decode runs (a machine whose speed "
+        "drifts by the minute meets both alike; both models are in memory at once)",
+    )
 
 
 def run_servers(args: argparse.Namespace) -> dict[str, object]:
@@ -376,11 +499,13 @@ def run_servers(args: argparse.Namespace) -> dict[str, object]:
     for model in args.model:
         log_dir = args.out.parent / f"logs-{model.stem}"
         results = []
-        for server in args.servers.split(","):
+        if args.alternate:
+            results = asyncio.run(run_alternated(model, args, log_dir))
+        for server in [] if args.alternate else args.servers.split(","):
             run = run_genserve if server == "genserve" else run_llama_server
             results.append(asyncio.run(run(model, args, log_dir)))
         bench_pp = llama_bench_prefill(model, args) if "llama-server" in args.servers else {}
-        tables.append(format_table(model, results, bench_pp))
+        tables.append(format_table(model, results, bench_pp, args.alternate))
         files = out["files"]
         assert isinstance(files, list)
         files.append(
@@ -389,6 +514,7 @@ def run_servers(args: argparse.Namespace) -> dict[str, object]:
                 "bytes": model.stat().st_size,
                 "results": [asdict(r) for r in results],
                 "llama_bench_prefill_tok_s": bench_pp,
+                "alternated": args.alternate,
                 "load_average": os.getloadavg(),
             }
         )
