@@ -168,3 +168,19 @@ def test_the_bootstrap_finds_a_prebuilt_avx2_library() -> None:
     assert "genserve CPU kernels: ready" in proc.stdout
     assert f"level AVX2, library {cache / name / name}.so" in proc.stdout
     assert "compiled=False" in proc.stdout + proc.stderr
+
+
+def test_every_kernel_file_is_built_and_installed() -> None:
+    """Every header the kernels include is part of the build's inputs (a change to it makes a
+    new library, not a stale one), and every source and header is package data (a
+    non-editable install builds them where it is installed)."""
+    import fnmatch
+    import tomllib
+
+    here = Path(cpu_kernels.__file__).parent
+    on_disk = {p.name for p in here.iterdir() if p.suffix in (".h", ".inc")}
+    assert on_disk <= {p.name for p in cpu_kernels._HEADERS}
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]
+    for path in [*cpu_kernels._SOURCES, *cpu_kernels._HEADERS]:
+        assert any(fnmatch.fnmatch(path.name, p) for p in patterns["genserve.kernels"]), path.name
