@@ -14,11 +14,11 @@ import pytest
 
 from genserve.bench import cpu_compare
 from genserve.bench.server_compare import (
-    _llama_client,
     decode_rate,
     random_prompts,
     request_failure,
 )
+from genserve.bench.stream_clients import llama_client
 
 
 def test_decode_rate_counts_only_the_window_all_streams_generate_in() -> None:
@@ -86,7 +86,7 @@ def test_llama_client_survives_llama_servers_dropped_keep_alive_connections() ->
         port = server.sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}"
         async with server:
-            one = _llama_client(url)
+            one = llama_client(url)
             counts = [len(await one([1, 2, 3], 3)) for _ in range(3)]
             # The same requests on a pooled connection: the failure the benchmark met.
             failure: type[BaseException] | None = None

@@ -38,14 +38,13 @@ import grpc
 from genserve.bench.launch import LaunchedServer, split_server_args
 from genserve.bench.server_compare import (
     _HOST,
-    _genserve_client,
-    _llama_client,
     _spawn,
     _wait_http,
     free_port,
     random_prompts,
     vm_hwm_mib,
 )
+from genserve.bench.stream_clients import genserve_client, llama_client
 from genserve.v1 import generate_pb2, generate_pb2_grpc
 
 _MIB = 1 << 20
@@ -120,7 +119,7 @@ async def start_genserve(
         assert pid is not None
         rss_start = vm_hwm_mib(pid)
         kv = await _kv_cache_mib(launched.address)
-        request_s = await _one_request(_genserve_client(launched.address), args.new_tokens)
+        request_s = await _one_request(genserve_client(launched.address), args.new_tokens)
         rss_end = vm_hwm_mib(pid)
     added = (dir_bytes(cache) - before) / _MIB
     return StartResult("genserve", label, startup, rss_start, rss_end, request_s, kv, added)
@@ -152,7 +151,7 @@ async def start_llama_server(model: Path, label: str, args: argparse.Namespace) 
         await _wait_http(url, process, args.startup_timeout)
         startup = time.perf_counter() - started
         rss_start = vm_hwm_mib(process.pid)
-        request_s = await _one_request(_llama_client(url), args.new_tokens)
+        request_s = await _one_request(llama_client(url), args.new_tokens)
         rss_end = vm_hwm_mib(process.pid)
     finally:
         process.terminate()

@@ -47,11 +47,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import grpc
 import httpx
 
 from genserve.bench.launch import LaunchedServer
-from genserve.v1 import generate_pb2, generate_pb2_grpc
+from genserve.bench.stream_clients import Client, genserve_client, llama_client
 
 _HOST = "127.0.0.1"
 # Token ids drawn for prompts stay clear of special tokens at either end of a vocabulary.
@@ -60,7 +59,6 @@ _ID_RANGE = (1000, 30000)
 # llama.cpp's thread pools spin a while after their work) before the other server starts.
 _SETTLE_S = 0.5
 
-Client = Callable[[list[int], int], Awaitable[list[float]]]
 _T = TypeVar("_T")
 
 
@@ -119,71 +117,6 @@ def decode_rate(token_times: Sequence[Sequence[float]]) -> float:
 def random_prompts(streams: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(*_ID_RANGE) for _ in range(length)] for _ in range(streams)]
-
-
-# ---------------------------------------------------------------------------- genserve
-async def _genserve_stream(
-    stub: generate_pb2_grpc.TextGenerationServiceStub, ids: list[int], new_tokens: int
-) -> list[float]:
-    params = generate_pb2.GenerateParameters(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True
-    )
-    request = generate_pb2.GenerateStreamRequest(input_ids=ids, parameters=params)
-    times: list[float] = []
-    async for _message in stub.GenerateStream(request, timeout=3600):  # one token each
-        times.append(time.perf_counter())
-    return times
-
-
-def _genserve_client(address: str) -> Callable[[list[int], int], Awaitable[list[float]]]:
-    channel = grpc.aio.insecure_channel(address)
-    stub = generate_pb2_grpc.TextGenerationServiceStub(channel)
-
-    async def one(ids: list[int], new_tokens: int) -> list[float]:
-        return await _genserve_stream(stub, ids, new_tokens)
-
-    return one
-
-
-# ---------------------------------------------------------------------------- llama.cpp
-def _llama_client(url: str) -> Callable[[list[int], int], Awaitable[list[float]]]:
-    """Streaming ``/completion`` requests, one TCP connection each.
-
-    Not pooled, because llama-server closes the connection after every *streamed* reply
-    although the reply says ``Keep-Alive``: its content provider ends the stream by
-    returning false, which cpp-httplib takes for a cancelled write and so drops the socket
-    right after the terminating chunk.  A pooled client may send its next request on that
-    socket before the server's FIN arrives, and gets "Server disconnected without sending a
-    response"; the run then failed and stopped the server (whose log reads "cleaning up
-    before exit": our SIGTERM).  ``Connection: close`` makes both sides agree that every
-    connection carries one request.
-    """
-    client = httpx.AsyncClient(timeout=3600, headers={"Connection": "close"})
-
-    async def one(ids: list[int], new_tokens: int) -> list[float]:
-        body = {
-            "prompt": ids,
-            "n_predict": new_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "top_k": 1,
-            "cache_prompt": False,
-            "stream": True,
-            "return_tokens": True,
-        }
-        times: list[float] = []
-        async with client.stream("POST", f"{url}/completion", json=body) as reply:
-            reply.raise_for_status()
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                event = json.loads(line[6:])
-                n = len(event.get("tokens") or []) or (1 if event.get("content") else 0)
-                now = time.perf_counter()
-                times.extend([now] * n)
-        return times
-
-    return one
 
 
 async def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -312,7 +245,7 @@ async def started_genserve(
         pid = launched.pid
         assert pid is not None
         result = ServerResult("genserve", time.perf_counter() - started, vm_hwm_mib(pid))
-        yield Running(result, _genserve_client(f"{_HOST}:{port}"), pid)
+        yield Running(result, genserve_client(f"{_HOST}:{port}"), pid)
 
 
 async def run_genserve(model: Path, args: argparse.Namespace, log_dir: Path) -> ServerResult:
@@ -356,7 +289,7 @@ async def started_llama_server(
         )
         yield Running(
             result,
-            _llama_client(url),
+            llama_client(url),
             process.pid,
             lambda error: request_failure(error, process, log_path),
         )
