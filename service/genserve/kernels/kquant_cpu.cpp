@@ -513,7 +513,8 @@ void kquant_run(const at::Tensor& x, const at::Tensor& data, at::IntArrayRef typ
   }
   at::Tensor reordered_own;  // the AVX512-VNNI path's order for Q4_K / Q5_K, once per call
   if (run == kquant_avx512vnni::run() &&
-      std::any_of(segments.begin(), segments.end(), [](const KSegment& s) { return s.type != kQ6K; })) {
+      std::any_of(segments.begin(), segments.end(),
+                  [](const KSegment& s) { return s.type != kQ6K; })) {
     int8_t* reordered = genserve_scratch::array<int8_t, 7>(M * K, reordered_own, at::kChar);
     genserve_kquant::nibble_order(job.xq, M, K, reordered);
     job.xq_nibble_order = reordered;
@@ -608,7 +609,8 @@ void nibble_order(const int8_t* x, int64_t rows, int64_t k, int8_t* out) {
 }
 
 at::Tensor nibble_ordered(const at::Tensor& q) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) % 256 == 0,
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() &&
+                  q.size(1) % 256 == 0,
               "nibble_ordered: contiguous int8 [M, K] with K a multiple of 256 expected");
   auto out = at::empty_like(q);
   nibble_order(q.data_ptr<int8_t>(), q.size(0), q.size(1), out.data_ptr<int8_t>());
