@@ -43,6 +43,12 @@ def test_model_files_must_exist(tmp_path: Path) -> None:
         cpu_compare.main(["--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path)])
     with pytest.raises(SystemExit):  # server flags only make sense with --model
         cpu_compare.main(["--out", str(tmp_path), "--", "--cpu-int-dot", "on"])
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    with pytest.raises(SystemExit):  # a typo is refused, not run as llama-server
+        cpu_compare.main(
+            ["--model", str(model), "--servers", "genserve,llama", "--out", str(tmp_path)]
+        )
 
 
 # ------------------------------------------------------------- llama-server's connections

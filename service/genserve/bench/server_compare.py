@@ -399,6 +399,16 @@ def format_table(
     return "\n".join(lines)
 
 
+def _server_list(text: str) -> str:
+    names = text.split(",")
+    unknown = [n for n in names if n not in _STARTS]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"servers are genserve and llama-server, once each: {text!r}"
+        )
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, default=8, help="llama-server -np")
     parser.add_argument(
@@ -415,7 +425,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument(
-        "--servers", default="genserve,llama-server", help="which servers to run, in order"
+        "--servers",
+        default="genserve,llama-server",
+        type=_server_list,
+        help="which servers to run, in order (genserve, llama-server)",
     )
     parser.add_argument(
         "--alternate",
