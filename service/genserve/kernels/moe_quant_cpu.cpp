@@ -310,7 +310,7 @@ Acts activations(const at::Tensor& x, const Format& f, bool integer) {
   if (!integer) return a;
   if (f.k_quant) {
     std::tie(a.q, a.d, a.sums) = genserve_kquant::quantize_rows_q8k(x);
-    // once per call here, not per task (m · K bytes)
+    // once per call here, not per task (m · K bytes; made whichever integer path runs)
     a.q_nibbles = genserve_kquant::nibble_ordered(a.q);
     a.per_scale = 256;
     a.per_sum = 16;
