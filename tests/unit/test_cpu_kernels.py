@@ -287,7 +287,7 @@ def test_panel_linear_matches_a_float64_product(
     torch.testing.assert_close(no_bias.double(), expected - bias.double(), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 13, 32, 33, 129, 257, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 10, 11, 13, 32, 33, 129, 257, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 1536), (33, 100)])
 def test_float16_panels_give_the_float32_panels_results_bit_for_bit(
     rows: int, out_features: int, in_features: int

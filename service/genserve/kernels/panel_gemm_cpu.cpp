@@ -31,12 +31,12 @@
 //
 // Float16 panels ([P, K, 32] float16, kBits 16): a float32 model whose weights are all
 // float16 values (an F16 GGUF served in float32 where the CPU has no native bfloat16, e.g.
-// AVX2-only parts) keeps them at half the bytes.  One row widens them in registers (F16C),
-// more rows a chunk at a time into the L1 scratch the row tiles read (on AVX2 inside the
-// chunk's first row tile, and decode-size steps read x from a k-major copy: tile_widen,
-// pack_x_k_major); widening is exact, so every sum is the float32 panels' own, in the same
-// order: the same results at half the memory traffic (weight_panels.pack_half_exact;
-// docs/benchmarks/cpu-avx2.md).
+// AVX2-only parts) keeps them at half the bytes.  One row widens them in registers (F16C);
+// more rows a chunk at a time into the L1 scratch the row tiles read (AVX-512), or on AVX2
+// in every row tile's registers, 6 rows × 16 columns at a time (tile_f16; decode-size steps
+// read x from a k-major copy, pack_x_k_major); widening is exact, so every sum is the
+// float32 panels' own, in the same order: the same results at half the memory traffic
+// (weight_panels.pack_half_exact; docs/benchmarks/cpu-avx2.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -149,60 +149,91 @@ void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
   }
 }
 
-// Float16 panels on AVX2: the first row tile of a chunk widens each k-step's 32 weights in
-// registers (VCVTPH2PS), multiplies its rows by them and stores them into the chunk scratch
-// that the chunk's other row tiles read.  Widening in a pass of its own before the tiles (as
-// AVX-512 still does) left the conversions and their stores outside the FMA loop: the AVX2
-// build's 8-row [2048, 2048] product ran at 70% of the FMA peak with the weights in cache,
-// 84% with the widening here and x k-major (AMD EPYC Zen 4, 1 thread, 2026-11-27; not
-// measured on other CPUs: docs/benchmarks/cpu-avx2.md).  Registers: R × 4 accumulators,
-// R broadcasts and one weight vector (16 at R = 3).  Every sum is tile()'s: one FMA chain
-// per row and column, in k order.
+// Float16 panels on AVX2: every row tile widens the k-steps it multiplies in registers
+// (VCVTPH2PS per 8 weights) straight from the panel, so no widened copy is stored or read.
+// With 16 ymm registers a tile of 32 columns holds 3 rows (12 accumulators) and has to take
+// its weights as FMA memory operands (15 loads a k-step for 12 FMAs); a half-panel tile of 6
+// rows × 16 columns keeps its 2 widened weight vectors in registers (12 accumulators + 2 +
+// a broadcast: 8 loads and 2 conversions for 12 FMAs), the shape of BLIS's Haswell sgemm
+// kernel.  Rows come 6 at a time as two half tiles, the 1-5 left over as one tile of 32
+// columns (1-2 rows) or two half tiles (3-5).  The AVX2 build's 8-row product of the 1B
+// shape's layer matrices ran ~12% faster than with the first 3-row tile widening into an
+// L1 copy that the others read (98 → 110 GFLOP/s with [2048, 2048] from L3, 1 thread; AMD
+// EPYC Zen 4 with the AVX2 build, 2026-11-27; not measured on other CPUs:
+// docs/benchmarks/cpu-avx2.md).  Every sum is tile()'s: one FMA chain per row and column, in
+// k order, so the results are the float32 panels' bit for bit.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool kWidenInTile = true;
 #else
 constexpr bool kWidenInTile = false;
 #endif
+constexpr int kHalfTileRows = 6;
 
-template <int R, bool kPackedX>
-inline void tile_widen(const float* x, int64_t ldx, int64_t k0, int64_t k1, const c10::Half* src,
-                       float* chunk, float* acc_out, bool first, Ahead* ahead) {
-  constexpr int kFetchBytes = kPanel * 2;
-  f32v acc[R][kVecs];
+// Rows [0, R) of x against k-steps [k0, k1) of a float16 panel chunk (src[0] is k-step k0),
+// its columns [col0, col0 + kCols) (kCols 16 or 32), accumulated into acc (row stride kPanel)
+// as tile() does; `ahead` is advanced one float16 k-step (64 bytes) per firing.
+template <int R, int kCols, bool kPackedX>
+inline void tile_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const c10::Half* src,
+                     int col0, float* acc_out, bool first, Ahead* ahead) {
+  constexpr int kV = kCols / kLanes;
+  f32v acc[R][kV];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVecs; ++j)
-      acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + j * kLanes);
+    for (int j = 0; j < kV; ++j)
+      acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + col0 + j * kLanes);
   int64_t fire = ahead->fire;
   const char* next = ahead->next;
   for (int64_t k = k0; k < k1; ++k) {
-    const c10::Half* hk = src + (k - k0) * kPanel;
-    float* wk = chunk + (k - k0) * kPanel;
     if (k - k0 == fire) {
-      for (int b = 0; b < kFetchBytes; b += 64) __builtin_prefetch(next + b, 0, 2);
-      next += kFetchBytes;
+      __builtin_prefetch(next, 0, 2);
+      next += kPanel * 2;
       fire += ahead->every;
     }
-    f32v b[R];
-    for (int r = 0; r < R; ++r) b[r] = f32v{} + (kPackedX ? x[k * ldx + r] : x[r * ldx + k]);
-    for (int j = 0; j < kVecs; ++j) {
-      const f32v w = load_f16(hk + j * kLanes);
-      store(wk + j * kLanes, w);
-      for (int r = 0; r < R; ++r) acc[r][j] += b[r] * w;
+    const c10::Half* hk = src + (k - k0) * kPanel + col0;
+    f32v w[kV];
+    for (int j = 0; j < kV; ++j) w[j] = load_f16(hk + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const f32v b = f32v{} + (kPackedX ? x[k * ldx + r] : x[r * ldx + k]);
+      for (int j = 0; j < kV; ++j) acc[r][j] += b * w[j];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVecs; ++j) store(acc_out + r * kPanel + j * kLanes, acc[r][j]);
+    for (int j = 0; j < kV; ++j) store(acc_out + r * kPanel + col0 + j * kLanes, acc[r][j]);
   ahead->next = next;
   ahead->fire = fire - (k1 - k0);
 }
 
-// tile_widen for a first tile of `rows` (1 .. R) rows, R chosen at run time.
+// Both half tiles of R rows.
 template <int R, bool kPackedX>
-void widen_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
-                const c10::Half* src, float* chunk, float* acc, bool first, Ahead* ahead) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile_widen<R, kPackedX>(x, ldx, k0, k1, src, chunk, acc, first, ahead);
-    widen_tile<R - 1, kPackedX>(rows, x, ldx, k0, k1, src, chunk, acc, first, ahead);
+inline void halves_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const c10::Half* src,
+                       float* acc, bool first, Ahead* ahead) {
+  tile_f16<R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
+  tile_f16<R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, kPanel / 2, acc, first, ahead);
+}
+
+// The tile passes over one chunk for `rows` rows (what Ahead::every counts).
+inline int64_t f16_tile_passes(int64_t rows) {
+  const int64_t left = rows % kHalfTileRows;
+  return 2 * (rows / kHalfTileRows) + (left == 0 ? 0 : left <= 2 ? 1 : 2);
+}
+
+// Rows [0, rows) (row r of x at xrow(r)) against one float16 chunk, in the tiles above.
+template <bool kPackedX, class XRow>
+void f16_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int64_t k1,
+                    const c10::Half* src, float* acc, bool first, Ahead* ahead) {
+  int64_t r = 0;
+  for (; r + kHalfTileRows <= rows; r += kHalfTileRows) {
+    halves_f16<kHalfTileRows, kPackedX>(xrow(r), ldx, k0, k1, src, acc + r * kPanel, first,
+                                        ahead);
+  }
+  const float* xr = xrow(r);
+  float* ar = acc + r * kPanel;
+  switch (rows - r) {
+    case 1: return tile_f16<1, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
+    case 2: return tile_f16<2, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
+    case 3: return halves_f16<3, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    case 4: return halves_f16<4, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    case 5: return halves_f16<5, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    default: return;
   }
 }
 
@@ -374,10 +405,10 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
     }
   } else {
     // Float32 and float16 panels are prefetched by the row tiles (quantized ones by
-    // dequant_chunk, a chunk ahead).  Float16 k-steps are widened once per chunk into
-    // wchunk, shared by every row tile: widening in each tile instead (F16C beside the
-    // FMAs) ran 8 rows 1.4x and 32 rows 1.8x slower than float32 panels (AVX2 build).  On
-    // AVX2 the first tile does that widening (tile_widen), the others read wchunk.
+    // dequant_chunk, a chunk ahead).  With AVX-512 float16 k-steps are widened once per
+    // chunk into wchunk, shared by every row tile; on AVX2 each tile widens its own
+    // (f16_chunk_rows: in 6-row half tiles that keeps the widened weights in registers; in
+    // 3-row tiles of 32 columns it had measured 1.4-1.8x slower than the shared copy).
     constexpr int kFetchBytes = kBits == 0 ? kPanel * 4 : kBits == 16 ? kPanel * 2 : 0;
     const c10::Half* half = nullptr;
     const char* stream = reinterpret_cast<const char*>(panel);
@@ -385,8 +416,9 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       half = static_cast<const c10::Half*>(quant->data) + p * K * kPanel;
       stream = reinterpret_cast<const char*>(half);
     }
-    Ahead ahead{kFetchBytes > 0 ? stream + kAheadSteps * kFetchBytes : nullptr, 0,
-                (rows + kTileRows - 1) / kTileRows};
+    const int64_t passes = kBits == 16 && kWidenInTile ? f16_tile_passes(rows)
+                                                       : (rows + kTileRows - 1) / kTileRows;
+    Ahead ahead{kFetchBytes > 0 ? stream + kAheadSteps * kFetchBytes : nullptr, 0, passes};
     // kP: the tiles read xt (row r of the block at xr + r, k-steps ld apart), else x.
     const auto row_tiles = [&](auto packed) {
       constexpr bool kP = decltype(packed)::value;
@@ -395,14 +427,15 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       const auto xrow = [&](int64_t r) { return kP ? xr + r : xr + r * K; };
       for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
         const int64_t k1 = std::min(K, k0 + kKChunk);
+        if constexpr (kBits == 16 && kWidenInTile) {
+          f16_chunk_rows<kP>(rows, xrow, ld, k0, k1, half + k0 * kPanel, scratch, k0 == 0,
+                             &ahead);
+          continue;
+        }
         const float* chunk = wchunk;
         int64_t r = 0;
         if constexpr (kBits == 0) {
           chunk = panel + k0 * kPanel;
-        } else if constexpr (kBits == 16 && kWidenInTile) {
-          r = std::min<int64_t>(rows, kTileRows);
-          widen_tile<kTileRows, kP>(static_cast<int>(r), xr, ld, k0, k1, half + k0 * kPanel,
-                                    wchunk, scratch, k0 == 0, &ahead);
         } else if constexpr (kBits == 16) {
           const c10::Half* src = half + k0 * kPanel;
           for (int64_t i = 0; i < (k1 - k0) * kPanel; i += kLanes) {
