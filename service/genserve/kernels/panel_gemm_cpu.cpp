@@ -149,20 +149,22 @@ void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
   }
 }
 
-// Float16 panels on AVX2: every row tile widens the k-steps it multiplies in registers
-// (VCVTPH2PS per 8 weights) straight from the panel, so no widened copy is stored or read.
-// With 16 ymm registers a tile of 32 columns holds 3 rows (12 accumulators) and has to take
-// its weights as FMA memory operands (15 loads a k-step for 12 FMAs); a half-panel tile of 6
-// rows × 16 columns keeps its 2 widened weight vectors in registers (12 accumulators + 2 +
-// a broadcast: 8 loads and 2 conversions for 12 FMAs), the shape of BLIS's Haswell sgemm
+// Float16 panels on x86: every row tile widens the k-steps it multiplies in registers
+// (VCVTPH2PS) straight from the panel, so no widened copy is stored and read back.
+// AVX2: with 16 ymm registers a tile of 32 columns holds 3 rows (12 accumulators) and has to
+// take its weights as FMA memory operands (15 loads a k-step for 12 FMAs); a half-panel tile
+// of 6 rows × 16 columns keeps its 2 widened weight vectors in registers (12 accumulators +
+// 2 + a broadcast: 8 loads and 2 conversions for 12 FMAs), the shape of BLIS's Haswell sgemm
 // kernel.  Rows come 6 at a time as two half tiles, the 1-5 left over as one tile of 32
 // columns (1-2 rows) or two half tiles (3-5).  The AVX2 build's 8-row product of the 1B
 // shape's layer matrices ran ~12% faster than with the first 3-row tile widening into an
-// L1 copy that the others read (98 → 110 GFLOP/s with [2048, 2048] from L3, 1 thread; AMD
-// EPYC Zen 4 with the AVX2 build, 2026-11-27; not measured on other CPUs:
-// docs/benchmarks/cpu-avx2.md).  Every sum is tile()'s: one FMA chain per row and column, in
+// L1 copy that the others read (98 → 109 GFLOP/s with [2048, 2048] from L3, 1 thread).
+// AVX-512 (32 zmm): the float32 panels' tiles of up to 12 rows × 32 columns, each widening
+// its own 2 vectors a k-step, where a pass of its own had widened each chunk into that copy
+// first.  (AMD EPYC Zen 4, 2026-11-27; not measured on other CPUs:
+// docs/benchmarks/cpu-avx2.md.)  Every sum is tile()'s: one FMA chain per row and column, in
 // k order, so the results are the float32 panels' bit for bit.
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
 constexpr bool kWidenInTile = true;
 #else
 constexpr bool kWidenInTile = false;
@@ -212,8 +214,22 @@ inline void halves_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, cons
 
 // The tile passes over one chunk for `rows` rows (what Ahead::every counts).
 inline int64_t f16_tile_passes(int64_t rows) {
+#if defined(__AVX512F__)
+  return (rows + kTileRows - 1) / kTileRows;
+#else
   const int64_t left = rows % kHalfTileRows;
   return 2 * (rows / kHalfTileRows) + (left == 0 ? 0 : left <= 2 ? 1 : 2);
+#endif
+}
+
+// The last rows of a chunk, fewer than kTileRows, in one full-panel tile (AVX-512).
+template <int R, bool kPackedX>
+void f16_tail(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
+              const c10::Half* src, float* acc, bool first, Ahead* ahead) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_f16<R, kPanel, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
+    f16_tail<R - 1, kPackedX>(rows, x, ldx, k0, k1, src, acc, first, ahead);
+  }
 }
 
 // Rows [0, rows) (row r of x at xrow(r)) against one float16 chunk, in the tiles above.
@@ -221,6 +237,16 @@ template <bool kPackedX, class XRow>
 void f16_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int64_t k1,
                     const c10::Half* src, float* acc, bool first, Ahead* ahead) {
   int64_t r = 0;
+#if defined(__AVX512F__)
+  for (; r + kTileRows <= rows; r += kTileRows) {
+    tile_f16<kTileRows, kPanel, kPackedX>(xrow(r), ldx, k0, k1, src, 0, acc + r * kPanel, first,
+                                          ahead);
+  }
+  if (r < rows) {
+    f16_tail<kTileRows - 1, kPackedX>(static_cast<int>(rows - r), xrow(r), ldx, k0, k1, src,
+                                      acc + r * kPanel, first, ahead);
+  }
+#else
   for (; r + kHalfTileRows <= rows; r += kHalfTileRows) {
     halves_f16<kHalfTileRows, kPackedX>(xrow(r), ldx, k0, k1, src, acc + r * kPanel, first,
                                         ahead);
@@ -235,6 +261,7 @@ void f16_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int
     case 5: return halves_f16<5, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
     default: return;
   }
+#endif
 }
 
 // One row: four k-segments streamed side by side, four independent accumulator sets.  T:
@@ -503,10 +530,10 @@ void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, con
   });
 }
 
-// Float16 panels on AVX2, steps of 2 .. kPackXMaxRows rows (decode batches): the row tiles
+// Float16 panels on x86, steps of 2 .. kPackXMaxRows rows (decode batches): the row tiles
 // read x from a k-major copy, xt[k * M + m].  Read in place, a tile's rows are K floats
 // apart: at K = 2048 or 8192 every row's current line falls in the same set of a 32 KiB
-// 8-way L1, which the widened chunk and the float16 panel also pass through; k-major, the
+// 8-way L1, which the float16 panel also passes through (measured on AVX2); k-major, the
 // whole step's activations for one k-step share one or two lines.  The copy is M × K floats
 // once per call (64 KiB at 8 rows of 2,048).  Larger steps (prefill chunks) keep x in place:
 // the 32-row bound is a choice, not a measurement (only 8 rows were timed, on a Zen 4).
