@@ -294,9 +294,11 @@ def test_float16_panels_give_the_float32_panels_results_bit_for_bit(
 ) -> None:
     """A float32 weight whose values are all float16 values (an F16 GGUF served in float32)
     packed as float16 panels: every path (one streamed row, row tiles with remainders, more
-    than one row block, the torch GEMM past 256 rows; on AVX2 the first tile's widening and
-    the k-major copy of x up to 32 rows) gives exactly the float32 panels' results, with and
-    without bias, and the rows look up exactly.  Run with the native library and the
+    than one row block; on x86 the tiles' own widening and the k-major copy of x up to 32
+    rows) gives exactly the float32 panels' results, with and without bias, and the rows look
+    up exactly.  Float16 panels stay on the row tiles past 256 rows, where float32 panels
+    take torch's GEMM, so the float32 results are taken 128 rows (one row block) at a time:
+    the panel loop computes each row block alone.  Run with the native library and the
     AVX2-level one (``ATEN_CPU_CAPABILITY=avx2``) to cover both builds."""
     from genserve.model.weight_panels import float_panel_rows, pack_float, pack_half_exact
 
@@ -311,7 +313,11 @@ def test_float16_panels_give_the_float32_panels_results_bit_for_bit(
     assert looked_up.dtype == torch.float32 and torch.equal(looked_up, weight)
     full = pack_float(weight)
     for b in (bias, None):
-        expected = torch.ops.genserve.panel_linear(x, full, out_features, b)
+        blocks = [
+            torch.ops.genserve.panel_linear(x[i : i + 128], full, out_features, b)
+            for i in range(0, rows, 128)
+        ]
+        expected = torch.cat(blocks)
         actual = torch.ops.genserve.panel_linear(x, half, out_features, b)
         assert actual.dtype == torch.float32 and torch.equal(actual, expected)
     reference = x.double() @ weight.double().t() + bias.double()

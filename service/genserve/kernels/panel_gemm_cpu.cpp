@@ -550,7 +550,8 @@ std::vector<float> pack_x_k_major(const float* x, int64_t M, int64_t K) {
 // product on the panels laid out as Wᵀ [K, P * 32]: the copy costs ~5% of the multiply, and
 // MKL's cache blocking beats the panel loop's (which re-reads W per 128-row block) by ~19% at
 // 1280 rows; up to 256 rows the two measured equal.  Quantized weights stay on the panel loop
-// at any size (dequantizing a band for the GEMM measured 1.4x slower at 1280 rows).
+// at any size (dequantizing a band for the GEMM measured 1.4x slower at 1280 rows), and so do
+// float16 panels (panel_linear_impl).
 constexpr int64_t kGemmMinRows = 2 * kRowBlock;
 
 // y = x Wᵀ (+ b) by torch's GEMM, W given as float32 panels [P, K, 32].
@@ -598,9 +599,12 @@ at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int6
     b = bias->to(at::kFloat).contiguous();
   }
   const bool accumulate = can_accumulate(into, x, N);
-  if (M > kGemmMinRows && !batch_invariant()) {
-    // float16 panels widened for the GEMM: a copy of W per call, small beside its M rows.
-    auto product = gemm_on_panels(xc, half ? pc.to(at::kFloat) : pc, N, b);
+  // Float16 panels stay on the panel loop at any size: the GEMM needed a float32 copy of W
+  // per call, and measured 86-89 GFLOP/s at 257 rows against the row tiles' 190-212 at 256
+  // (the 1B shape's layer matrices, 2 threads, AVX2 and AVX-512 builds on a Zen 4 whose
+  // bfloat16 was hidden, 2026-11-27).
+  if (M > kGemmMinRows && !batch_invariant() && !half) {
+    auto product = gemm_on_panels(xc, pc, N, b);
     return accumulate ? into->add_(product) : product;
   }
   auto out = accumulate ? *into : at::empty({M, N}, x.options());
