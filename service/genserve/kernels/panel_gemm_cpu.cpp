@@ -164,18 +164,26 @@ void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
 // first.  (AMD EPYC Zen 4, 2026-11-27; not measured on other CPUs:
 // docs/benchmarks/cpu-avx2.md.)  Every sum is tile()'s: one FMA chain per row and column, in
 // k order, so the results are the float32 panels' bit for bit.
+// Float32 panels on AVX2 take the same tiles (without the conversion), where the 3-row tiles
+// with their weights as memory operands ran the 8- and 32-row products at ~97 GFLOP/s on 2
+// cores (the same layer matrices from memory, 2026-11-27).
 #if defined(__AVX2__)
 constexpr bool kWidenInTile = true;
 #else
 constexpr bool kWidenInTile = false;
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kFloatRegTiles = true;
+#else
+constexpr bool kFloatRegTiles = false;
+#endif
 constexpr int kHalfTileRows = 6;
 
-// Rows [0, R) of x against k-steps [k0, k1) of a float16 panel chunk (src[0] is k-step k0),
-// its columns [col0, col0 + kCols) (kCols 16 or 32), accumulated into acc (row stride kPanel)
-// as tile() does; `ahead` is advanced one float16 k-step (64 bytes) per firing.
-template <int R, int kCols, bool kPackedX>
-inline void tile_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const c10::Half* src,
+// Rows [0, R) of x against k-steps [k0, k1) of a panel chunk of T (float16, or float32 on
+// AVX2; src[0] is k-step k0), its columns [col0, col0 + kCols) (kCols 16 or 32), accumulated
+// into acc (row stride kPanel) as tile() does; `ahead` is advanced one k-step of T per firing.
+template <typename T, int R, int kCols, bool kPackedX>
+inline void tile_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
                      int col0, float* acc_out, bool first, Ahead* ahead) {
   constexpr int kV = kCols / kLanes;
   f32v acc[R][kV];
@@ -186,13 +194,19 @@ inline void tile_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const 
   const char* next = ahead->next;
   for (int64_t k = k0; k < k1; ++k) {
     if (k - k0 == fire) {
-      __builtin_prefetch(next, 0, 2);
-      next += kPanel * 2;
+      for (size_t b = 0; b < kPanel * sizeof(T); b += 64) __builtin_prefetch(next + b, 0, 2);
+      next += kPanel * sizeof(T);
       fire += ahead->every;
     }
-    const c10::Half* hk = src + (k - k0) * kPanel + col0;
+    const T* hk = src + (k - k0) * kPanel + col0;
     f32v w[kV];
-    for (int j = 0; j < kV; ++j) w[j] = load_f16(hk + j * kLanes);
+    for (int j = 0; j < kV; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        w[j] = load16(hk + j * kLanes);
+      } else {
+        w[j] = load_f16(hk + j * kLanes);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const f32v b = f32v{} + (kPackedX ? x[k * ldx + r] : x[r * ldx + k]);
       for (int j = 0; j < kV; ++j) acc[r][j] += b * w[j];
@@ -205,11 +219,11 @@ inline void tile_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const 
 }
 
 // Both half tiles of R rows.
-template <int R, bool kPackedX>
-inline void halves_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const c10::Half* src,
+template <typename T, int R, bool kPackedX>
+inline void halves_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
                        float* acc, bool first, Ahead* ahead) {
-  tile_f16<R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
-  tile_f16<R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, kPanel / 2, acc, first, ahead);
+  tile_f16<T, R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
+  tile_f16<T, R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, kPanel / 2, acc, first, ahead);
 }
 
 // The tile passes over one chunk for `rows` rows (what Ahead::every counts).
@@ -223,42 +237,44 @@ inline int64_t f16_tile_passes(int64_t rows) {
 }
 
 // The last rows of a chunk, fewer than kTileRows, in one full-panel tile (AVX-512).
-template <int R, bool kPackedX>
-void f16_tail(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
-              const c10::Half* src, float* acc, bool first, Ahead* ahead) {
+template <typename T, int R, bool kPackedX>
+void f16_tail(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
+              float* acc, bool first, Ahead* ahead) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_f16<R, kPanel, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
-    f16_tail<R - 1, kPackedX>(rows, x, ldx, k0, k1, src, acc, first, ahead);
+    if (rows == R) {
+      return tile_f16<T, R, kPanel, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
+    }
+    f16_tail<T, R - 1, kPackedX>(rows, x, ldx, k0, k1, src, acc, first, ahead);
   }
 }
 
 // Rows [0, rows) (row r of x at xrow(r)) against one float16 chunk, in the tiles above.
-template <bool kPackedX, class XRow>
+template <typename T, bool kPackedX, class XRow>
 void f16_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int64_t k1,
-                    const c10::Half* src, float* acc, bool first, Ahead* ahead) {
+                    const T* src, float* acc, bool first, Ahead* ahead) {
   int64_t r = 0;
 #if defined(__AVX512F__)
   for (; r + kTileRows <= rows; r += kTileRows) {
-    tile_f16<kTileRows, kPanel, kPackedX>(xrow(r), ldx, k0, k1, src, 0, acc + r * kPanel, first,
-                                          ahead);
+    tile_f16<T, kTileRows, kPanel, kPackedX>(xrow(r), ldx, k0, k1, src, 0, acc + r * kPanel,
+                                             first, ahead);
   }
   if (r < rows) {
-    f16_tail<kTileRows - 1, kPackedX>(static_cast<int>(rows - r), xrow(r), ldx, k0, k1, src,
-                                      acc + r * kPanel, first, ahead);
+    f16_tail<T, kTileRows - 1, kPackedX>(static_cast<int>(rows - r), xrow(r), ldx, k0, k1, src,
+                                         acc + r * kPanel, first, ahead);
   }
 #else
   for (; r + kHalfTileRows <= rows; r += kHalfTileRows) {
-    halves_f16<kHalfTileRows, kPackedX>(xrow(r), ldx, k0, k1, src, acc + r * kPanel, first,
-                                        ahead);
+    halves_f16<T, kHalfTileRows, kPackedX>(xrow(r), ldx, k0, k1, src, acc + r * kPanel, first,
+                                           ahead);
   }
   const float* xr = xrow(r);
   float* ar = acc + r * kPanel;
   switch (rows - r) {
-    case 1: return tile_f16<1, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
-    case 2: return tile_f16<2, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
-    case 3: return halves_f16<3, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
-    case 4: return halves_f16<4, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
-    case 5: return halves_f16<5, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    case 1: return tile_f16<T, 1, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
+    case 2: return tile_f16<T, 2, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
+    case 3: return halves_f16<T, 3, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    case 4: return halves_f16<T, 4, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    case 5: return halves_f16<T, 5, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
     default: return;
   }
 #endif
@@ -443,8 +459,8 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       half = static_cast<const c10::Half*>(quant->data) + p * K * kPanel;
       stream = reinterpret_cast<const char*>(half);
     }
-    const int64_t passes = kBits == 16 && kWidenInTile ? f16_tile_passes(rows)
-                                                       : (rows + kTileRows - 1) / kTileRows;
+    constexpr bool kRegTiles = (kBits == 16 && kWidenInTile) || (kBits == 0 && kFloatRegTiles);
+    const int64_t passes = kRegTiles ? f16_tile_passes(rows) : (rows + kTileRows - 1) / kTileRows;
     Ahead ahead{kFetchBytes > 0 ? stream + kAheadSteps * kFetchBytes : nullptr, 0, passes};
     // kP: the tiles read xt (row r of the block at xr + r, k-steps ld apart), else x.
     const auto row_tiles = [&](auto packed) {
@@ -455,8 +471,12 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
         const int64_t k1 = std::min(K, k0 + kKChunk);
         if constexpr (kBits == 16 && kWidenInTile) {
-          f16_chunk_rows<kP>(rows, xrow, ld, k0, k1, half + k0 * kPanel, scratch, k0 == 0,
-                             &ahead);
+          f16_chunk_rows<c10::Half, kP>(rows, xrow, ld, k0, k1, half + k0 * kPanel, scratch,
+                                        k0 == 0, &ahead);
+          continue;
+        } else if constexpr (kBits == 0 && kFloatRegTiles) {
+          f16_chunk_rows<float, kP>(rows, xrow, ld, k0, k1, panel + k0 * kPanel, scratch,
+                                    k0 == 0, &ahead);
           continue;
         }
         const float* chunk = wchunk;
@@ -482,7 +502,7 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
         }
       }
     };
-    if constexpr (kBits == 16 && kWidenInTile) {
+    if constexpr (kRegTiles) {
       if (xt != nullptr) {
         row_tiles(std::true_type{});
       } else {
@@ -619,7 +639,10 @@ at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int6
     run_panels<16>(xp, M, K, P, N, nullptr, &q, bp, op, accumulate,
                    xt.empty() ? nullptr : xt.data());
   } else {
-    run_panels<0>(xp, M, K, P, N, pc.data_ptr<float>(), nullptr, bp, op, accumulate);
+    std::vector<float> xt;
+    if (kFloatRegTiles && M > 1 && M <= kPackXMaxRows) xt = pack_x_k_major(xp, M, K);
+    run_panels<0>(xp, M, K, P, N, pc.data_ptr<float>(), nullptr, bp, op, accumulate,
+                  xt.empty() ? nullptr : xt.data());
   }
   return out;
 }
