@@ -33,7 +33,7 @@
 // float16 values (an F16 GGUF served in float32 where the CPU has no native bfloat16, e.g.
 // AVX2-only parts) keeps them at half the bytes.  One row widens them in registers (F16C);
 // more rows a chunk at a time into the L1 scratch the row tiles read (AVX-512), or on AVX2
-// in every row tile's registers, 6 rows × 16 columns at a time (tile_f16; decode-size steps
+// in every row tile's registers, 6 rows × 16 columns at a time (reg_tile; decode-size steps
 // read x from a k-major copy, pack_x_k_major); widening is exact, so every sum is the
 // float32 panels' own, in the same order: the same results at half the memory traffic
 // (weight_panels.pack_half_exact; docs/benchmarks/cpu-avx2.md).
@@ -149,8 +149,9 @@ void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
   }
 }
 
-// Float16 panels on x86: every row tile widens the k-steps it multiplies in registers
-// (VCVTPH2PS) straight from the panel, so no widened copy is stored and read back.
+// Register tiles (reg_*).  Float16 panels on x86: every row tile widens the k-steps it
+// multiplies in registers (VCVTPH2PS) straight from the panel, so no widened copy is stored
+// and read back.
 // AVX2: with 16 ymm registers a tile of 32 columns holds 3 rows (12 accumulators) and has to
 // take its weights as FMA memory operands (15 loads a k-step for 12 FMAs); a half-panel tile
 // of 6 rows × 16 columns keeps its 2 widened weight vectors in registers (12 accumulators +
@@ -168,9 +169,9 @@ void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
 // with their weights as memory operands ran the 8- and 32-row products at ~97 GFLOP/s on 2
 // cores (the same layer matrices from memory, 2026-11-27).
 #if defined(__AVX2__)
-constexpr bool kWidenInTile = true;
+constexpr bool kHalfRegTiles = true;
 #else
-constexpr bool kWidenInTile = false;
+constexpr bool kHalfRegTiles = false;
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr bool kFloatRegTiles = true;
@@ -183,7 +184,7 @@ constexpr int kHalfTileRows = 6;
 // AVX2; src[0] is k-step k0), its columns [col0, col0 + kCols) (kCols 16 or 32), accumulated
 // into acc (row stride kPanel) as tile() does; `ahead` is advanced one k-step of T per firing.
 template <typename T, int R, int kCols, bool kPackedX>
-inline void tile_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
+inline void reg_tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
                      int col0, float* acc_out, bool first, Ahead* ahead) {
   constexpr int kV = kCols / kLanes;
   f32v acc[R][kV];
@@ -220,14 +221,14 @@ inline void tile_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const 
 
 // Both half tiles of R rows.
 template <typename T, int R, bool kPackedX>
-inline void halves_f16(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
+inline void reg_halves(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
                        float* acc, bool first, Ahead* ahead) {
-  tile_f16<T, R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
-  tile_f16<T, R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, kPanel / 2, acc, first, ahead);
+  reg_tile<T, R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
+  reg_tile<T, R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, kPanel / 2, acc, first, ahead);
 }
 
 // The tile passes over one chunk for `rows` rows (what Ahead::every counts).
-inline int64_t f16_tile_passes(int64_t rows) {
+inline int64_t reg_tile_passes(int64_t rows) {
 #if defined(__AVX512F__)
   return (rows + kTileRows - 1) / kTileRows;
 #else
@@ -238,43 +239,43 @@ inline int64_t f16_tile_passes(int64_t rows) {
 
 // The last rows of a chunk, fewer than kTileRows, in one full-panel tile (AVX-512).
 template <typename T, int R, bool kPackedX>
-void f16_tail(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
+void reg_tail(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
               float* acc, bool first, Ahead* ahead) {
   if constexpr (R > 0) {
     if (rows == R) {
-      return tile_f16<T, R, kPanel, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
+      return reg_tile<T, R, kPanel, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
     }
-    f16_tail<T, R - 1, kPackedX>(rows, x, ldx, k0, k1, src, acc, first, ahead);
+    reg_tail<T, R - 1, kPackedX>(rows, x, ldx, k0, k1, src, acc, first, ahead);
   }
 }
 
 // Rows [0, rows) (row r of x at xrow(r)) against one float16 chunk, in the tiles above.
 template <typename T, bool kPackedX, class XRow>
-void f16_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int64_t k1,
+void reg_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int64_t k1,
                     const T* src, float* acc, bool first, Ahead* ahead) {
   int64_t r = 0;
 #if defined(__AVX512F__)
   for (; r + kTileRows <= rows; r += kTileRows) {
-    tile_f16<T, kTileRows, kPanel, kPackedX>(xrow(r), ldx, k0, k1, src, 0, acc + r * kPanel,
+    reg_tile<T, kTileRows, kPanel, kPackedX>(xrow(r), ldx, k0, k1, src, 0, acc + r * kPanel,
                                              first, ahead);
   }
   if (r < rows) {
-    f16_tail<T, kTileRows - 1, kPackedX>(static_cast<int>(rows - r), xrow(r), ldx, k0, k1, src,
+    reg_tail<T, kTileRows - 1, kPackedX>(static_cast<int>(rows - r), xrow(r), ldx, k0, k1, src,
                                          acc + r * kPanel, first, ahead);
   }
 #else
   for (; r + kHalfTileRows <= rows; r += kHalfTileRows) {
-    halves_f16<T, kHalfTileRows, kPackedX>(xrow(r), ldx, k0, k1, src, acc + r * kPanel, first,
+    reg_halves<T, kHalfTileRows, kPackedX>(xrow(r), ldx, k0, k1, src, acc + r * kPanel, first,
                                            ahead);
   }
   const float* xr = xrow(r);
   float* ar = acc + r * kPanel;
   switch (rows - r) {
-    case 1: return tile_f16<T, 1, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
-    case 2: return tile_f16<T, 2, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
-    case 3: return halves_f16<T, 3, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
-    case 4: return halves_f16<T, 4, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
-    case 5: return halves_f16<T, 5, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    case 1: return reg_tile<T, 1, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
+    case 2: return reg_tile<T, 2, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
+    case 3: return reg_halves<T, 3, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    case 4: return reg_halves<T, 4, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
+    case 5: return reg_halves<T, 5, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
     default: return;
   }
 #endif
@@ -450,7 +451,7 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
     // Float32 and float16 panels are prefetched by the row tiles (quantized ones by
     // dequant_chunk, a chunk ahead).  With AVX-512 float16 k-steps are widened once per
     // chunk into wchunk, shared by every row tile; on AVX2 each tile widens its own
-    // (f16_chunk_rows: in 6-row half tiles that keeps the widened weights in registers; in
+    // (reg_chunk_rows: in 6-row half tiles that keeps the widened weights in registers; in
     // 3-row tiles of 32 columns it had measured 1.4-1.8x slower than the shared copy).
     constexpr int kFetchBytes = kBits == 0 ? kPanel * 4 : kBits == 16 ? kPanel * 2 : 0;
     const c10::Half* half = nullptr;
@@ -459,8 +460,8 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       half = static_cast<const c10::Half*>(quant->data) + p * K * kPanel;
       stream = reinterpret_cast<const char*>(half);
     }
-    constexpr bool kRegTiles = (kBits == 16 && kWidenInTile) || (kBits == 0 && kFloatRegTiles);
-    const int64_t passes = kRegTiles ? f16_tile_passes(rows) : (rows + kTileRows - 1) / kTileRows;
+    constexpr bool kRegTiles = (kBits == 16 && kHalfRegTiles) || (kBits == 0 && kFloatRegTiles);
+    const int64_t passes = kRegTiles ? reg_tile_passes(rows) : (rows + kTileRows - 1) / kTileRows;
     Ahead ahead{kFetchBytes > 0 ? stream + kAheadSteps * kFetchBytes : nullptr, 0, passes};
     // kP: the tiles read xt (row r of the block at xr + r, k-steps ld apart), else x.
     const auto row_tiles = [&](auto packed) {
@@ -470,12 +471,12 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
       const auto xrow = [&](int64_t r) { return kP ? xr + r : xr + r * K; };
       for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
         const int64_t k1 = std::min(K, k0 + kKChunk);
-        if constexpr (kBits == 16 && kWidenInTile) {
-          f16_chunk_rows<c10::Half, kP>(rows, xrow, ld, k0, k1, half + k0 * kPanel, scratch,
+        if constexpr (kBits == 16 && kHalfRegTiles) {
+          reg_chunk_rows<c10::Half, kP>(rows, xrow, ld, k0, k1, half + k0 * kPanel, scratch,
                                         k0 == 0, &ahead);
           continue;
         } else if constexpr (kBits == 0 && kFloatRegTiles) {
-          f16_chunk_rows<float, kP>(rows, xrow, ld, k0, k1, panel + k0 * kPanel, scratch,
+          reg_chunk_rows<float, kP>(rows, xrow, ld, k0, k1, panel + k0 * kPanel, scratch,
                                     k0 == 0, &ahead);
           continue;
         }
@@ -635,7 +636,7 @@ at::Tensor panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, int6
   if (half) {
     const QPanels q{pc.data_ptr(), nullptr, nullptr, 16, K, K, 1};
     std::vector<float> xt;
-    if (kWidenInTile && M > 1 && M <= kPackXMaxRows) xt = pack_x_k_major(xp, M, K);
+    if (kHalfRegTiles && M > 1 && M <= kPackXMaxRows) xt = pack_x_k_major(xp, M, K);
     run_panels<16>(xp, M, K, P, N, nullptr, &q, bp, op, accumulate,
                    xt.empty() ? nullptr : xt.data());
   } else {
