@@ -4,6 +4,7 @@ llama.cpp client against a stand-in for llama-server's way of closing streamed c
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
@@ -14,11 +15,16 @@ import pytest
 
 from genserve.bench import cpu_compare
 from genserve.bench.server_compare import (
+    add_arguments,
     decode_rate,
+    genserve_args,
     random_prompts,
     request_failure,
+    slots,
 )
 from genserve.bench.stream_clients import llama_client
+from genserve.config import load_config
+from genserve.limits import kv_requests
 
 
 def test_decode_rate_counts_only_the_window_all_streams_generate_in() -> None:
@@ -49,6 +55,22 @@ def test_model_files_must_exist(tmp_path: Path) -> None:
         cpu_compare.main(
             ["--model", str(model), "--servers", "genserve,llama", "--out", str(tmp_path)]
         )
+
+
+def test_both_servers_get_a_slot_and_a_full_length_kv_for_every_stream(tmp_path: Path) -> None:
+    # 32 streams once ran as waves of 8 (llama-server's -np 8, genserve's CPU KV default of 8
+    # full-length requests): the window in which all generate was empty and the run failed.
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])  # the server options; cpu_compare adds the run's own
+    args.prompt_len, args.new_tokens, args.server_args = 40, 64, []
+    model = tmp_path / "m.gguf"
+    for streams, expected in (([1, 32], 32), ([1, 8], 8)):  # 32: `genserve-bench cpu`'s default
+        args.streams = streams
+        assert slots(args) == expected
+        config = load_config(genserve_args(model, args), {})
+        assert config.max_concurrent_requests == expected
+        assert kv_requests(config, on_cuda=False) == expected
 
 
 # ------------------------------------------------------------- llama-server's connections

@@ -221,13 +221,20 @@ def _context_tokens(args: argparse.Namespace) -> int:
     return max(lengths)
 
 
-@asynccontextmanager
-async def started_genserve(
-    model: Path, args: argparse.Namespace, log_dir: Path
-) -> AsyncIterator[Running]:
-    port = free_port()
+def slots(args: argparse.Namespace) -> int:
+    """Requests each server must run at once, all at full length: ``--parallel`` or the most
+    streams asked for.  With fewer, the extra streams of a 32-stream run waited for others to
+    finish (llama-server's 8 default slots; genserve's default CPU KV cache, sized for 8
+    full-length requests), and never generated together."""
+    return int(max(args.parallel, *args.streams))
+
+
+def genserve_args(model: Path, args: argparse.Namespace) -> list[str]:
+    """genserve's command line arguments: the context, ``slots`` requests at once with a KV
+    cache for all of them at full length (``--max-batch-size``), and the arguments after
+    ``--``."""
     total = _context_tokens(args)
-    server_args = [
+    return [
         "--model-id",
         str(model),
         "--max-total-tokens",
@@ -235,10 +242,21 @@ async def started_genserve(
         "--max-input-tokens",
         str(total - 1),
         "--max-concurrent-requests",
-        str(max(args.parallel, *args.streams)),
+        str(slots(args)),
+        "--max-batch-size",
+        str(slots(args)),
         *args.server_args,
     ]
-    launched = LaunchedServer(server_args, _HOST, port, args.threads, log_dir / "genserve.log")
+
+
+@asynccontextmanager
+async def started_genserve(
+    model: Path, args: argparse.Namespace, log_dir: Path
+) -> AsyncIterator[Running]:
+    port = free_port()
+    launched = LaunchedServer(
+        genserve_args(model, args), _HOST, port, args.threads, log_dir / "genserve.log"
+    )
     started = time.perf_counter()
     with launched:
         await launched.wait_healthy(args.startup_timeout)
@@ -269,9 +287,9 @@ async def started_llama_server(
         "-tb",
         str(args.threads),
         "-np",
-        str(args.parallel),
+        str(slots(args)),
         "-c",
-        str(args.parallel * _context_tokens(args)),
+        str(slots(args) * _context_tokens(args)),
         "--cont-batching",
         "--host",
         _HOST,
@@ -410,7 +428,13 @@ def _server_list(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parallel", type=int, default=8, help="llama-server -np")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=8,
+        help="requests each server runs at once (llama-server -np; genserve --max-batch-size), "
+        "at least the most --streams",
+    )
     parser.add_argument(
         "--prefill",
         type=lambda t: [int(x) for x in t.split(",") if x.strip()],
