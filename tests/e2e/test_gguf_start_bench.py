@@ -50,5 +50,9 @@ async def test_small_q4_k_m_starts_twice_without_a_float_copy(tmp_path: Path) ->
     assert second["cache_added_mib"] == 0
     for start in results:
         assert start["kv_cache_mib"] > 0
-        assert start["peak_rss_after_request_mib"] >= start["peak_rss_start_mib"] > size / MiB
+        assert start["peak_rss_start_mib"] > size / MiB
+        # VmHWM is the larger of the recorded peak and the current RSS, whose counters Linux
+        # keeps in per-thread or per-CPU batches, so it reads approximately: a read after the
+        # request once came out 0.1 MiB below the one before it (931.45 against 931.55, CI).
+        assert start["peak_rss_after_request_mib"] >= start["peak_rss_start_mib"] - 2
     assert (tmp_path / "gguf_start.json").is_file()
