@@ -161,7 +161,7 @@ def _load(config: Config, on_shard_failure: Callable[[str], None]) -> Loaded:
         log.info("cpu_kernels_disabled", reason="--disable-cpu-kernels")
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
-    dtype = choose_dtype(config.dtype, on_cuda)
+    dtype = choose_dtype(config.dtype, on_cuda, hidden_features)
     log.info("dtype", dtype=dtype.name, reason=dtype.reason)
     dtype_name = dtype.name
     quantize = choose_method(

@@ -18,6 +18,7 @@ nothing end to end beyond the noise, while float32 doubles the KV cache, which m
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -27,20 +28,31 @@ class DtypeChoice:
     reason: str  # one line for the log: why this dtype
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16(hidden: Collection[str] = ()) -> bool:
     """Whether torch's CPU kernels run bf16 matmuls in hardware on this machine: the CPU has
     AVX512-BF16 or AMX, and torch runs its AVX-512 kernels.  Under ATEN_CPU_CAPABILITY=avx2
     (or lower) on such a CPU, torch's bf16 paths stop with "pack_vnni2 is only supported
-    when avx512 is supported", so bf16 is not native there either."""
+    when avx512 is supported", so bf16 is not native there either.  ``hidden``: the features
+    --cpu-features-mask hides (kernels/cpu_features.py names), which count as absent: an
+    emulated CPU without bfloat16 is served as that CPU would be."""
     import torch  # here: the launcher imports this module, and --help must not pay torch
 
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    hardware = any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    probes = (
+        ("_is_avx512_bf16_supported", ("avx512bf16",)),
+        ("_is_amx_tile_supported", ("amx-tile", "amx-bf16")),
+    )
+    hardware = any(
+        bool(getattr(torch.cpu, probe, lambda: False)()) and not set(names) & set(hidden)
+        for probe, names in probes
+    )
     return hardware and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def choose_dtype(requested: str | None, on_cuda: bool) -> DtypeChoice:
-    """``requested`` is the --dtype value (None or "auto": choose for this machine)."""
+def choose_dtype(
+    requested: str | None, on_cuda: bool, hidden_features: Collection[str] = ()
+) -> DtypeChoice:
+    """``requested`` is the --dtype value (None or "auto": choose for this machine, as if the
+    CPU lacked ``hidden_features``)."""
     if requested not in (None, "auto"):
         return DtypeChoice(str(requested), "--dtype")
     if on_cuda:
@@ -49,6 +61,6 @@ def choose_dtype(requested: str | None, on_cuda: bool) -> DtypeChoice:
         if torch.cuda.is_bf16_supported():
             return DtypeChoice("bfloat16", "auto: CUDA device with bfloat16")
         return DtypeChoice("float16", "auto: CUDA device without bfloat16")
-    if cpu_has_native_bf16():
+    if cpu_has_native_bf16(hidden_features):
         return DtypeChoice("bfloat16", "auto: CPU computes bfloat16 natively (AVX512-BF16/AMX)")
     return DtypeChoice("float32", "auto: CPU without native bfloat16 (it would be emulated)")
