@@ -32,11 +32,12 @@
 // Float16 panels ([P, K, 32] float16, kBits 16): a float32 model whose weights are all
 // float16 values (an F16 GGUF served in float32 where the CPU has no native bfloat16, e.g.
 // AVX2-only parts) keeps them at half the bytes.  One row widens them in registers (F16C);
-// more rows a chunk at a time into the L1 scratch the row tiles read (AVX-512), or on AVX2
-// in every row tile's registers, 6 rows × 16 columns at a time (reg_tile; decode-size steps
-// read x from a k-major copy, pack_x_k_major); widening is exact, so every sum is the
-// float32 panels' own, in the same order: the same results at half the memory traffic
-// (weight_panels.pack_half_exact; docs/benchmarks/cpu-avx2.md).
+// more rows too, in every row tile's registers on x86 (reg_tile: 6 rows × 16 columns at a
+// time on AVX2, up to 12 rows × 32 on AVX-512; decode-size steps read x from a k-major
+// copy, pack_x_k_major), elsewhere a chunk at a time into an L1 scratch the row tiles read;
+// widening is exact, so every sum is the float32 panels' own, in the same order: the same
+// results at half the memory traffic (weight_panels.pack_half_exact;
+// docs/benchmarks/cpu-avx2.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -249,7 +250,7 @@ void reg_tail(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1, con
   }
 }
 
-// Rows [0, rows) (row r of x at xrow(r)) against one float16 chunk, in the tiles above.
+// Rows [0, rows) (row r of x at xrow(r)) against one chunk of T, in the tiles above.
 template <typename T, bool kPackedX, class XRow>
 void reg_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int64_t k1,
                     const T* src, float* acc, bool first, Ahead* ahead) {
@@ -449,10 +450,10 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
     }
   } else {
     // Float32 and float16 panels are prefetched by the row tiles (quantized ones by
-    // dequant_chunk, a chunk ahead).  With AVX-512 float16 k-steps are widened once per
-    // chunk into wchunk, shared by every row tile; on AVX2 each tile widens its own
-    // (reg_chunk_rows: in 6-row half tiles that keeps the widened weights in registers; in
-    // 3-row tiles of 32 columns it had measured 1.4-1.8x slower than the shared copy).
+    // dequant_chunk, a chunk ahead).  On x86 each row tile widens its own float16 k-steps
+    // (reg_chunk_rows; AVX2's 6-row half tiles keep them in registers, where 3-row tiles of 32
+    // columns doing so had measured 1.4-1.8x slower than one widened copy per chunk);
+    // elsewhere they are widened once per chunk into wchunk, shared by every row tile.
     constexpr int kFetchBytes = kBits == 0 ? kPanel * 4 : kBits == 16 ? kPanel * 2 : 0;
     const c10::Half* half = nullptr;
     const char* stream = reinterpret_cast<const char*>(panel);
@@ -551,8 +552,8 @@ void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, con
   });
 }
 
-// Float16 panels on x86, steps of 2 .. kPackXMaxRows rows (decode batches): the row tiles
-// read x from a k-major copy, xt[k * M + m].  Read in place, a tile's rows are K floats
+// Float16 panels on x86 and float32 ones on AVX2, steps of 2 .. kPackXMaxRows rows (decode
+// batches): the row tiles read x from a k-major copy, xt[k * M + m].  Read in place, a tile's rows are K floats
 // apart: at K = 2048 or 8192 every row's current line falls in the same set of a 32 KiB
 // 8-way L1, which the float16 panel also passes through (measured on AVX2); k-major, the
 // whole step's activations for one k-step share one or two lines.  The copy is M × K floats
