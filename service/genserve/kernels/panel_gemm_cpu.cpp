@@ -32,8 +32,8 @@
 // Float16 panels ([P, K, 32] float16, kBits 16): a float32 model whose weights are all
 // float16 values (an F16 GGUF served in float32 where the CPU has no native bfloat16, e.g.
 // AVX2-only parts) keeps them at half the bytes.  One row widens them in registers (F16C);
-// more rows too, in every row tile's registers on x86 (reg_tile: 6 rows × 16 columns at a
-// time on AVX2, up to 12 rows × 32 on AVX-512; decode-size steps read x from a k-major
+// more rows too, in every row tile's registers on x86 (reg_chunk_rows: tiles of 6 rows × 16
+// columns on AVX2, up to 12 rows × 32 on AVX-512; decode-size steps read x from a k-major
 // copy, pack_x_k_major), elsewhere a chunk at a time into an L1 scratch the row tiles read;
 // widening is exact, so every sum is the float32 panels' own, in the same order: the same
 // results at half the memory traffic (weight_panels.pack_half_exact;
@@ -104,53 +104,60 @@ struct Ahead {
   int64_t every;      // row tiles per chunk
 };
 
-// Rows [0, R) of x (row stride ldx) against k-steps [k0, k1) of a panel chunk (chunk[0] is
-// k-step k0), accumulated into acc (R × 32, row stride kPanel); `first` starts the sums from
-// zero; kFetchBytes (the bytes of a k-step of the weights in memory: 128 for float32 panels,
-// 64 for float16 ones; 0: none) advances `ahead`.
-template <int R, int kFetchBytes, bool kPackedX = false>
-inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* chunk,
+// Rows [0, R) of x (row stride ldx; k-major when kPackedX) against k-steps [k0, k1) of a
+// panel chunk of T (float32, or float16 widened in registers; chunk[0] is k-step k0), its
+// columns [col0, col0 + kCols) (kCols 32, or 16 for a half-panel tile), accumulated into acc
+// (R rows, row stride kPanel); `first` starts the sums from zero; kFetchBytes (the bytes of a
+// k-step of the weights in memory: 128 for float32 panels, 64 for float16 ones; 0: none)
+// advances `ahead`.  One FMA chain per row and column, in k order.
+template <typename T, int R, int kCols, int kFetchBytes, bool kPackedX>
+inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* chunk, int col0,
                  float* acc_out, bool first, Ahead* ahead) {
   constexpr bool kFetchAhead = kFetchBytes > 0;
-  f32v acc[R][kVecs];
+  constexpr int kV = kCols / kLanes;
+  f32v acc[R][kV];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVecs; ++j)
-      acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + j * kLanes);
+    for (int j = 0; j < kV; ++j)
+      acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + col0 + j * kLanes);
   int64_t fire = kFetchAhead ? ahead->fire : 0;
   const char* next = kFetchAhead ? ahead->next : nullptr;
   for (int64_t k = k0; k < k1; ++k) {
-    const float* wk = chunk + (k - k0) * kPanel;
+    const T* wk = chunk + (k - k0) * kPanel + col0;
     if (kFetchAhead && k - k0 == fire) {
       for (int b = 0; b < kFetchBytes; b += 64) __builtin_prefetch(next + b, 0, 2);
       next += kFetchBytes;
       fire += ahead->every;
     }
-    f32v w[kVecs];
-    for (int j = 0; j < kVecs; ++j) w[j] = load16(wk + j * kLanes);
+    f32v w[kV];
+    for (int j = 0; j < kV; ++j) w[j] = load16(wk + j * kLanes);  // float16: widened
     for (int r = 0; r < R; ++r) {
       const f32v b = f32v{} + (kPackedX ? x[k * ldx + r] : x[r * ldx + k]);
-      for (int j = 0; j < kVecs; ++j) acc[r][j] += b * w[j];
+      for (int j = 0; j < kV; ++j) acc[r][j] += b * w[j];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVecs; ++j) store(acc_out + r * kPanel + j * kLanes, acc[r][j]);
+    for (int j = 0; j < kV; ++j) store(acc_out + r * kPanel + col0 + j * kLanes, acc[r][j]);
   if (kFetchAhead) {
     ahead->next = next;
     ahead->fire = fire - (k1 - k0);  // relative to the next tile's loop
   }
 }
 
-// The last rows of a block, fewer than kTileRows: R chosen at run time.
-template <int R, int kFetchBytes, bool kPackedX = false>
-void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1,
-               const float* chunk, float* acc, bool first, Ahead* ahead) {
+// The last rows of a block, fewer than kTileRows, in one full-panel tile: R chosen at run
+// time.
+template <typename T, int R, int kFetchBytes, bool kPackedX>
+void tail_tile(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* chunk,
+               float* acc, bool first, Ahead* ahead) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kFetchBytes, kPackedX>(x, ldx, k0, k1, chunk, acc, first, ahead);
-    tail_tile<R - 1, kFetchBytes, kPackedX>(rows, x, ldx, k0, k1, chunk, acc, first, ahead);
+    if (rows == R) {
+      return tile<T, R, kPanel, kFetchBytes, kPackedX>(x, ldx, k0, k1, chunk, 0, acc, first,
+                                                       ahead);
+    }
+    tail_tile<T, R - 1, kFetchBytes, kPackedX>(rows, x, ldx, k0, k1, chunk, acc, first, ahead);
   }
 }
 
-// Register tiles (reg_*).  Float16 panels on x86: every row tile widens the k-steps it
+// Register tiles (reg_*, over tile()).  Float16 panels on x86: every row tile widens the k-steps it
 // multiplies in registers (VCVTPH2PS) straight from the panel, so no widened copy is stored
 // and read back.
 // AVX2: with 16 ymm registers a tile of 32 columns holds 3 rows (12 accumulators) and has to
@@ -181,51 +188,13 @@ constexpr bool kFloatRegTiles = false;
 #endif
 constexpr int kHalfTileRows = 6;
 
-// Rows [0, R) of x against k-steps [k0, k1) of a panel chunk of T (float16, or float32 on
-// AVX2; src[0] is k-step k0), its columns [col0, col0 + kCols) (kCols 16 or 32), accumulated
-// into acc (row stride kPanel) as tile() does; `ahead` is advanced one k-step of T per firing.
-template <typename T, int R, int kCols, bool kPackedX>
-inline void reg_tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
-                     int col0, float* acc_out, bool first, Ahead* ahead) {
-  constexpr int kV = kCols / kLanes;
-  f32v acc[R][kV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kV; ++j)
-      acc[r][j] = first ? f32v{} : load16(acc_out + r * kPanel + col0 + j * kLanes);
-  int64_t fire = ahead->fire;
-  const char* next = ahead->next;
-  for (int64_t k = k0; k < k1; ++k) {
-    if (k - k0 == fire) {
-      for (size_t b = 0; b < kPanel * sizeof(T); b += 64) __builtin_prefetch(next + b, 0, 2);
-      next += kPanel * sizeof(T);
-      fire += ahead->every;
-    }
-    const T* hk = src + (k - k0) * kPanel + col0;
-    f32v w[kV];
-    for (int j = 0; j < kV; ++j) {
-      if constexpr (std::is_same_v<T, float>) {
-        w[j] = load16(hk + j * kLanes);
-      } else {
-        w[j] = load_f16(hk + j * kLanes);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const f32v b = f32v{} + (kPackedX ? x[k * ldx + r] : x[r * ldx + k]);
-      for (int j = 0; j < kV; ++j) acc[r][j] += b * w[j];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kV; ++j) store(acc_out + r * kPanel + col0 + j * kLanes, acc[r][j]);
-  ahead->next = next;
-  ahead->fire = fire - (k1 - k0);
-}
-
 // Both half tiles of R rows.
 template <typename T, int R, bool kPackedX>
 inline void reg_halves(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
                        float* acc, bool first, Ahead* ahead) {
-  reg_tile<T, R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
-  reg_tile<T, R, kPanel / 2, kPackedX>(x, ldx, k0, k1, src, kPanel / 2, acc, first, ahead);
+  constexpr int kFetch = kPanel * sizeof(T);
+  tile<T, R, kPanel / 2, kFetch, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
+  tile<T, R, kPanel / 2, kFetch, kPackedX>(x, ldx, k0, k1, src, kPanel / 2, acc, first, ahead);
 }
 
 // The tile passes over one chunk for `rows` rows (what Ahead::every counts).
@@ -238,31 +207,20 @@ inline int64_t reg_tile_passes(int64_t rows) {
 #endif
 }
 
-// The last rows of a chunk, fewer than kTileRows, in one full-panel tile (AVX-512).
-template <typename T, int R, bool kPackedX>
-void reg_tail(int rows, const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* src,
-              float* acc, bool first, Ahead* ahead) {
-  if constexpr (R > 0) {
-    if (rows == R) {
-      return reg_tile<T, R, kPanel, kPackedX>(x, ldx, k0, k1, src, 0, acc, first, ahead);
-    }
-    reg_tail<T, R - 1, kPackedX>(rows, x, ldx, k0, k1, src, acc, first, ahead);
-  }
-}
-
 // Rows [0, rows) (row r of x at xrow(r)) against one chunk of T, in the tiles above.
 template <typename T, bool kPackedX, class XRow>
 void reg_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int64_t k1,
                     const T* src, float* acc, bool first, Ahead* ahead) {
+  constexpr int kFetch = kPanel * sizeof(T);  // the panel is the stream
   int64_t r = 0;
 #if defined(__AVX512F__)
   for (; r + kTileRows <= rows; r += kTileRows) {
-    reg_tile<T, kTileRows, kPanel, kPackedX>(xrow(r), ldx, k0, k1, src, 0, acc + r * kPanel,
-                                             first, ahead);
+    tile<T, kTileRows, kPanel, kFetch, kPackedX>(xrow(r), ldx, k0, k1, src, 0, acc + r * kPanel,
+                                                 first, ahead);
   }
   if (r < rows) {
-    reg_tail<T, kTileRows - 1, kPackedX>(static_cast<int>(rows - r), xrow(r), ldx, k0, k1, src,
-                                         acc + r * kPanel, first, ahead);
+    tail_tile<T, kTileRows - 1, kFetch, kPackedX>(static_cast<int>(rows - r), xrow(r), ldx, k0,
+                                                  k1, src, acc + r * kPanel, first, ahead);
   }
 #else
   for (; r + kHalfTileRows <= rows; r += kHalfTileRows) {
@@ -272,8 +230,10 @@ void reg_chunk_rows(int64_t rows, const XRow& xrow, int64_t ldx, int64_t k0, int
   const float* xr = xrow(r);
   float* ar = acc + r * kPanel;
   switch (rows - r) {
-    case 1: return reg_tile<T, 1, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
-    case 2: return reg_tile<T, 2, kPanel, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
+    case 1:
+      return tile<T, 1, kPanel, kFetch, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
+    case 2:
+      return tile<T, 2, kPanel, kFetch, kPackedX>(xr, ldx, k0, k1, src, 0, ar, first, ahead);
     case 3: return reg_halves<T, 3, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
     case 4: return reg_halves<T, 4, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
     case 5: return reg_halves<T, 5, kPackedX>(xr, ldx, k0, k1, src, ar, first, ahead);
@@ -494,13 +454,13 @@ void panel_rows(const float* x, int64_t K, int64_t m0, int64_t rows, const float
           dequant_chunk<kBits>(*quant, p, k0, k1, wchunk);
         }
         for (; r + kTileRows <= rows; r += kTileRows) {
-          tile<kTileRows, kFetchBytes, kP>(xrow(r), ld, k0, k1, chunk, scratch + r * kPanel,
-                                           k0 == 0, &ahead);
+          tile<float, kTileRows, kPanel, kFetchBytes, kP>(xrow(r), ld, k0, k1, chunk, 0,
+                                                         scratch + r * kPanel, k0 == 0, &ahead);
         }
         if (r < rows) {
-          tail_tile<kTileRows - 1, kFetchBytes, kP>(static_cast<int>(rows - r), xrow(r), ld, k0,
-                                                    k1, chunk, scratch + r * kPanel, k0 == 0,
-                                                    &ahead);
+          tail_tile<float, kTileRows - 1, kFetchBytes, kP>(static_cast<int>(rows - r), xrow(r),
+                                                           ld, k0, k1, chunk, scratch + r * kPanel,
+                                                           k0 == 0, &ahead);
         }
       }
     };
@@ -553,11 +513,12 @@ void run_panels(const float* xp, int64_t M, int64_t K, int64_t P, int64_t N, con
 }
 
 // Float16 panels on x86 and float32 ones on AVX2, steps of 2 .. kPackXMaxRows rows (decode
-// batches): the row tiles read x from a k-major copy, xt[k * M + m].  Read in place, a tile's rows are K floats
-// apart: at K = 2048 or 8192 every row's current line falls in the same set of a 32 KiB
-// 8-way L1, which the float16 panel also passes through (measured on AVX2); k-major, the
-// whole step's activations for one k-step share one or two lines.  The copy is M × K floats
-// once per call (64 KiB at 8 rows of 2,048).  Larger steps (prefill chunks) keep x in place:
+// batches): the row tiles read x from a k-major copy, xt[k * M + m].  Read in place, a
+// tile's rows are K floats apart: at K = 2048 or 8192 every row's current line falls in the
+// same set of a 32 KiB 8-way L1, which the panel also passes through (measured on AVX2);
+// k-major, the whole step's activations for one k-step share one or two lines.  The copy is
+// M × K floats once per call (64 KiB at 8 rows of 2,048).  Larger steps (prefill chunks) keep
+// x in place:
 // the 32-row bound is a choice, not a measurement (only 8 rows were timed, on a Zen 4).
 constexpr int64_t kPackXMaxRows = 32;
 
