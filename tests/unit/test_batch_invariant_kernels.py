@@ -38,9 +38,10 @@ def _rows_alone_equal(op: object, x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_matvec_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
-    """The matvec sums each row in the same order at any row count (registers or chunks):
-    it is invariant without the switch, which --deterministic relies on."""
+def test_matvec_rows_do_not_depend_on_the_batch(dtype: torch.dtype, batch_invariant: None) -> None:
+    """Under the switch the matvec sums each row in the same order at any row count
+    (registers or chunks), which --deterministic relies on for every projection.  Without it,
+    bfloat16 steps of 5+ rows take AMX tiles where the CPU has them (test_matvec_amx.py)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(200, 576, generator=gen).to(dtype)
     x = torch.randn(70, 576, generator=gen).to(dtype)

@@ -44,6 +44,8 @@ _SOURCES = [
 ]
 # bf16 x bf16 decode projections by VDPBF16PS where the CPU has AVX512-BF16 (matvec_cpu.cpp)
 _SOURCES.append(Path(__file__).with_name("matvec_bf16dot_cpu.cpp"))
+# the same for 5+ rows on AMX tiles where the CPU has them (matvec_cpu.cpp)
+_SOURCES.append(Path(__file__).with_name("matvec_amx_cpu.cpp"))
 _SOURCES.append(Path(__file__).with_name("lora_cpu.cpp"))  # multi-LoRA BGMV (model/lora.py)
 # float32 and --quantize weights in column panels (model/weight_panels.py)
 _SOURCES.append(Path(__file__).with_name("panel_gemm_cpu.cpp"))
@@ -69,6 +71,7 @@ _HEADERS += [
     Path(__file__).with_name(n)
     for n in (
         "matvec_bf16dot.h",
+        "matvec_amx.h",
         "cpu_features.h",
         "int_dot.h",
         "int_dot_tile.inc",
@@ -140,10 +143,11 @@ _BOOTSTRAP_HINT = "once per machine and torch version; python -m genserve.kernel
 # ``genserve::matvec`` (measured on the default model's matrices, 1 thread: bfloat16 storage
 # 1.4x/1.3x/1.0x the speed of torch's best path at 1/8/32 rows on an AVX512-BF16 CPU).
 MATVEC_MAX_ROWS = 32
-# With AMX tiles, oneDNN's bf16 GEMM overtakes the streaming matvec near 10 rows (model-
-# weighted, 2 threads, Sapphire Rapids: 15.1 vs 16.5 ms at 8 rows, 21.1 vs 17.8 at 12, 44.7 vs
-# 19.0 at 24), so steps past 8 rows go to F.linear there.
-MATVEC_MAX_ROWS_AMX = 8
+# With AMX tiles the matvec runs 5+ rows on them (matvec_amx_cpu.cpp), ahead of oneDNN's bf16
+# GEMM up to ~24 rows and level with it at 32 (1B-shape matrices, 2 threads, Intel Xeon with
+# AMX, session 17: 1.2-1.7x at 12 rows, 1.0-1.5x at 24).  Before the tiles, VDPBF16PS alone
+# lost to oneDNN past 8 rows there, which was this limit then.
+MATVEC_MAX_ROWS_AMX = 24
 
 
 def matvec_max_rows() -> int:

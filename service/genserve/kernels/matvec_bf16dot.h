@@ -16,4 +16,9 @@ bool matvec_bf16dot_supported();
 void matvec_bf16dot(const c10::BFloat16* x, const c10::BFloat16* w, int64_t M, int64_t K,
                     int64_t N, float* out);
 
+// The same product for W rows [begin, end) only, on the calling thread (a few rows another
+// kernel leaves).
+void matvec_bf16dot_rows(const c10::BFloat16* x, const c10::BFloat16* w, int64_t M, int64_t K,
+                         int64_t N, float* out, int64_t begin, int64_t end);
+
 }  // namespace genserve_ops

@@ -180,4 +180,16 @@ void matvec_bf16dot(const c10::BFloat16* x, const c10::BFloat16* w, int64_t M, i
 #endif
 }
 
+void matvec_bf16dot_rows(const c10::BFloat16* x, const c10::BFloat16* w, int64_t M, int64_t K,
+                         int64_t N, float* out, int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+  TORCH_CHECK(matvec_bf16dot_supported(), "matvec_bf16dot: this CPU has no AVX512-BF16");
+  matvec_avx512bf16::range()(reinterpret_cast<const uint16_t*>(x),
+                             reinterpret_cast<const uint16_t*>(w), M, K, N, out, begin, end);
+#else
+  (void)x, (void)w, (void)M, (void)K, (void)N, (void)out, (void)begin, (void)end;
+  TORCH_CHECK(false, "matvec_bf16dot: x86-64 only");
+#endif
+}
+
 }  // namespace genserve_ops

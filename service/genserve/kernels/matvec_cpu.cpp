@@ -26,6 +26,7 @@
 
 #include <cstdint>
 
+#include "matvec_amx.h"
 #include "matvec_bf16dot.h"
 #include "matvec_core.h"
 
@@ -156,8 +157,20 @@ at::Tensor matvec_impl(const at::Tensor& x, const at::Tensor& weight,
   }
   const auto wc = weight.contiguous();
   auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  // Five rows and more on AMX tiles where the CPU has them (matvec_amx_cpu.cpp: VDPBF16PS's
+  // arithmetic bounds those steps there); not under --deterministic, whose rows must each be
+  // summed the same way whatever their number, nor for fewer, which VDPBF16PS streams as fast.
+  const bool amx = by_bf16dot && M >= kMatvecAmxMinRows && !batch_invariant() &&
+                   matvec_amx_fits(M, K, N) && matvec_amx_available();
   if (M > 0 && N > 0) {
-    if (by_bf16dot) {
+    if (by_bf16dot && amx) {
+      const auto* xb = xf.data_ptr<c10::BFloat16>();
+      const auto* wb = wc.data_ptr<c10::BFloat16>();
+      float* o = out.data_ptr<float>();
+      matvec_amx(xb, wb, M, K, N, o, [&](int64_t begin, int64_t end) {
+        matvec_bf16dot_rows(xb, wb, M, K, N, o, begin, end);
+      });
+    } else if (by_bf16dot) {
       matvec_bf16dot(xf.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), M, K, N,
                      out.data_ptr<float>());
     } else if (wt == at::kFloat) {
@@ -213,6 +226,8 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("matvec_fma(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // Whether bf16 steps of 5+ rows take AMX tiles here (tests name the path they check).
+  m.def("matvec_amx_available() -> bool", &genserve_ops::matvec_amx_available);
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
