@@ -15,6 +15,7 @@ import pytest
 
 from genserve.bench import cpu_compare
 from genserve.bench.server_compare import (
+    _repack_flags,
     add_arguments,
     decode_rate,
     genserve_args,
@@ -211,3 +212,15 @@ def test_alternated_runs_pair_each_repeat_and_flip_the_order(
     assert sc.paired_ratios(g, ll, 1) == pytest.approx([1.25] * 3)
     table = sc.format_table(model, results, {}, alternated=True)
     assert "| decode, 1 stream: alternated pairs | | | 1.25x [1.25-1.25] |" in table
+
+
+def test_llama_cpp_repack_follows_the_choice() -> None:
+    # llama.cpp 0.3.36's AMX layouts segfault at start-up in KVM guests: on AMX CPUs the bench
+    # turns them off for llama-server and llama-bench alike; unset, llama.cpp's default stays.
+    args = argparse.Namespace()
+    assert _repack_flags(args, "--repack", "--no-repack") == []
+    args.llamacpp_extra_bufts = False
+    assert _repack_flags(args, "--repack", "--no-repack") == ["--no-repack"]
+    assert _repack_flags(args, "--repack", "1", "--repack", "0") == ["--repack", "0"]
+    args.llamacpp_extra_bufts = True
+    assert _repack_flags(args, "--repack", "--no-repack") == ["--repack"]

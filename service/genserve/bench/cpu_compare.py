@@ -294,7 +294,9 @@ def main(argv: Sequence[str]) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="llama.cpp's repacked weight layouts (AMX, interleaved Q4_0). Default: on, except "
-        "on AMX CPUs, where llama-cpp-python 0.3.36's AMX path segfaulted in a KVM guest",
+        "on AMX CPUs, where llama.cpp 0.3.36's AMX path segfaulted in KVM guests (llama-cpp-python "
+        "in llama_decode; llama-server and llama-bench at start-up); with --model it is "
+        "llama-server's --repack / --no-repack",
     )
     parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument(
@@ -308,6 +310,8 @@ def main(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(argv)
     args.server_args = server_args
+    if args.llamacpp_extra_bufts is None:
+        args.llamacpp_extra_bufts = not bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
     if args.out.is_dir():  # checked first: a run takes minutes, its end must not fail
         args.out = args.out / "cpu.json"
     if args.model:
@@ -326,8 +330,6 @@ def main(argv: Sequence[str]) -> int:
         parser.error(f"unknown format in --llamacpp/--precisions: {bad}")
     if not args.streams or min(args.streams) < 1 or args.new_tokens < 2 or args.repeats < 1:
         parser.error("--streams >= 1, --new-tokens >= 2, --repeats >= 1")
-    if args.llamacpp_extra_bufts is None:
-        args.llamacpp_extra_bufts = not bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
     result = run_compare(args)
     print(format_table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
