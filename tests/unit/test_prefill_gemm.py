@@ -135,7 +135,14 @@ def test_choice_off_where_deterministic(monkeypatch: pytest.MonkeyPatch) -> None
 def test_choice_follows_the_cpu_and_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
     native = bool(torch.ops.genserve.bf16_gemm_native())
     assert prefill_gemm.bf16_min_rows() == (prefill_gemm.BF16_MIN_ROWS if native else 0)
-    assert prefill_gemm.bf16_min_rows(blocks=True) == prefill_gemm.BLOCK_BF16_MIN_ROWS
+    blocks = prefill_gemm.BLOCK_BF16_MIN_ROWS_AMX if cpu_kernels.amx_bf16() else 0
+    assert prefill_gemm.bf16_min_rows(blocks=True) == (blocks if native else 0)
+    # With AMX tiles (bfloat16 is then native) the block formats hand 128+ rows to the GEMM.
+    monkeypatch.setattr(torch.ops.genserve, "bf16_gemm_native", lambda: True)
+    for amx, rows in ((True, prefill_gemm.BLOCK_BF16_MIN_ROWS_AMX), (False, 0)):
+        monkeypatch.setattr(cpu_kernels, "amx_bf16", lambda amx=amx: amx)
+        assert prefill_gemm.bf16_min_rows(blocks=True) == rows
+    monkeypatch.undo()
     monkeypatch.setenv(prefill_gemm.ENV_MIN_ROWS, "5")
     monkeypatch.setenv(prefill_gemm.ENV_BLOCK_MIN_ROWS, "7")
     assert prefill_gemm.bf16_min_rows() == (5 if native else 0)

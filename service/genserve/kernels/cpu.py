@@ -150,11 +150,16 @@ MATVEC_MAX_ROWS = 32
 MATVEC_MAX_ROWS_AMX = 24
 
 
+def amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles with their bfloat16 product (torch's check), neither
+    hidden by the features mask."""
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return amx and not {"amx-tile", "amx-bf16"} & set(_settings.hidden_features)
+
+
 def matvec_max_rows() -> int:
     """The row count up to which half-precision projections use the matvec on this CPU."""
-    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-    amx = amx and "amx-tile" not in _settings.hidden_features
-    return MATVEC_MAX_ROWS_AMX if amx else MATVEC_MAX_ROWS
+    return MATVEC_MAX_ROWS_AMX if amx_bf16() else MATVEC_MAX_ROWS
 
 
 # Reassociating float sums lets the compiler reduce a dot product in a tree of vector adds

@@ -32,6 +32,11 @@ BF16_MIN_ROWS = 64
 # tiles) measured as fast as oneDNN's bfloat16 GEMM at 256 rows on the same CPU (104-115
 # against 97-102 GMAC/s per core with the decode), so the decode would only add work there.
 BLOCK_BF16_MIN_ROWS = 0
+# With AMX tiles oneDNN's bfloat16 GEMM runs ~1,000 GFLOP/s a core-pair, and the block formats
+# cross over at 128 rows (Intel Xeon with AMX, 2 threads, 1B shapes, session 17: 1.00-1.09x the
+# integer kernel at 128 rows, 1.64-1.79x at 256; 0.6-0.7x at 64).  K-quants cross at 64 there
+# too (1.00-1.18x), so BF16_MIN_ROWS holds on both kinds of CPU.
+BLOCK_BF16_MIN_ROWS_AMX = 128
 # Override the two thresholds (0: never), for measuring one path against the other.
 ENV_MIN_ROWS = "GENSERVE_KQUANT_BF16_ROWS"
 ENV_BLOCK_MIN_ROWS = "GENSERVE_BLOCK_BF16_ROWS"
@@ -47,7 +52,7 @@ def bf16_min_rows(blocks: bool = False) -> int:
     """Activation rows from which matmuls on the integer path take the bfloat16 GEMM here:
     K-quant matrices, or with ``blocks`` those in ``IntDotPanels``' layout; 0 where they
     never do (no native bfloat16 product, no kernels, deterministic mode, or by default for
-    the block formats)."""
+    the block formats on CPUs without AMX tiles)."""
     if not cpu_kernels.load() or cpu_kernels.batch_invariant():
         return 0
     if not bool(torch.ops.genserve.bf16_gemm_native()):
@@ -55,7 +60,9 @@ def bf16_min_rows(blocks: bool = False) -> int:
     override = os.environ.get(ENV_BLOCK_MIN_ROWS if blocks else ENV_MIN_ROWS, "").strip()
     if override:
         return max(0, int(override))
-    return BLOCK_BF16_MIN_ROWS if blocks else BF16_MIN_ROWS
+    if not blocks:
+        return BF16_MIN_ROWS
+    return BLOCK_BF16_MIN_ROWS_AMX if cpu_kernels.amx_bf16() else BLOCK_BF16_MIN_ROWS
 
 
 def int_gemm_min_rows() -> int:
