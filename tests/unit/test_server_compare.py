@@ -13,9 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from genserve.bench import cpu_compare
+from genserve.bench import cpu_compare, dist_compare, llama_cpp_repack
 from genserve.bench.server_compare import (
-    _repack_flags,
     add_arguments,
     decode_rate,
     genserve_args,
@@ -214,13 +213,15 @@ def test_alternated_runs_pair_each_repeat_and_flip_the_order(
     assert "| decode, 1 stream: alternated pairs | | | 1.25x [1.25-1.25] |" in table
 
 
-def test_llama_cpp_repack_follows_the_choice() -> None:
+def test_llama_cpp_repack_follows_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     # llama.cpp 0.3.36's AMX layouts segfault at start-up in KVM guests: on AMX CPUs the bench
     # turns them off for llama-server and llama-bench alike; unset, llama.cpp's default stays.
-    args = argparse.Namespace()
-    assert _repack_flags(args, "--repack", "--no-repack") == []
-    args.llamacpp_extra_bufts = False
-    assert _repack_flags(args, "--repack", "--no-repack") == ["--no-repack"]
-    assert _repack_flags(args, "--repack", "1", "--repack", "0") == ["--repack", "0"]
-    args.llamacpp_extra_bufts = True
-    assert _repack_flags(args, "--repack", "--no-repack") == ["--repack"]
+    assert llama_cpp_repack.server_flags(None) == []
+    assert llama_cpp_repack.server_flags(False) == ["--no-repack"]
+    assert llama_cpp_repack.bench_flags(False) == ["--repack", "0"]
+    assert llama_cpp_repack.server_flags(True) == ["--repack"]
+    assert llama_cpp_repack.bench_flags(True) == ["--repack", "1"]
+    # quant-accuracy's llama-server (one slot) follows the CPU's default
+    monkeypatch.setattr(llama_cpp_repack, "default_on", lambda: False)
+    command = dist_compare.llama_server_command(Path("bin"), Path("m.gguf"), 8080, 2, 64)
+    assert command[-1] == "--no-repack"

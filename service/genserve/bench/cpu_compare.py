@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from genserve.bench import machine_limits
+from genserve.bench import llama_cpp_repack, machine_limits
 from genserve.bench.llamacpp_baseline import FTYPES
 from genserve.model.loader import ResolvedModel, transformers_weights_kwargs
 
@@ -294,9 +294,8 @@ def main(argv: Sequence[str]) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="llama.cpp's repacked weight layouts (AMX, interleaved Q4_0). Default: on, except "
-        "on AMX CPUs, where llama.cpp 0.3.36's AMX path segfaulted in KVM guests (llama-cpp-python "
-        "in llama_decode; llama-server and llama-bench at start-up); with --model it is "
-        "llama-server's --repack / --no-repack",
+        "on AMX CPUs, where llama.cpp 0.3.36's AMX path segfaulted in KVM guests "
+        "(genserve.bench.llama_cpp_repack); with --model: llama-server's --repack/--no-repack",
     )
     parser.add_argument("--no-hf", dest="hf", action="store_false")
     parser.add_argument(
@@ -311,7 +310,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     args.server_args = server_args
     if args.llamacpp_extra_bufts is None:
-        args.llamacpp_extra_bufts = not bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+        args.llamacpp_extra_bufts = llama_cpp_repack.default_on()
     if args.out.is_dir():  # checked first: a run takes minutes, its end must not fail
         args.out = args.out / "cpu.json"
     if args.model:

@@ -37,6 +37,7 @@ import grpc
 import httpx
 import numpy as np
 
+from genserve.bench import llama_cpp_repack
 from genserve.v1 import generate_pb2, generate_pb2_grpc
 
 # gRPC's default 4 MiB receive limit is far below a vocabulary's logprobs at every position.
@@ -143,7 +144,8 @@ async def genserve_distributions(
 def llama_server_command(
     binary_dir: Path, model: Path, port: int, threads: int, context: int
 ) -> list[str]:
-    """One slot, ``context`` tokens, ``threads`` threads, on 127.0.0.1:``port``."""
+    """One slot, ``context`` tokens, ``threads`` threads, on 127.0.0.1:``port``; repacked
+    layouts as :mod:`genserve.bench.llama_cpp_repack` decides."""
     return [
         str(binary_dir / "llama-server"),
         "-m",
@@ -160,6 +162,7 @@ def llama_server_command(
         "127.0.0.1",
         "--port",
         str(port),
+        *llama_cpp_repack.server_flags(llama_cpp_repack.default_on()),
     ]
 
 

@@ -49,6 +49,7 @@ from typing import TypeVar
 
 import httpx
 
+from genserve.bench import llama_cpp_repack
 from genserve.bench.launch import LaunchedServer
 from genserve.bench.stream_clients import Client, genserve_client, llama_client
 
@@ -291,7 +292,7 @@ async def started_llama_server(
         "-c",
         str(slots(args) * _context_tokens(args)),
         "--cont-batching",
-        *_repack_flags(args, "--repack", "--no-repack"),
+        *llama_cpp_repack.server_flags(getattr(args, "llamacpp_extra_bufts", None)),
         "--host",
         _HOST,
         "--port",
@@ -345,18 +346,6 @@ def _spawn(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _repack_flags(args: argparse.Namespace, *flags: str) -> list[str]:
-    """llama.cpp's switch for its repacked weight layouts (AMX tiles, interleaved Q4_0) as
-    ``args.llamacpp_extra_bufts`` chose it: ``flags`` is the "on" form then the "off" form
-    (``--repack`` / ``--no-repack`` for llama-server, ``--repack 1`` / ``--repack 0`` for
-    llama-bench); None leaves llama.cpp's default (on)."""
-    choice = getattr(args, "llamacpp_extra_bufts", None)
-    if choice is None:
-        return []
-    half = len(flags) // 2
-    return list(flags[:half] if choice else flags[half:])
-
-
 def llama_bench_prefill(model: Path, args: argparse.Namespace) -> dict[int, float]:
     """``llama-bench -p N -n 0``'s prompt tokens per second for each ``--prefill`` N."""
     if not args.prefill:
@@ -375,7 +364,7 @@ def llama_bench_prefill(model: Path, args: argparse.Namespace) -> dict[int, floa
         "1",
         "-o",
         "json",
-        *_repack_flags(args, "--repack", "1", "--repack", "0"),
+        *llama_cpp_repack.bench_flags(getattr(args, "llamacpp_extra_bufts", None)),
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return {int(row["n_prompt"]): float(row["avg_ts"]) for row in json.loads(out)}
@@ -478,11 +467,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_servers(args: argparse.Namespace) -> dict[str, object]:
     """Every ``--model`` file through every server in ``--servers``; the JSON record."""
-    out: dict[str, object] = {
-        "load_average_before": os.getloadavg(),
-        "llama_cpp_repack": getattr(args, "llamacpp_extra_bufts", None),
-        "files": [],
-    }
+    out: dict[str, object] = {"load_average_before": os.getloadavg(), "files": []}
+    out["llama_cpp_repack"] = getattr(args, "llamacpp_extra_bufts", None)
     tables = []
     for model in args.model:
         log_dir = args.out.parent / f"logs-{model.stem}"
