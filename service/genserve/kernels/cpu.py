@@ -145,7 +145,7 @@ _BOOTSTRAP_HINT = "once per machine and torch version; python -m genserve.kernel
 MATVEC_MAX_ROWS = 32
 # With AMX tiles the matvec runs 5+ rows on them (matvec_amx_cpu.cpp), ahead of oneDNN's bf16
 # GEMM up to ~24 rows and level with it at 32 (1B-shape matrices, 2 threads, Intel Xeon with
-# AMX, session 17: 1.2-1.7x at 12 rows, 1.0-1.5x at 24).  Before the tiles, VDPBF16PS alone
+# AMX, session 17: 1.2-1.4x at 12 rows, 1.05-1.4x at 24).  Before the tiles, VDPBF16PS alone
 # lost to oneDNN past 8 rows there, which was this limit then.
 MATVEC_MAX_ROWS_AMX = 24
 
