@@ -163,7 +163,7 @@ at::Tensor matvec_impl(const at::Tensor& x, const at::Tensor& weight,
   const bool amx = by_bf16dot && M >= kMatvecAmxMinRows && !batch_invariant() &&
                    matvec_amx_fits(M, K, N) && matvec_amx_available();
   if (M > 0 && N > 0) {
-    if (by_bf16dot && amx) {
+    if (amx) {  // implies by_bf16dot
       const auto* xb = xf.data_ptr<c10::BFloat16>();
       const auto* wb = wc.data_ptr<c10::BFloat16>();
       float* o = out.data_ptr<float>();
