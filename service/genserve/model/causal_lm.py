@@ -330,6 +330,15 @@ class DecoderForCausalLM(nn.Module):
                 release_freed_heap()
                 moe.move_streamed_experts(region)
 
+    def use_gpu_gemv(self) -> list[dict[str, object]]:
+        """Steps of 1-4 rows run each projection whose Triton tile beat cuBLAS, timed on this
+        GPU now (``model/gpu_gemv_plan``); returns the plan's records.  Call on CUDA once the
+        weights are final, before CUDA graphs are captured."""
+        from genserve.model import gpu_gemv_plan
+
+        projections = [linear for layer in self._layers for linear in self._linears(layer)]
+        return gpu_gemv_plan.plan(projections, self.lm_head)
+
     @staticmethod
     def _linears(layer: DecoderLayer) -> tuple[_Packable, ...]:
         """The layer's projections: attention's and its MLP's (a MoE layer's: its shared

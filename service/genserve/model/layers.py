@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ from genserve.model.weight_panels import (
 )
 from genserve.model.weights import WeightSource
 from genserve.parallel import ParallelContext
+
+if TYPE_CHECKING:
+    from genserve.model.gpu_gemv_plan import GemvChoice
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -82,8 +86,9 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _linear(layer: _Packable, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x Wᵀ + b`` by the fastest path ``layer`` has: genserve's column-panel kernel
-    (quantized or float32 weights), the quantized torch reference, the weight-streaming matvec
-    for few rows (half precision), oneDNN's packed weight, or ``F.linear``."""
+    (quantized or float32 weights), the quantized torch reference, the Triton few-row matmul
+    (CUDA), the weight-streaming matvec for few rows (half precision, CPU), oneDNN's packed
+    weight, or ``F.linear``."""
     if layer.qpanels is not None:  # quantized, in column panels (kernels/panel_gemm_cpu)
         return layer.qpanels.linear(x, bias)
     if layer.quant is not None:  # no kernel here (CUDA, --disable-cpu-kernels): reference
@@ -94,6 +99,8 @@ def _linear(layer: _Packable, x: torch.Tensor, bias: torch.Tensor | None) -> tor
         )
         return panel_out
     weight = layer.weight
+    if layer.gpu_gemv and (tile := layer.gpu_gemv.tile_for(x.shape[0])):  # CUDA, 1-4 rows
+        return layer.gpu_gemv.run(x, weight, bias, tile)
     if x.shape[0] <= layer.matvec_rows and weight.numel():  # stream W (kernels/matvec_cpu)
         small: torch.Tensor = torch.ops.genserve.matvec(x, weight, bias)
         return small
@@ -114,6 +121,9 @@ class _Packable(nn.Module):
     # Steps of at most this many rows use genserve's weight-streaming CPU matvec (set by
     # DecoderForCausalLM.use_fused_cpu_ops; 0: never).
     matvec_rows: int = 0
+    # CUDA: the Triton few-row matmul's tile per row count, where it beat cuBLAS when timed
+    # on this GPU at load (model/gpu_gemv_plan.py; None: cuBLAS at every row count).
+    gpu_gemv: GemvChoice | None = None
     # --quantize: the weight in a quantized format (model/quantization.py), used instead of
     # ``weight`` (moved to ``qpanels`` where genserve's CPU kernels run).
     quant: AnyQuantized | None = None
@@ -469,6 +479,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.matvec_rows and weight.numel():  # CPU kernels: float32 x, float32 sums out
             streamed: torch.Tensor = torch.ops.genserve.matvec(x, weight, None)
             return streamed
+        if self.gpu_gemv and (tile := self.gpu_gemv.tile_for(hidden.shape[0])):
+            return self.gpu_gemv.run(hidden.to(weight.dtype), weight, None, tile)  # float32 out
         if weight.is_cuda:  # cuBLAS sums in float32; out_dtype skips the rounding
             try:
                 return torch.mm(hidden.to(weight.dtype), weight.t(), out_dtype=torch.float32)

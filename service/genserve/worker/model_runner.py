@@ -36,6 +36,7 @@ from genserve.model.attention_backend import (
     select_backend,
 )
 from genserve.model.config import UnsupportedModelError, load_model_config
+from genserve.model.gpu_gemv_plan import enabled as gpu_gemv_enabled
 from genserve.model.loader import ResolvedModel
 from genserve.model.mla import latent_cache_shape
 from genserve.model.quantize_model import model_weight_bytes
@@ -168,6 +169,9 @@ class ModelRunner:
                         self.config.max_position_embeddings, model.rope_scaling, model.rope_factor
                     )
                 )
+                if gpu_gemv_enabled():
+                    # Steps of 1-4 rows: projections whose Triton tile beats cuBLAS here.
+                    self.model.use_gpu_gemv()
         self.model.eval()
         self._init_state(model)
 
