@@ -330,6 +330,13 @@ class DecoderForCausalLM(nn.Module):
                 release_freed_heap()
                 moe.move_streamed_experts(region)
 
+    @property
+    def rotary_needs_lengths(self) -> bool:
+        """Whether a token's rotation depends on its sequence's length as well as its
+        position (longrope, dynamic NTK): a prompt token then rotates by the prompt's length,
+        which a decode row does not carry."""
+        return self._needs_lengths
+
     def use_gpu_gemv(self) -> list[dict[str, object]]:
         """Steps of 1-4 rows run each projection whose Triton tile beat cuBLAS, timed on this
         GPU now (``model/gpu_gemv_plan``); returns the plan's records.  Call on CUDA once the

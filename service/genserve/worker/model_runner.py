@@ -23,6 +23,7 @@ touch all of it, the start-up sequence (load, size, warm up, capture) and one st
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import structlog
 import torch
@@ -214,6 +215,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.backend: AttentionBackend | None = None
         self._graphs: DecodeGraphs | None = None
+        self._prompt_rows: bool | None = None  # see _prompt_rows_graphed
         self._graph_readback = Readback(self.io)  # the graph tails' one copy back
         # The last sampling step's token ids on the device and each request's row in them:
         # a placeholder chunk of the next step reads its input token there (issue #29).
@@ -491,22 +493,32 @@ class ModelRunner:
             i for i, c in enumerate(plan.chunks[: plan.num_single]) if c.token_from_last_step
         ]
         hidden = None
-        if self._graphs is not None and plan.pure_decode:
+        rows_plan = plan
+        if self._graphs is not None and not plan.pure_decode and self._prompt_rows_graphed():
+            # Prompt tokens as decode rows of the graphs (step_inputs.layout): a small prompt
+            # step replays a graph instead of an eager forward; its logits and sampling stay
+            # eager (the rows that sample are not the graph's leading rows).
+            rows_plan = layout(step, None, prompt_rows=True)
+        if self._graphs is not None and rows_plan.pure_decode:
             # Placeholders are filled on the device, between the graph's input copy and
             # its replay, from the last step's sampled ids (not yet read back).
             hidden = graph_forward(
                 self._graphs,
-                self._lora_rows(plan.chunks),
-                plan.chunks,
-                plan.seqs,
-                (self._table, self._penalties),
+                self._lora_rows(rows_plan.chunks),
+                rows_plan.chunks,
+                rows_plan.seqs,
+                (self._table, self._penalties) if plan.pure_decode else None,
                 step.grammar_req_ids if step.grammar_bitmask is not None else (),
-                self._known_tokens(plan.chunks) if placeholders else None,
+                self._known_tokens(rows_plan.chunks) if placeholders else None,
                 (lambda ids: self._fill_placeholders(ids, placeholders, plan.chunks))
                 if placeholders
                 else None,
             )
-        replayed = self._graphs if hidden is not None else None  # logits computed there too
+        replayed = None
+        if hidden is not None and plan.pure_decode:
+            replayed = self._graphs  # logits computed there too
+        elif hidden is not None:
+            plan = rows_plan  # the same chunks in the same order, as rows
         if hidden is None:
             meta = self.backend.build(plan.seqs, plan.num_decodes, self.block_size)
             token_ids, positions = flat_inputs(plan, self.io)
@@ -602,6 +614,19 @@ class ModelRunner:
             else:
                 tokens.extend(c.token_ids)
         return tokens
+
+    def _prompt_rows_graphed(self) -> bool:
+        """Whether prompt chunks may run as decode rows of the CUDA graphs: every token's
+        rotation depends on its position alone (not longrope / dynamic NTK, where a prompt
+        token rotates by the prompt's length), and ``GENSERVE_PROMPT_ROWS_IN_GRAPHS`` is
+        not ``off``."""
+        if self._prompt_rows is None:
+            self._prompt_rows = (
+                self.serving.is_native
+                and not self.model.rotary_needs_lengths
+                and os.environ.get("GENSERVE_PROMPT_ROWS_IN_GRAPHS", "auto").lower() != "off"
+            )
+        return self._prompt_rows
 
     def _lora_rows(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether any chunk of the step runs under a LoRA adapter."""

@@ -5,6 +5,12 @@ Order of the flat batch: one-token decode chunks first, then speculative chunks 
 token and its drafts, every token a decode row of its own: its context ends at its position),
 then prefill chunks, each with its own positions and block table.  Decodes first because the
 attention backends batch them into one op.
+
+``layout(..., prompt_rows=True)`` lays prompt chunks out as speculative chunks are: every
+prompt token a decode row whose context ends at its position.  Attention over a row's cached
+context up to its own position is causal attention, and a step stores every row's K/V
+before any row attends, so the step computes what a prefill computes — through the decode
+path, which a CUDA graph replays (``ModelRunner.launch``).
 """
 
 from __future__ import annotations
@@ -58,15 +64,23 @@ class StepLayout:
         return rows, rows == list(range(len(rows)))
 
 
-def layout(step: SchedulerOutput, known_len: Callable[[str], int] | None = None) -> StepLayout:
+def layout(
+    step: SchedulerOutput,
+    known_len: Callable[[str], int] | None = None,
+    prompt_rows: bool = False,
+) -> StepLayout:
     """The flat-batch order of ``step``'s chunks (see the module docstring).  ``known_len``:
     a request's prompt length, asked for prompt chunks only, whose rows then carry the whole
-    prompt's length (``SeqSpec.known_len``)."""
+    prompt's length (``SeqSpec.known_len``).  ``prompt_rows``: prompt chunks as decode rows,
+    one a token (for models whose rotation depends on the position only)."""
     chunks = [c for c in step.chunks if len(c.token_ids) == 1]
     num_single = len(chunks)
     chunks += [c for c in step.chunks if c.num_draft_tokens]
+    if prompt_rows:
+        chunks += [c for c in step.chunks if not c.is_decode]
     num_decode_chunks = len(chunks)
-    chunks += [c for c in step.chunks if not c.is_decode]
+    if not prompt_rows:
+        chunks += [c for c in step.chunks if not c.is_decode]
     seqs = [SeqSpec(1, c.start_pos, c.block_ids) for c in chunks[:num_single]]
     for c in chunks[num_single:num_decode_chunks]:
         seqs += [SeqSpec(1, c.start_pos + j, c.block_ids) for j in range(len(c.token_ids))]
