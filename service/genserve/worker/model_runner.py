@@ -618,11 +618,13 @@ class ModelRunner:
     def _prompt_rows_graphed(self) -> bool:
         """Whether prompt chunks may run as decode rows of the CUDA graphs: every token's
         rotation depends on its position alone (not longrope / dynamic NTK, where a prompt
-        token rotates by the prompt's length), and ``GENSERVE_PROMPT_ROWS_IN_GRAPHS`` is
-        not ``off``."""
+        token rotates by the prompt's length), attention is not latent (its prompt and
+        decode paths are different computations, only the decode one proven in graphs), and
+        ``GENSERVE_PROMPT_ROWS_IN_GRAPHS`` is not ``off``."""
         if self._prompt_rows is None:
             self._prompt_rows = (
                 self.serving.is_native
+                and self.config.mla is None
                 and not self.model.rotary_needs_lengths
                 and os.environ.get("GENSERVE_PROMPT_ROWS_IN_GRAPHS", "auto").lower() != "off"
             )
