@@ -76,13 +76,16 @@ def gemv(
 ) -> torch.Tensor:
     """``x [rows, K] @ weight [N, K]ᵀ (+ bias [N])`` → ``[rows, N]`` in ``out_dtype``.
 
-    ``x`` and ``weight`` must have unit stride along ``K``; ``rows`` is 1 to :data:`MAX_ROWS`."""
+    ``weight`` must have unit stride along ``K`` (``x`` is copied where it has not);
+    ``rows`` is 1 to :data:`MAX_ROWS`."""
     rows, k = x.shape
     n, k_w = weight.shape
     if k != k_w:
         raise ValueError(f"x has {k} columns, weight {k_w}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("x and weight need unit stride along K")
+    if weight.stride(1) != 1:
+        raise ValueError("weight needs unit stride along K")
+    if x.stride(1) != 1:
+        x = x.contiguous()
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     if n == 0:
         return out

@@ -494,7 +494,13 @@ class ModelRunner:
         ]
         hidden = None
         rows_plan = plan
-        if self._graphs is not None and not plan.pure_decode and self._prompt_rows_graphed():
+        graphs = self._graphs
+        if (
+            graphs is not None
+            and not plan.pure_decode
+            and sum(len(c.token_ids) for c in step.chunks) <= graphs.sizes[-1]
+            and self._prompt_rows_graphed()
+        ):
             # Prompt tokens as decode rows of the graphs (step_inputs.layout): a small prompt
             # step replays a graph instead of an eager forward; its logits and sampling stay
             # eager (the rows that sample are not the graph's leading rows).
