@@ -103,3 +103,80 @@ def test_length_dependent_rotary_keeps_eager_prompt_steps(
     assert not runner._prompt_rows_graphed()
     llama = _runner(tiny_model_factory("llama", seed=3), explicit=True, dtype=torch.float32)
     assert llama._prompt_rows_graphed()
+
+
+@pytest.mark.cuda
+def test_prompt_rows_on_the_gpu_give_the_eager_prefills_tokens(
+    tiny_model_factory: TinyModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, float32: the mixed workload of the graph tests (prompts of 1-130 tokens, a
+    shared prefix, a preemption) with buckets up to 64, prompt rows in the graphs and not:
+    the same tokens and logprobs, and the graphs really served prompt rows."""
+    from tests.unit.test_cuda_gpu import _mixed_workload
+    from tests.unit.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, Driver
+
+    model_dir = tiny_model_factory("mistral")  # sliding window inside the graph too
+    outs, runs = [], []
+    for mode in ("auto", "off"):
+        monkeypatch.setenv("GENSERVE_PROMPT_ROWS_IN_GRAPHS", mode)
+        from genserve.model.loader import ResolvedModel
+        from genserve.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(
+            ResolvedModel(model_dir, str(model_dir)), torch.float32, torch.device("cuda")
+        )
+        runner.enable_cuda_graphs((1, 2, 4, 8, 16, 32, 64), 1024, BLOCK_SIZE)
+        runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+        runner.warmup()
+        assert runner._graphs is not None
+        outs.append(_mixed_workload(Driver(runner, budget=48, seed=3)))
+        runs.append(runner._graphs.num_runs)
+        runner.shutdown()
+    assert runs[0] > runs[1], runs
+    for a, b in zip(*outs, strict=True):
+        assert [s.token_id for s in a.out] == [s.token_id for s in b.out], a.req_id
+        assert [s.logprob for s in a.out] == pytest.approx([s.logprob for s in b.out], abs=1e-4)
+
+
+@pytest.mark.usefixtures("cuda_path_on_cpu")
+def test_the_graph_tests_mixed_workload_on_the_cpu_harness(
+    tiny_model_factory: TinyModelFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workload of the GPU test above (prompts of 1-130 tokens in chunks of a 48-token
+    budget, a shared prefix, a preemption) on the CPU harness, float32, graphs' buffers with
+    buckets up to 64 and a 256-token table: the same tokens and logprobs with prompt rows in
+    the graphs and without, and the graphs served more steps with them (22 against 12 when
+    written)."""
+    from genserve.model.loader import ResolvedModel
+    from genserve.worker.cuda_graphs import DecodeGraphs
+    from genserve.worker.graph_plan import sampling_state
+    from genserve.worker.model_runner import ModelRunner
+    from tests.unit.test_cuda_gpu import _mixed_workload
+    from tests.unit.test_gpu_step_sync_free import BUCKETS, CPU, MAX_POSITIONS
+    from tests.unit.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, Driver
+
+    model_dir = tiny_model_factory("llama", seed=3)  # the harness's stub has no window
+    outs, runs = [], []
+    for mode in ("auto", "off"):
+        monkeypatch.setenv("GENSERVE_PROMPT_ROWS_IN_GRAPHS", mode)
+        runner = ModelRunner(
+            ResolvedModel(model_dir, "tiny"), torch.float32, CPU, explicit_transfers=True
+        )
+        runner.model.use_fused_gpu_ops(MAX_POSITIONS)
+        runner.initialize_kv_cache(NUM_BLOCKS + 1, BLOCK_SIZE)
+        runner.warmup()
+        graphs = DecodeGraphs(
+            runner.model, runner.kv_caches, BUCKETS, width=16, block_size=BLOCK_SIZE,
+            scratch_block=NUM_BLOCKS, device=CPU, use_triton_decode=True,
+        )  # fmt: skip
+        runner._graphs = graphs
+        runner._table, runner._penalties = sampling_state(
+            runner.config.vocab_size, CPU, runner.io, graphs=True
+        )
+        graphs.bind_sampling(runner._table, runner._penalties)
+        outs.append(_mixed_workload(Driver(runner, budget=48, seed=3)))
+        runs.append(graphs.num_runs)
+    assert runs[0] > runs[1] > 0, runs
+    for a, b in zip(*outs, strict=True):
+        assert [s.token_id for s in a.out] == [s.token_id for s in b.out], a.req_id
+        assert [s.logprob for s in a.out] == pytest.approx([s.logprob for s in b.out], abs=1e-4)
