@@ -10,6 +10,7 @@ has no ``tanh``), which agrees with the library function to float32 rounding.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -43,18 +44,9 @@ def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return out
 
 
-_compiled: Any = None
-
-
+@functools.cache
 def _kernel() -> Any:
     """Defined on first use: importing this module never imports Triton."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _define_kernel()
-    return _compiled
-
-
-def _define_kernel() -> Any:
     import triton
     import triton.language as tl
 

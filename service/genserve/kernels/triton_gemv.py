@@ -20,6 +20,7 @@ between its kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -110,18 +111,9 @@ def gemv(
     return out
 
 
-_compiled: Any = None
-
-
+@functools.cache
 def _kernel() -> Any:
     """Defined on first use: importing this module never imports Triton."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _define_kernel()
-    return _compiled
-
-
-def _define_kernel() -> Any:
     import triton
     import triton.language as tl
 

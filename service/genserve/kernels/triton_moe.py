@@ -30,6 +30,7 @@ into the model-dtype output (one rounding per choice), this path rounds a token'
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -150,18 +151,9 @@ def fused_experts(
     return out
 
 
-_compiled: tuple[Any, Any] | None = None
-
-
+@functools.cache
 def _kernels() -> tuple[Any, Any]:
     """Defined on first use: importing this module never imports Triton."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _define_kernels()
-    return _compiled
-
-
-def _define_kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 

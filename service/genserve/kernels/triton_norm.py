@@ -20,6 +20,7 @@ cost nothing, and keep the ops functional for ``torch.compile``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -78,19 +79,10 @@ def rms_norm(
     return out, summed
 
 
-_compiled: Any = None
-
-
+@functools.cache
 def _kernel() -> Any:
     """The ``@triton.jit`` function, defined on first use so that importing this module
     never imports Triton (and the interpreter switch is read when it is defined)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _define_kernel()
-    return _compiled
-
-
-def _define_kernel() -> Any:
     import triton
     import triton.language as tl
 

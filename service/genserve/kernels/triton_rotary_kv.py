@@ -23,6 +23,7 @@ rotated, key heads rotated and stored, value heads stored.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -100,18 +101,9 @@ def rotary_store_kv(
     )
 
 
-_compiled: Any = None
-
-
+@functools.cache
 def _kernel() -> Any:
     """Defined on first use: importing this module never imports Triton."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _define_kernel()
-    return _compiled
-
-
-def _define_kernel() -> Any:
     import triton
     import triton.language as tl
 

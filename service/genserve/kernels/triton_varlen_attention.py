@@ -30,6 +30,7 @@ rounded to TF32 for the second product).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,19 +139,10 @@ def paged_varlen_attention(
     return out
 
 
-_compiled: Any = None
-
-
+@functools.cache
 def _kernel() -> Any:
     """The ``@triton.jit`` function, defined on first use so that importing this module
     never imports Triton (CPU deployments may not have it)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = _define_kernel()
-    return _compiled
-
-
-def _define_kernel() -> Any:
     import triton
     import triton.language as tl
 
