@@ -12,7 +12,10 @@ def test_freeze_keeps_startup_objects_out_and_unfreeze_gives_them_back() -> None
     try:
         kept = [[i] for i in range(1000)]  # long-lived, tracked containers
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= before + len(kept)
+        # Other threads of the test process (earlier tests' servers) may free frozen objects
+        # meanwhile: the count can only fall after the freeze, never rise.
+        assert frozen >= before + len(kept)
+        assert gc.get_freeze_count() <= frozen
         # Garbage made after the freeze is still collected.
         cycle: list[object] = []
         cycle.append(cycle)
